@@ -1,0 +1,60 @@
+# make demo  -- build .venv, install the project, run the demo job
+# make test  -- build .venv with the test extras, lint, run the whole suite
+#
+# Torch: a CPU machine gets torch $(TORCH_VERSION) (the CPU build). A machine
+# with an NVIDIA driver keeps whatever CUDA torch the venv can already import:
+#   make venv SYSTEM_SITE_PACKAGES=1   # reuse the system's CUDA torch
+#   make venv TORCH_SPEC="torch==2.5.1" TORCH_INDEX=https://download.pytorch.org/whl/cu124
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+TORCH_SPEC ?= torch==$(TORCH_VERSION)
+TORCH_INDEX ?=
+SYSTEM_SITE_PACKAGES ?= 0
+PYTEST_ARGS ?=
+
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip --disable-pip-version-check -q
+
+.PHONY: venv test-venv demo test lint format clean
+
+venv: $(VENV)/.stamp-base
+
+test-venv: $(VENV)/.stamp-test
+
+$(VENV)/.stamp-torch: Makefile
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(if $(filter 1,$(SYSTEM_SITE_PACKAGES)),--system-site-packages) $(VENV)
+	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
+		echo "keeping installed torch $$($(BIN)/python -c 'import torch; print(torch.__version__)')"; \
+	else \
+		echo "installing $(TORCH_SPEC)"; \
+		$(PIP) install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)); \
+	fi
+	@touch $@
+
+$(VENV)/.stamp-base: $(VENV)/.stamp-torch pyproject.toml
+	$(PIP) install -e ".[plot,recipes]"
+	@touch $@
+
+$(VENV)/.stamp-test: $(VENV)/.stamp-base
+	$(PIP) install -e ".[test]"
+	@touch $@
+
+demo: venv
+	$(BIN)/lightning-mgpu demo
+
+lint: test-venv
+	$(BIN)/ruff check lightning_mgpu recipes tests benchmarks
+	$(BIN)/ruff format --check lightning_mgpu recipes tests benchmarks
+	$(BIN)/mypy
+
+format: test-venv
+	$(BIN)/ruff format lightning_mgpu recipes tests benchmarks
+	$(BIN)/ruff check --fix lightning_mgpu recipes tests benchmarks
+
+test: lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,46 @@
+"""Lightning strategies, callbacks and checkpoint tools for training on several GPUs.
+
+Importing the package registers ``mgpu_ddp``, ``mgpu_dp`` and ``mgpu_auto`` in
+Lightning's ``StrategyRegistry``::
+
+    import lightning as L
+    import lightning_mgpu  # registers the strategies
+
+    trainer = L.Trainer(accelerator="gpu", devices=[0, 3], strategy="mgpu_ddp")
+
+Public names are imported on first use, so ``import lightning_mgpu`` (and the
+``lightning-mgpu --help`` command line) stays fast and does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+from lightning_mgpu._registration import register_when_lightning_loads
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY = {
+    "MGPUDDPStrategy": "lightning_mgpu.strategies.ddp",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_mgpu' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    setattr(sys.modules[__name__], name, value)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+register_when_lightning_loads()

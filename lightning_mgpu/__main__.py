@@ -1,0 +1,5 @@
+import sys
+
+from lightning_mgpu.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The ``lightning-mgpu`` command line. Each subcommand lives in its own module."""

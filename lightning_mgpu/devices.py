@@ -1,0 +1,205 @@
+"""What devices exist and what they hold: torch.cuda, NVML (nvidia-ml-py) and psutil.
+
+- ``cuda_devices()`` lists the visible CUDA devices with their physical index (the
+  one ``nvidia-smi`` shows) when ``CUDA_VISIBLE_DEVICES`` remaps them.
+- ``allocator_memory(device)`` reads the caching allocator of one CUDA device.
+- ``nvml_memory(device)`` reads used/total memory as ``nvidia-smi`` counts it
+  (all processes and CUDA contexts), when NVML is installed.
+- ``process_memory()`` reads this process's RSS and peak RSS.
+
+Nothing here initialises CUDA unless it has to read a CUDA device's allocator, so
+it is safe to call before Lightning forks processes. Nothing here knows about
+strategies.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DeviceInfo",
+    "GPUProcess",
+    "MiB",
+    "allocator_memory",
+    "cpu_summary",
+    "cuda_devices",
+    "nvml_memory",
+    "process_memory",
+    "visible_cuda_devices",
+]
+
+MiB = 1024**2
+
+
+@dataclass(frozen=True)
+class GPUProcess:
+    """A process holding memory on a GPU, as NVML reports it."""
+
+    pid: int
+    used_bytes: int | None
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One visible CUDA device."""
+
+    index: int
+    """Index as torch sees it (``cuda:<index>``), after ``CUDA_VISIBLE_DEVICES``."""
+    physical: str
+    """Index or UUID as ``nvidia-smi`` shows it."""
+    name: str
+    total_bytes: int | None = None
+    used_bytes: int | None = None
+    """Used memory as ``nvidia-smi`` counts it; ``None`` without NVML."""
+    processes: tuple[GPUProcess, ...] = field(default_factory=tuple)
+
+
+def visible_cuda_devices() -> list[str] | None:
+    """Entries of ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs), or ``None`` when it is unset."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    entries = [e.strip() for e in value.split(",") if e.strip()]
+    # CUDA stops at the first invalid entry, such as -1
+    result = []
+    for entry in entries:
+        if entry.lstrip("-").isdigit() and int(entry) < 0:
+            break
+        result.append(entry)
+    return result
+
+
+def _nvml() -> Any | None:
+    """The initialised ``pynvml`` module, or ``None`` when NVML cannot be used here."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # no driver, no library: NVML is simply not available
+        return None
+    return pynvml
+
+
+def _nvml_handle(nvml: Any, index: int) -> Any | None:
+    visible = visible_cuda_devices()
+    physical = visible[index] if visible is not None and index < len(visible) else str(index)
+    try:
+        if physical.isdigit():
+            return nvml.nvmlDeviceGetHandleByIndex(int(physical))
+        return nvml.nvmlDeviceGetHandleByUUID(physical)
+    except Exception:
+        return None
+
+
+def _decode(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def cuda_devices() -> list[DeviceInfo]:
+    """Every CUDA device torch can see, with NVML's view of its memory where NVML is installed.
+
+    Returns an empty list on a machine without CUDA.
+    """
+    if not torch.cuda.is_available():
+        return []
+    nvml = _nvml()
+    visible = visible_cuda_devices()
+    result = []
+    for index in range(torch.cuda.device_count()):
+        physical = visible[index] if visible is not None and index < len(visible) else str(index)
+        handle = _nvml_handle(nvml, index) if nvml is not None else None
+        if nvml is not None and handle is not None:
+            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+            procs = []
+            try:
+                for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    procs.append(GPUProcess(p.pid, p.usedGpuMemory, _process_name(p.pid)))
+            except Exception:  # some drivers refuse the process query inside containers
+                procs = []
+            info = DeviceInfo(
+                index=index,
+                physical=physical,
+                name=_decode(nvml.nvmlDeviceGetName(handle)),
+                total_bytes=int(mem.total),
+                used_bytes=int(mem.used),
+                processes=tuple(procs),
+            )
+        else:
+            props = torch.cuda.get_device_properties(index)
+            info = DeviceInfo(index=index, physical=physical, name=props.name, total_bytes=props.total_memory)
+        result.append(info)
+    return result
+
+
+def _process_name(pid: int) -> str:
+    try:
+        import psutil
+
+        return str(psutil.Process(pid).name())
+    except Exception:  # the process may belong to another user or be gone already
+        return ""
+
+
+def nvml_memory(device: torch.device | int) -> tuple[int, int] | None:
+    """``(used, total)`` bytes of a CUDA device as ``nvidia-smi`` counts them, or ``None`` without NVML."""
+    index = device if isinstance(device, int) else device.index or 0
+    nvml = _nvml()
+    if nvml is None:
+        return None
+    handle = _nvml_handle(nvml, index)
+    if handle is None:
+        return None
+    mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+    return int(mem.used), int(mem.total)
+
+
+def allocator_memory(device: torch.device, reset_peak: bool = False) -> dict[str, int]:
+    """Bytes the caching allocator holds on a CUDA device.
+
+    Keys: ``allocated``, ``reserved``, ``peak_allocated`` and ``peak_reserved`` (peaks
+    since the last reset). With ``reset_peak=True`` the peaks are reset after reading,
+    so the next call reports the peak since this one.
+    """
+    if device.type != "cuda":
+        raise ValueError(f"allocator_memory needs a CUDA device, got {device}")
+    stats = {
+        "allocated": torch.cuda.memory_allocated(device),
+        "reserved": torch.cuda.memory_reserved(device),
+        "peak_allocated": torch.cuda.max_memory_allocated(device),
+        "peak_reserved": torch.cuda.max_memory_reserved(device),
+    }
+    if reset_peak:
+        torch.cuda.reset_peak_memory_stats(device)
+    return stats
+
+
+def process_memory() -> dict[str, int]:
+    """This process's resident memory: ``rss`` now and ``peak_rss`` since it started, in bytes."""
+    import psutil
+
+    rss = int(psutil.Process().memory_info().rss)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # ru_maxrss is KiB on Linux, bytes on macOS
+    peak_bytes = peak if sys.platform == "darwin" else peak * 1024
+    return {"rss": rss, "peak_rss": max(rss, peak_bytes)}
+
+
+def cpu_summary() -> dict[str, int]:
+    """Logical CPU cores and system RAM (total and used) in bytes."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return {
+        "cores": os.cpu_count() or 1,
+        "ram_total": int(vm.total),
+        "ram_used": int(vm.total - vm.available),
+    }
