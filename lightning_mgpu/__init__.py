@@ -25,6 +25,18 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _LAZY = {
     "MGPUDDPStrategy": "lightning_mgpu.strategies.ddp",
+    "MGPUDataParallelStrategy": "lightning_mgpu.strategies.dp",
+    "choose_strategy": "lightning_mgpu.strategies.auto",
+    "StrategyChoice": "lightning_mgpu.strategies.auto",
+    "DeviceMemoryMonitor": "lightning_mgpu.callbacks.memory",
+    "PlainStateDictExport": "lightning_mgpu.callbacks.export",
+    "export_state_dict": "lightning_mgpu.checkpoint",
+    "load_state_dict": "lightning_mgpu.checkpoint",
+    "inspect_checkpoint": "lightning_mgpu.checkpoint",
+    "LoadReport": "lightning_mgpu.checkpoint",
+    "estimate_memory": "lightning_mgpu.estimate",
+    "MemoryEstimate": "lightning_mgpu.estimate",
+    "plot_memory": "lightning_mgpu.plot",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

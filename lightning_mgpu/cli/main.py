@@ -15,6 +15,13 @@ from collections.abc import Sequence
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("lightning_mgpu.cli.run", "train or predict with a recipe from a YAML config"),
+    "recipes": ("lightning_mgpu.cli.recipes", "list the shipped recipes"),
+    "devices": ("lightning_mgpu.cli.devices", "show devices, their memory, and what mgpu_auto would pick"),
+    "estimate": ("lightning_mgpu.cli.estimate", "estimate per-device memory for a config before training"),
+    "plot-memory": ("lightning_mgpu.cli.plot_memory", "plot per-device memory of a run folder to a PNG"),
+    "export": ("lightning_mgpu.cli.export", "export plain (or DataParallel) weights from a checkpoint"),
+    "inspect": ("lightning_mgpu.cli.inspect", "show what a checkpoint or weights file holds"),
     "demo": ("lightning_mgpu.cli.demo", "a small built-in fit with mgpu_ddp on all local devices"),
 }
 
