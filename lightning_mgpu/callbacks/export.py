@@ -63,7 +63,9 @@ class PlainStateDictExport(Callback):
         final_name: str | None = "final",
     ) -> None:
         if format not in ("safetensors", "pt"):
-            raise ValueError(f"PlainStateDictExport(format=...) must be 'safetensors' or 'pt', got {format!r}")
+            raise ValueError(
+                f"PlainStateDictExport(format=...) must be 'safetensors' or 'pt', got {format!r}"
+            )
         self.submodule = submodule
         self.prefix = prefix
         self.format = format
@@ -127,7 +129,9 @@ class _ExportingCheckpointIO(CheckpointIO):
         self._warned = False
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
         self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
         if not _is_local(path):
             if not self._warned:
@@ -140,8 +144,12 @@ class _ExportingCheckpointIO(CheckpointIO):
         self.callback.export(checkpoint, self.callback.export_path(path))
 
     @override
-    def load_checkpoint(self, path: Any, map_location: Any | None = None, **kwargs: Any) -> dict[str, Any]:
-        return self.inner.load_checkpoint(path, map_location=map_location, **kwargs)
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        # Lightning < 2.6 has no weights_only argument here
+        extra = {} if weights_only is None else {"weights_only": weights_only}
+        return self.inner.load_checkpoint(path, map_location=map_location, **extra)
 
     @override
     def remove_checkpoint(self, path: Any) -> None:

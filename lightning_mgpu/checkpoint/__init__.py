@@ -15,4 +15,11 @@ from lightning_mgpu.checkpoint.export import ExportReport, export_state_dict
 from lightning_mgpu.checkpoint.inspect import CheckpointInfo, inspect_checkpoint
 from lightning_mgpu.checkpoint.load import load_state_dict
 
-__all__ = ["CheckpointInfo", "ExportReport", "LoadReport", "export_state_dict", "inspect_checkpoint", "load_state_dict"]
+__all__ = [
+    "CheckpointInfo",
+    "ExportReport",
+    "LoadReport",
+    "export_state_dict",
+    "inspect_checkpoint",
+    "load_state_dict",
+]

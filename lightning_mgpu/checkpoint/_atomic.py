@@ -51,7 +51,9 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     try:
         fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except PermissionError:
-        raise PermissionError(f"cannot write {path}: no permission to create files in {path.parent}") from None
+        raise PermissionError(
+            f"cannot write {path}: no permission to create files in {path.parent}"
+        ) from None
     except OSError as err:
         error = OSError(f"cannot write {path}: {err.strerror or err}")
         error.errno = err.errno

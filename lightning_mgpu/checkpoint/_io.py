@@ -61,7 +61,9 @@ def sniff(path: Path) -> str | None:
     return None
 
 
-def read_file(path: str | os.PathLike[str], *, map_location: Any = "cpu", trust_pickle: bool = False) -> LoadedFile:
+def read_file(
+    path: str | os.PathLike[str], *, map_location: Any = "cpu", trust_pickle: bool = False
+) -> LoadedFile:
     """Read a checkpoint file without running code from it.
 
     Raises:
@@ -109,6 +111,7 @@ def _check_zip(path: Path) -> None:
 def _torch_load(path: Path, kind: str, map_location: Any, trust_pickle: bool) -> Any:
     if kind == "torch zip":
         _check_zip(path)
+
     def load(mmap: bool) -> Any:
         if trust_pickle:
             return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
@@ -128,17 +131,20 @@ def _torch_load(path: Path, kind: str, map_location: Any, trust_pickle: bool) ->
         unsafe = _UNSAFE_GLOBAL.findall(message) + _BLOCKED.findall(message)
         if unsafe:
             unsafe = _all_unsafe_globals(path, kind) or unsafe
+            names = ", ".join(dict.fromkeys(unsafe))
             raise ValueError(
-                f"{path} holds Python objects that are not plain weights ({', '.join(dict.fromkeys(unsafe))}); "
-                "unpickling them could run code from the file, so safe loading refused. If you trust where the "
-                "file came from, pass trust_pickle=True (command line: --trust-pickle)."
+                f"{path} holds Python objects that are not plain weights ({names}); "
+                "unpickling them could run code from the file, so safe loading refused. If you trust where "
+                "the file came from, pass trust_pickle=True (command line: --trust-pickle)."
             ) from None
         reason = _first_line(message.split("WeightsUnpickler error:")[-1])
         raise ValueError(f"{path} is truncated or corrupt: {reason}") from None
     except (RuntimeError, EOFError, ValueError, OSError, struct.error, IndexError) as err:
         message = _first_line(str(err))
         if "TorchScript" in message:
-            raise ValueError(f"{path} is a TorchScript archive, not a checkpoint: use torch.jit.load") from None
+            raise ValueError(
+                f"{path} is a TorchScript archive, not a checkpoint: use torch.jit.load"
+            ) from None
         raise ValueError(f"{path} is truncated or corrupt: {message or type(err).__name__}") from None
 
 

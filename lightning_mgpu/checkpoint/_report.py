@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["LoadReport", "Shape"]
+__all__ = ["LoadReport", "Shape", "human_size"]
 
 _SHOW = 10  # names listed per problem before "... and N more"
 
@@ -14,6 +14,18 @@ class Shape(tuple[int, ...]):
 
     def __str__(self) -> str:
         return "[" + ", ".join(str(d) for d in self) + "]"
+
+
+def human_size(size: int) -> str:
+    """``"512 B"``, ``"3.4 KiB"``, ``"1.2 GiB"``."""
+    if size < 1024:
+        return f"{size} B"
+    value = size / 1024
+    for unit in ("KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
 
 
 def _names(keys: list[str]) -> str:
@@ -84,7 +96,9 @@ class LoadReport:
         head = f"loaded {self.loaded} entries from {self.source}"
         lines = [head, *self.problem_lines()]
         if self.ignored:
-            lines.append(f"  ignored, outside the loaded submodule ({len(self.ignored)}): {_names(self.ignored)}")
+            lines.append(
+                f"  ignored, outside the loaded submodule ({len(self.ignored)}): {_names(self.ignored)}"
+            )
         if self.pairs:
             shown = [f"{s} -> {t}" for s, t in self.pairs]
             lines.append(f"  paired by order ({len(shown)}): {_names(shown)}")

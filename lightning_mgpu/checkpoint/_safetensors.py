@@ -100,9 +100,9 @@ def write_safetensors(
     if sys.byteorder != "little":  # the format is little-endian; let the library byte-swap
         from safetensors.torch import save
 
-        data = save({k: v.contiguous() for k, v in tensors.items()}, metadata=dict(metadata))
-        file.write(data)
-        return len(data)
+        blob = save({k: v.contiguous() for k, v in tensors.items()}, metadata=dict(metadata))
+        file.write(blob)
+        return len(blob)
     for name, tensor in tensors.items():
         if tensor.dtype not in _DTYPES:
             raise ValueError(
@@ -115,7 +115,11 @@ def write_safetensors(
     for name in names:
         tensor = tensors[name]
         size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": _DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     header["__metadata__"] = dict(metadata)
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -129,13 +133,15 @@ def write_safetensors(
         copied = mapped.copy_to(tensor, file) if mapped is not None else 0
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         if copied < data.numel():
-            file.write(memoryview(data[copied:].numpy()))
+            file.write(data[copied:].numpy().data)
             if mapped is not None:
                 mapped.release(tensor)
     return 8 + len(raw) + offset
 
 
-def read_safetensors(path: str | os.PathLike[str], device: str = "cpu") -> tuple[OrderedDict[str, torch.Tensor], dict[str, str]]:
+def read_safetensors(
+    path: str | os.PathLike[str], device: str = "cpu"
+) -> tuple[OrderedDict[str, torch.Tensor], dict[str, str]]:
     """Read a safetensors file, restoring aliases of tied weights and the recorded key order.
 
     Returns:

@@ -24,7 +24,15 @@ from lightning_mgpu.checkpoint._io import MappedFile, read_file
 from lightning_mgpu.checkpoint._prefixes import select, split_top, strip_wrappers
 from lightning_mgpu.checkpoint._safetensors import ORDER_KEY
 
-__all__ = ["Source", "count_values", "describe_tops", "is_lightning_module", "is_state_dict", "plain_state_dict", "resolve"]
+__all__ = [
+    "Source",
+    "count_values",
+    "describe_tops",
+    "is_lightning_module",
+    "is_state_dict",
+    "plain_state_dict",
+    "resolve",
+]
 
 # training-checkpoint entries that usually hold the weights, most specific first
 _WEIGHT_KEYS = ("state_dict", "model_state_dict", "model", "module", "net", "network", "weights", "params")
@@ -69,7 +77,10 @@ def is_lightning_module(module: nn.Module) -> bool:
 
 def _innermost(module: nn.Module) -> nn.Module:
     while True:
-        inner = next((getattr(module, a) for a in _WRAPPER_ATTRS if isinstance(getattr(module, a, None), nn.Module)), None)
+        inner = next(
+            (getattr(module, a) for a in _WRAPPER_ATTRS if isinstance(getattr(module, a, None), nn.Module)),
+            None,
+        )
         if inner is None or len(module._modules) != 1:
             return module
         module = inner
@@ -88,7 +99,9 @@ def resolve(source: Any, *, map_location: Any = "cpu", trust_pickle: bool = Fals
         inner = _innermost(source)
         lightning = is_lightning_module(inner)
         kind = "LightningModule" if lightning else "module"
-        what = type(inner).__name__ if inner is source else f"{type(inner).__name__} in {type(source).__name__}"
+        what = (
+            type(inner).__name__ if inner is source else f"{type(inner).__name__} in {type(source).__name__}"
+        )
         return Source(OrderedDict(source.state_dict()), f"{kind} {what}", kind, lightning=lightning)
     if isinstance(source, Mapping):
         return _from_mapping(source, "the given dict")
@@ -105,7 +118,9 @@ def _from_file(path: Path, map_location: Any, trust_pickle: bool) -> Source:
         obj = obj.state_dict()
     src = _from_mapping(obj, str(path)) if isinstance(obj, Mapping) else None
     if src is None:
-        raise ValueError(f"{path} is not a checkpoint: it holds a {type(obj).__name__}, not a dict of tensors")
+        raise ValueError(
+            f"{path} is not a checkpoint: it holds a {type(obj).__name__}, not a dict of tensors"
+        )
     src.path, src.format, src.metadata, src.mapped = path, loaded.format, loaded.metadata, loaded.mapped
     src.ordered = loaded.format != "safetensors" or ORDER_KEY in loaded.metadata
     return src

@@ -12,13 +12,19 @@ import torch
 
 from lightning_mgpu.checkpoint._atomic import atomic_write
 from lightning_mgpu.checkpoint._prefixes import WRAPPERS, add_prefix
+from lightning_mgpu.checkpoint._report import human_size
 from lightning_mgpu.checkpoint._safetensors import ORDER_KEY, PREFIXES_KEY, dedupe, write_safetensors
 from lightning_mgpu.checkpoint._source import count_values, plain_state_dict, resolve
 
 __all__ = ["ExportReport", "export_state_dict"]
 
 _FORMATS = {"safetensors": "safetensors", "pt": "pt", "pth": "pt", "bin": "pt", "ckpt": "pt"}
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
 
 
 @dataclass
@@ -37,7 +43,7 @@ class ExportReport:
     def __str__(self) -> str:
         lines = [
             f"wrote {self.path} ({self.format}, {self.tensors} tensors, {self.values:,} values, "
-            f"{self.bytes / 2**20:.1f} MiB)"
+            f"{human_size(self.bytes)})"
         ]
         if self.removed_prefixes:
             lines.append("removed prefixes: " + ", ".join(_explain(p) for p in self.removed_prefixes))
@@ -161,8 +167,9 @@ def export_state_dict(
 def _tensors_only(state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
     extra = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
     if extra:
+        kind = type(state_dict[extra[0]]).__name__
         raise ValueError(
-            f"safetensors stores only tensors, but {extra[0]!r} holds a {type(state_dict[extra[0]]).__name__}; "
+            f"safetensors stores only tensors, but {extra[0]!r} holds a {kind}; "
             "export with format='pt' instead"
         )
     return state_dict

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from lightning_mgpu.checkpoint._prefixes import WRAPPERS, plain_names, split_top
-from lightning_mgpu.checkpoint._report import Shape
+from lightning_mgpu.checkpoint._report import Shape, human_size
 from lightning_mgpu.checkpoint._safetensors import PREFIXES_KEY
 from lightning_mgpu.checkpoint._source import count_values, resolve
 
@@ -62,7 +62,7 @@ class CheckpointInfo:
 
     def render(self, max_per_group: int | None = 20) -> str:
         """The report, listing at most ``max_per_group`` entries per group (None: all)."""
-        size = f", {self.size / 2**20:.1f} MiB" if self.size is not None else ""
+        size = f", {human_size(self.size)}" if self.size is not None else ""
         lines = [f"{self.source}: {self.kind} ({self.format or 'in memory'}{size})"]
         if self.details:
             lines.append("  " + ", ".join(self.details))
@@ -92,7 +92,11 @@ class CheckpointInfo:
         name = Path(self.source).name if self.format else "weights"
         stem = Path(name).stem
         entry = f" (its {self.weights_key!r} entry)" if self.weights_key else ""
-        plain = f"yes{entry}" if self.loads_into_plain else f"no  -> lightning-mgpu export {name} {stem}.safetensors"
+        plain = (
+            f"yes{entry}"
+            if self.loads_into_plain
+            else f"no  -> lightning-mgpu export {name} {stem}.safetensors"
+        )
         dp = (
             f"yes{entry}"
             if self.loads_into_dataparallel
@@ -101,7 +105,8 @@ class CheckpointInfo:
         return [
             f"loads into a plain model:          {plain}",
             f"loads into nn.DataParallel(model): {dp}",
-            "  (lightning_mgpu.load_state_dict(model, FILE) loads it into either, and into DDP or compiled models)",
+            "  (lightning_mgpu.load_state_dict(model, FILE) loads it into either,"
+            " and into DDP or compiled models)",
         ]
 
     def __str__(self) -> str:
@@ -174,12 +179,20 @@ def inspect_checkpoint(source: Any, *, trust_pickle: bool = False) -> Checkpoint
     return info
 
 
-def _describe_checkpoint(checkpoint: Mapping[str, Any], weights_key: str | None, info: CheckpointInfo) -> None:
-    for key, label in (("pytorch-lightning_version", "lightning"), ("epoch", "epoch"), ("global_step", "global step")):
+def _describe_checkpoint(
+    checkpoint: Mapping[str, Any], weights_key: str | None, info: CheckpointInfo
+) -> None:
+    for key, label in (
+        ("pytorch-lightning_version", "lightning"),
+        ("epoch", "epoch"),
+        ("global_step", "global step"),
+    ):
         if key in checkpoint:
             info.details.append(f"{label} {checkpoint[key]}")
     for key, value in checkpoint.items():
         if key in (weights_key, "pytorch-lightning_version", "epoch", "global_step"):
             continue
-        kind = type(value).__name__
-        info.other_entries.append(f"{key} ({kind})" if kind not in ("dict", "list", "str", "int", "float") else str(key))
+        kind = value.__name__ if isinstance(value, type) else type(value).__name__
+        info.other_entries.append(
+            f"{key} ({kind})" if kind not in ("dict", "list", "str", "int", "float") else str(key)
+        )

@@ -135,7 +135,7 @@ def _pair_by_order(
     report.unexpected = [k for k, _ in sources[len(targets) :]]
     report.missing = [k for k, _ in targets[len(sources) :]]
     pairs = []
-    for (key, value), (name, expected) in zip(sources, targets):
+    for (key, value), (name, expected) in zip(sources, targets, strict=False):
         if not _shape_mismatch(key, value, name, expected, report):
             pairs.append((key, name))
     report.pairs = pairs
@@ -164,7 +164,10 @@ def _failure(
     target: OrderedDict[str, Any],
     by_order: bool,
 ) -> str:
-    lines = [f"cannot load {report.source} into {type(model).__name__} with strict=True:", *report.problem_lines()]
+    lines = [
+        f"cannot load {report.source} into {type(model).__name__} with strict=True:",
+        *report.problem_lines(),
+    ]
     several = src.lightning and len(split_top(source)) > 1 and not by_order
     lines += [f"hint: {hint}" for hint in _hints(report, source, target, by_order, several)]
     lines.append("pass strict=False to load what matches and get this report back")
@@ -172,7 +175,11 @@ def _failure(
 
 
 def _hints(
-    report: LoadReport, source: OrderedDict[str, Any], target: OrderedDict[str, Any], by_order: bool, several: bool
+    report: LoadReport,
+    source: OrderedDict[str, Any],
+    target: OrderedDict[str, Any],
+    by_order: bool,
+    several: bool,
 ) -> list[str]:
     hints = []
     for wrapper, who in WRAPPERS.items():
@@ -191,10 +198,11 @@ def _hints(
     if not by_order and len(source) == len(target) and (report.missing or report.unexpected):
         same = all(
             getattr(s, "shape", None) == getattr(t, "shape", None)
-            for s, t in zip(source.values(), target.values())
+            for s, t in zip(source.values(), target.values(), strict=True)
         )
         if same:
             hints.append(
-                "the names differ but the shapes match one by one in order: by_order=True pairs entries by position"
+                "the names differ but the shapes match one by one in order: "
+                "by_order=True pairs entries by position"
             )
     return hints

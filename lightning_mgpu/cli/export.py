@@ -28,12 +28,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--format", choices=("safetensors", "pt"), default=None, help="output format")
     parser.add_argument(
-        "--dtype", choices=("float32", "float16", "bfloat16"), default=None, help="cast floating-point weights"
+        "--dtype",
+        choices=("float32", "float16", "bfloat16"),
+        default=None,
+        help="cast floating-point weights",
     )
     parser.add_argument(
         "--trust-pickle",
         action="store_true",
-        help="unpickle arbitrary Python objects from a legacy file (runs code from it: only for files you trust)",
+        help="unpickle arbitrary Python objects from a legacy file; this runs code from the file, "
+        "so only for files you trust",
     )
 
 

@@ -16,7 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trust-pickle",
         action="store_true",
-        help="unpickle arbitrary Python objects from a legacy file (runs code from it: only for files you trust)",
+        help="unpickle arbitrary Python objects from a legacy file; this runs code from the file, "
+        "so only for files you trust",
     )
 
 

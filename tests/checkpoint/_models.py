@@ -51,7 +51,9 @@ class LitTwo(LitNet):
 
 def loader(n: int = 16) -> DataLoader:
     g = torch.Generator().manual_seed(1)
-    return DataLoader(TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 2, generator=g)), batch_size=8)
+    return DataLoader(
+        TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 2, generator=g)), batch_size=8
+    )
 
 
 def trainer(root: Path, **kwargs: Any) -> L.Trainer:

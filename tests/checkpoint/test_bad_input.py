@@ -18,7 +18,9 @@ from tests.helpers import run_script
 
 
 def only_inputs_left(folder: Path, *names: str) -> None:
-    assert sorted(p.name for p in folder.iterdir()) == sorted(names), "partial or temporary output left behind"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(names), (
+        "partial or temporary output left behind"
+    )
 
 
 def all_three(path: Path, out: Path) -> list[Exception]:
@@ -38,7 +40,8 @@ def all_three(path: Path, out: Path) -> list[Exception]:
 def test_missing_file(tmp_path: Path) -> None:
     for err in all_three(tmp_path / "nope.ckpt", tmp_path / "out.safetensors"):
         assert isinstance(err, FileNotFoundError)
-        assert "no such file" in str(err) and "nope.ckpt" in str(err)
+        assert "no such file" in str(err)
+        assert "nope.ckpt" in str(err)
     only_inputs_left(tmp_path)
 
 
@@ -59,7 +62,8 @@ def test_empty_and_garbage_files(tmp_path: Path) -> None:
     assert "empty" in str(all_three(tmp_path / "empty.pt", tmp_path / "o.safetensors")[0])
     (tmp_path / "notes.ckpt").write_text("epoch 3, loss 0.1\n")
     for err in all_three(tmp_path / "notes.ckpt", tmp_path / "o.safetensors"):
-        assert "is not a checkpoint" in str(err) and "b'epoch 3" in str(err)
+        assert "is not a checkpoint" in str(err)
+        assert "b'epoch 3" in str(err)
     flipped = bytearray(pickle.dumps(net().state_dict()))
     flipped[0] = 0x80
     flipped[5:40] = os.urandom(35)
@@ -71,7 +75,9 @@ def test_empty_and_garbage_files(tmp_path: Path) -> None:
 def test_files_that_are_not_checkpoints(tmp_path: Path) -> None:
     with zipfile.ZipFile(tmp_path / "photos.zip", "w") as archive:
         archive.writestr("a.txt", "hello")
-    assert "zip archive but not a torch checkpoint" in str(all_three(tmp_path / "photos.zip", tmp_path / "o")[0])
+    assert "zip archive but not a torch checkpoint" in str(
+        all_three(tmp_path / "photos.zip", tmp_path / "o")[0]
+    )
     torch.save([torch.zeros(2)], tmp_path / "list.pt")
     assert "holds a list, not a dict of tensors" in str(all_three(tmp_path / "list.pt", tmp_path / "o")[0])
     torch.save({"epoch": 3, "optimizer": {"lr": 0.1}}, tmp_path / "meta.pt")
@@ -103,7 +109,8 @@ def test_pickle_payload_is_refused_and_never_runs(tmp_path: Path) -> None:
     bad = tmp_path / "innocent.ckpt"
     torch.save({"state_dict": net().state_dict(), "extra": _Payload(marker)}, bad)
     for err in all_three(bad, tmp_path / "out.safetensors"):
-        assert "could run code" in str(err) and "trust_pickle=True" in str(err)
+        assert "could run code" in str(err)
+        assert "trust_pickle=True" in str(err)
         assert "(builtins.getattr, pathlib.Path, pathlib.PosixPath)" in str(err)
     assert not marker.exists()
     legacy = tmp_path / "legacy.pt"
@@ -114,7 +121,9 @@ def test_pickle_payload_is_refused_and_never_runs(tmp_path: Path) -> None:
 
 
 def test_ambiguous_prefixes(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"several top-level entries: model \(9 tensors, 69 values\), loss_fn"):
+    with pytest.raises(
+        ValueError, match=r"several top-level entries: model \(9 tensors, 69 values\), loss_fn"
+    ):
         export_state_dict(LitTwo(), tmp_path / "out.safetensors")
     pair = nn.ModuleDict({"a": net(), "b": net()})
     with pytest.raises(ValueError, match="fit the model in several ways"):
@@ -183,7 +192,9 @@ def test_disk_full_mid_write_keeps_the_old_file(tmp_path: Path) -> None:
     only_inputs_left(tmp_path, "weights.safetensors", "script.py")
 
 
-def test_fallback_allowlist_for_torch_without_safe_globals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fallback_allowlist_for_torch_without_safe_globals(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # torch 2.4 has add_safe_globals but not the safe_globals context manager
     from omegaconf import OmegaConf
 

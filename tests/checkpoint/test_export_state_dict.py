@@ -42,7 +42,8 @@ def test_tied_weights_stored_once_and_restored_under_every_name(tmp_path: Path) 
     # the same convention as safetensors' own save_model, so its load_model takes the file too
     other = Tied()
     missing, unexpected = safetensors.torch.load_model(other, tmp_path / "tied.safetensors", strict=True)
-    assert not missing and not unexpected
+    assert not missing
+    assert not unexpected
     assert_same(model.state_dict(), other.state_dict())
 
 
@@ -58,7 +59,9 @@ def test_overlapping_views_are_written_apart(tmp_path: Path) -> None:
     report = export_state_dict(sd, tmp_path / "views.safetensors")
     assert report.aliases == {}
     loaded = safetensors.torch.load_file(tmp_path / "views.safetensors")
-    assert_same({k: sd[k] for k in ("whole", "half", "view")}, {k: loaded[k] for k in ("whole", "half", "view")})
+    assert_same(
+        {k: sd[k] for k in ("whole", "half", "view")}, {k: loaded[k] for k in ("whole", "half", "view")}
+    )
 
 
 def test_order_is_kept_in_safetensors(tmp_path: Path) -> None:
@@ -82,7 +85,8 @@ def test_ambiguous_lightning_module_lists_candidates_and_submodule_picks(tmp_pat
     module = LitTwo()
     with pytest.raises(ValueError, match="several top-level entries") as err:
         export_state_dict(module, tmp_path / "w.safetensors")
-    assert "model (" in str(err.value) and "loss_fn (" in str(err.value)
+    assert "model (" in str(err.value)
+    assert "loss_fn (" in str(err.value)
     assert "submodule='model'" in str(err.value)
     assert not (tmp_path / "w.safetensors").exists()
 

@@ -17,9 +17,9 @@ from tests.checkpoint._models import (
     assert_same,
     init_single_process_group,
     lightning_checkpoint,
-    wrap,
     net,
     plain_of,
+    wrap,
 )
 
 SOURCES = [*WRAPS, "lightning_ckpt", "state_dict_of_dataparallel", "training_checkpoint_dict"]
