@@ -77,8 +77,6 @@ class TensorSource(Protocol):
 
     def copy_to(self, tensor: torch.Tensor, file: BinaryIO) -> int: ...
 
-    def release(self, tensor: torch.Tensor) -> None: ...
-
 
 def write_safetensors(
     file: BinaryIO,
@@ -88,8 +86,8 @@ def write_safetensors(
 ) -> int:
     """Write ``tensors`` (already free of shared views, see :func:`dedupe`) to an open binary file.
 
-    A tensor that ``mapped`` can copy file-to-file is copied so; any other is written from memory
-    and its mapped pages, if any, released right after.
+    A tensor that ``mapped`` can copy file-to-file is copied so; any other (or the rest of one whose
+    copy stopped) is written from memory.
 
     Returns:
         The number of bytes written.
@@ -134,8 +132,6 @@ def write_safetensors(
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         if copied < data.numel():
             file.write(data[copied:].numpy().data)
-            if mapped is not None:
-                mapped.release(tensor)
     return 8 + len(raw) + offset
 
 

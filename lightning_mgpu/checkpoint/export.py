@@ -29,7 +29,23 @@ _DTYPES = {
 
 @dataclass
 class ExportReport:
-    """What :func:`export_state_dict` wrote."""
+    """What :func:`export_state_dict` wrote; ``str(report)`` is what ``lightning-mgpu export`` prints.
+
+    Attributes:
+        path: The file written.
+        format: ``"safetensors"`` or ``"pt"``.
+        tensors: Entries written (tied weights counted under each name).
+        values: Number of values, tied weights counted once.
+        bytes: Size of the file.
+        removed_prefixes: Prefixes taken off, in the source's spelling (``["module.", "model."]``).
+        added_prefix: ``"module."`` for the DataParallel form, else ``""``.
+        aliases: Tied weights stored once: alias name -> stored name.
+
+    Example::
+
+        report = export_state_dict(model, "model.safetensors")
+        print(report.removed_prefixes, report.aliases)
+    """
 
     path: Path
     format: str

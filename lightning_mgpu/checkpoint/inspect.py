@@ -21,7 +21,13 @@ _MAX_GROUP_DEPTH = 3
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One entry of the weights, named as stored."""
+    """One entry of the weights, named as stored.
+
+    Example::
+
+        first = inspect_checkpoint("last.ckpt").tensors[0]
+        print(first.name, first.shape, first.dtype)  # model.0.weight [6, 4] float32
+    """
 
     name: str
     shape: Shape
@@ -31,7 +37,14 @@ class TensorInfo:
 
 @dataclass
 class CheckpointInfo:
-    """What :func:`inspect_checkpoint` found. ``str(info)`` is the command line's report."""
+    """What :func:`inspect_checkpoint` found. ``str(info)`` is the command line's report.
+
+    Example::
+
+        info = inspect_checkpoint("last.ckpt")
+        if not info.loads_into_plain:
+            print(info.wrappers, info.lightning_attribute)  # [] 'model.'
+    """
 
     source: str
     kind: str

@@ -191,3 +191,15 @@ def test_by_order_refuses_a_foreign_safetensors_file_without_order(tmp_path: Pat
     assert load_state_dict(net(), tmp_path / "foreign.safetensors").ok  # by name it is fine
     with pytest.raises(ValueError, match="does not record the order"):
         load_state_dict(Renamed(), tmp_path / "foreign.safetensors", by_order=True)
+
+
+@pytest.mark.gpu
+def test_cuda_models_and_map_location(tmp_path: Path) -> None:
+    model = net(seed=1).cuda()
+    export_state_dict(
+        nn.DataParallel(model), tmp_path / "w.safetensors"
+    )  # each tensor goes to the CPU to be written
+    target = nn.DataParallel(net(seed=2).cuda())
+    assert load_state_dict(target, tmp_path / "w.safetensors", map_location="cuda").ok
+    cpu = {k: v.cpu() for k, v in model.state_dict().items()}
+    assert_same(cpu, {k: v.cpu() for k, v in target.module.state_dict().items()})
