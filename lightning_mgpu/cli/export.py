@@ -33,6 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="cast floating-point weights",
     )
+    add_trust_pickle(parser)
+
+
+def add_trust_pickle(parser: argparse.ArgumentParser) -> None:
+    """The ``--trust-pickle`` flag, shared with ``lightning-mgpu inspect``."""
     parser.add_argument(
         "--trust-pickle",
         action="store_true",

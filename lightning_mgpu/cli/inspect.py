@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import argparse
 
+from lightning_mgpu.cli.export import add_trust_pickle
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="checkpoint or weights file: .ckpt, .pt/.pth or .safetensors")
     parser.add_argument("--all", action="store_true", help="list every entry (default: 20 per group)")
-    parser.add_argument(
-        "--trust-pickle",
-        action="store_true",
-        help="unpickle arbitrary Python objects from a legacy file; this runs code from the file, "
-        "so only for files you trust",
-    )
+    add_trust_pickle(parser)
 
 
 def run(args: argparse.Namespace) -> int:

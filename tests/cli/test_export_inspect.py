@@ -104,3 +104,13 @@ def test_console_script_and_no_torch_at_import(ckpt: tuple[Path, dict], tmp_path
     result = run_command([*command, "export", str(ckpt[0]), "w.pt"], cwd=tmp_path)
     assert result.returncode == 0, result.output
     assert torch.load(tmp_path / "w.pt", weights_only=True).keys() == ckpt[1].keys()
+
+
+def test_trust_pickle_flag(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import argparse
+
+    torch.save({"args": argparse.Namespace(lr=0.1), "state_dict": net().state_dict()}, tmp_path / "old.pth")
+    assert main(["inspect", str(tmp_path / "old.pth")]) == 1
+    assert "argparse.Namespace" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "old.pth"), str(tmp_path / "w.safetensors"), "--trust-pickle"]) == 0
+    assert_same(net().state_dict(), safetensors.torch.load_file(tmp_path / "w.safetensors"))
