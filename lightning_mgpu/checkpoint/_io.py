@@ -124,7 +124,7 @@ def _torch_load(path: Path, kind: str, map_location: Any, trust_pickle: bool) ->
         except RuntimeError:
             if kind != "torch zip":
                 raise
-            # zip files written by torch < 1.6 layouts may not map; read them into memory instead
+            # some older zip checkpoints cannot be memory-mapped; read those into memory instead
             return load(mmap=False)
     except pickle.UnpicklingError as err:
         message = str(err)

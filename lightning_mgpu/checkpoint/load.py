@@ -168,7 +168,7 @@ def _failure(
         f"cannot load {report.source} into {type(model).__name__} with strict=True:",
         *report.problem_lines(),
     ]
-    several = src.lightning and len(split_top(source)) > 1 and not by_order
+    several = src.lightning and len(split_top(source)) > 1
     lines += [f"hint: {hint}" for hint in _hints(report, source, target, by_order, several)]
     lines.append("pass strict=False to load what matches and get this report back")
     return "\n".join(lines)

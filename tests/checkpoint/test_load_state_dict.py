@@ -203,3 +203,15 @@ def test_cuda_models_and_map_location(tmp_path: Path) -> None:
     assert load_state_dict(target, tmp_path / "w.safetensors", map_location="cuda").ok
     cpu = {k: v.cpu() for k, v in model.state_dict().items()}
     assert_same(cpu, {k: v.cpu() for k, v in target.module.state_dict().items()})
+
+
+def test_by_order_from_a_module_with_several_submodules_suggests_one() -> None:
+    with pytest.raises(ValueError, match=r"holds several top-level entries: model .*loss_fn.*submodule=NAME"):
+        load_state_dict(Renamed(), LitTwo(), by_order=True)
+    source = LitTwo()
+    target = Renamed()
+    assert load_state_dict(target, source, by_order=True, submodule="model").ok
+    assert_same(
+        source.model.state_dict(),
+        dict(zip(source.model.state_dict(), target.state_dict().values(), strict=True)),
+    )
