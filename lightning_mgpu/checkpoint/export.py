@@ -131,6 +131,7 @@ def export_state_dict(
 
     Raises:
         FileNotFoundError, IsADirectoryError, PermissionError: a path cannot be read or written.
+        OSError: writing failed (a full disk, ...); ``path`` is left as it was.
         ValueError: the source is not a checkpoint, is corrupt, unsafe, or ambiguous; the message
             says what to pass.
         KeyError: ``submodule`` does not exist; the message lists what does.
@@ -149,7 +150,8 @@ def export_state_dict(
     src = resolve(source, trust_pickle=trust_pickle)
     state_dict, removed = plain_state_dict(src, submodule)
     if cast is not None:
-        state_dict.update((k, v.to(cast)) for k, v in state_dict.items() if v.is_floating_point())
+        floats = [k for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        state_dict.update((k, state_dict[k].to(cast)) for k in floats)
     if prefix:
         prefix = prefix if prefix.endswith(".") else prefix + "."
         state_dict = add_prefix(state_dict, prefix)
