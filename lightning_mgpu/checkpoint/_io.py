@@ -115,7 +115,15 @@ def _torch_load(path: Path, kind: str, map_location: Any, trust_pickle: bool) ->
     def load(mmap: bool) -> Any:
         if trust_pickle:
             return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
-        with _omegaconf_allowed():
+        # importing omegaconf costs ~0.2 s: only when it is loaded already, or the file needs it
+        imported = "omegaconf" in sys.modules
+        try:
+            with _omegaconf_allowed(imported):
+                return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        except pickle.UnpicklingError as err:
+            if imported or "omegaconf" not in str(err):
+                raise
+        with _omegaconf_allowed(True):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
 
     try:
@@ -154,7 +162,7 @@ def _all_unsafe_globals(path: Path, kind: str) -> list[str]:
     if finder is None or kind != "torch zip":
         return []
     try:
-        with _omegaconf_allowed():
+        with _omegaconf_allowed(True):
             return sorted(finder(path))
     except Exception:  # a best effort for the message only
         return []
@@ -178,7 +186,7 @@ def _omegaconf_types() -> list[Any]:
 
 
 @contextlib.contextmanager
-def _omegaconf_allowed() -> Iterator[None]:
+def _omegaconf_allowed(enabled: bool) -> Iterator[None]:
     """Allow omegaconf containers in weights-only loads for the duration of the block only.
 
     Only types not already allowed are added, and only those are removed afterwards, so what the
@@ -186,7 +194,7 @@ def _omegaconf_allowed() -> Iterator[None]:
     """
     serialization: Any = torch.serialization
     allowed = set(serialization.get_safe_globals())
-    added = [t for t in _omegaconf_types() if t not in allowed]
+    added = [t for t in _omegaconf_types() if t not in allowed] if enabled else []
     if hasattr(serialization, "safe_globals"):
         with serialization.safe_globals(added):
             yield

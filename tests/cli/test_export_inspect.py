@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from lightning_mgpu.cli.main import main
@@ -19,7 +20,8 @@ from tests.helpers import run_command, script_env
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
     path = tmp_path_factory.mktemp("cli") / "fit.ckpt"
-    module = lightning_checkpoint(path)
+    # hyperparameters from a config: the file refers to omegaconf classes
+    module = lightning_checkpoint(path, cfg=OmegaConf.create({"lr": 0.1, "sizes": [4, 6, 2]}))
     return path, {k: v.clone() for k, v in module.model.state_dict().items()}
 
 
@@ -99,6 +101,7 @@ def test_console_script_and_no_torch_at_import(ckpt: tuple[Path, dict], tmp_path
     )
     assert out.stdout.strip() == "False"
 
+    # a fresh process has not imported omegaconf: the loader does so only when the file needs it
     script = Path(sys.executable).with_name("lightning-mgpu")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "lightning_mgpu"]
     result = run_command([*command, "export", str(ckpt[0]), "w.pt"], cwd=tmp_path)
