@@ -25,7 +25,14 @@ from lightning.pytorch import LightningModule
 
 from lightning_mgpu.strategies._scatter import weighted_mean
 
-__all__ = ["Lockstep", "LockstepError", "ReplicaAborted", "manual_optimization_hooks"]
+__all__ = [
+    "Lockstep",
+    "LockstepError",
+    "ReplicaAborted",
+    "manual_optimization_hooks",
+    "raise_first",
+    "record_exit",
+]
 
 
 class LockstepError(RuntimeError):
@@ -262,3 +269,22 @@ def manual_optimization_hooks(
         "toggle_optimizer": toggle_optimizer,
         "untoggle_optimizer": untoggle_optimizer,
     }
+
+
+def record_exit(
+    errors: list[BaseException | None], index: int, lockstep: Lockstep | None, error: BaseException | None
+) -> None:
+    """Note how replica ``index`` ended, and tell the other replicas of the step."""
+    errors[index] = error
+    if lockstep is not None:
+        lockstep.exit(index, error)
+
+
+def raise_first(errors: list[BaseException | None]) -> None:
+    """Raise the error that stopped the step: a replica's own error before those it caused in the others."""
+    real = [e for e in errors if e is not None and not isinstance(e, ReplicaAborted)]
+    if real:
+        raise real[0]
+    aborted = [e for e in errors if e is not None]
+    if aborted:
+        raise aborted[0]

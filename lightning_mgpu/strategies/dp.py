@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -19,12 +19,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_mgpu.strategies._lockstep import Lockstep, ReplicaAborted, manual_optimization_hooks
+from lightning_mgpu.strategies._lockstep import Lockstep, manual_optimization_hooks, raise_first, record_exit
 from lightning_mgpu.strategies._metrics import ReplicaMetrics
 from lightning_mgpu.strategies._replica import (
     LogCapture,
     ReplicaCall,
     prepare_replica,
+    refresh_parameters,
     replay_logs,
     replicate,
 )
@@ -274,7 +275,11 @@ class MGPUDataParallelStrategy(ParallelStrategy):
         self._metrics.install(module, replicas, devices)
         manual = method == "training_step" and not module.automatic_optimization
         lockstep = Lockstep(len(sizes)) if manual else None
-        after_step = functools.partial(_refresh_parameters, module, replicas) if manual else _nothing
+        # replicas on one device share the module's parameters; elsewhere they hold copies
+        copies = len(set(devices)) > 1
+        after_step = (
+            functools.partial(refresh_parameters, module, replicas) if manual and copies else _nothing
+        )
         captures = [LogCapture() for _ in sizes]
         errors: list[BaseException | None] = [None] * len(sizes)
         calls = []
@@ -283,7 +288,7 @@ class MGPUDataParallelStrategy(ParallelStrategy):
             if lockstep is not None:
                 hooks.update(manual_optimization_hooks(module, lockstep, index, sizes, after_step))
             prepare_replica(replica, device, hooks)
-            on_exit = functools.partial(_record_exit, errors, index, lockstep)
+            on_exit = functools.partial(record_exit, errors, index, lockstep)
             calls.append(ReplicaCall(replica, method, step_context, self.track_replica_memory, on_exit))
 
         outputs = self._parallel_apply(
@@ -316,7 +321,7 @@ class MGPUDataParallelStrategy(ParallelStrategy):
             try:
                 return parallel_apply(calls, inputs, [kwargs] * len(calls), list(devices))  # type: ignore[arg-type]
             except Exception:
-                _raise_first(errors)
+                raise_first(errors)
                 raise
         if self._pool is None:
             self._pool = ThreadPoolExecutor(
@@ -325,15 +330,13 @@ class MGPUDataParallelStrategy(ParallelStrategy):
         futures = [
             self._pool.submit(call, *inp, **kwargs) for call, inp in zip(calls[1:], inputs[1:], strict=True)
         ]
-        outputs: list[Any] = [None] * len(calls)
-        # errors are recorded in `errors`: wait for every replica, then raise the one that matters
-        with contextlib.suppress(BaseException):
-            outputs[0] = calls[0](*inputs[0], **kwargs)
-        for index, future in enumerate(futures, start=1):
-            with contextlib.suppress(BaseException):
-                outputs[index] = future.result()
-        _raise_first(errors)
-        return outputs
+        # a replica's exception is recorded in `errors`: wait for all, then raise the one that matters
+        first = None
+        with contextlib.suppress(Exception):
+            first = calls[0](*inputs[0], **kwargs)
+        wait(futures)
+        raise_first(errors)
+        return [first, *(future.result() for future in futures)]
 
     @override
     def teardown(self) -> None:
@@ -356,42 +359,3 @@ class MGPUDataParallelStrategy(ParallelStrategy):
 
 def _nothing() -> None:
     pass
-
-
-def _record_exit(
-    errors: list[BaseException | None], index: int, lockstep: Lockstep | None, error: BaseException | None
-) -> None:
-    errors[index] = error
-    if lockstep is not None:
-        lockstep.exit(index, error)
-
-
-def _raise_first(errors: list[BaseException | None]) -> None:
-    """Raise the error that stopped the step: a replica's own error before those it caused in the others."""
-    real = [e for e in errors if e is not None and not isinstance(e, ReplicaAborted)]
-    if real:
-        raise real[0]
-    aborted = [e for e in errors if e is not None]
-    if aborted:
-        raise aborted[0]
-
-
-@torch.no_grad()
-def _refresh_parameters(module: torch.nn.Module, replicas: Sequence[torch.nn.Module]) -> None:
-    """After an optimizer step inside a step, copy the new weights into replicas on other devices."""
-    originals = list(module.named_parameters())
-    for replica in replicas:
-        for name, param in originals:
-            copy = _replica_tensor(replica, name)
-            if copy is not None and copy.data_ptr() != param.data_ptr():
-                copy.copy_(param)
-
-
-def _replica_tensor(replica: torch.nn.Module, name: str) -> Tensor | None:
-    owner_path, _, leaf = name.rpartition(".")
-    try:
-        owner = replica.get_submodule(owner_path) if owner_path else replica
-    except AttributeError:
-        return None
-    value = owner.__dict__.get(leaf, owner._parameters.get(leaf))
-    return value if isinstance(value, Tensor) else None

@@ -89,7 +89,9 @@ def test_logs_metrics_callbacks_and_loops_equal_single_device(tmp_path: Path) ->
     assert set(metrics) == set(expected)
     for key, value in expected.items():
         assert metrics[key] == pytest.approx(value, abs=ATOL), key
-    assert {"train_f1_step", "train_rows_epoch", "val_acc", "val_f1", "train_max"} <= set(expected)
+    assert {"train_f1_step", "train_rows_epoch", "val_acc", "val_f1", "val_target", "train_max"} <= set(
+        expected
+    )
     assert expected["train_rows_epoch"] == 20
     assert expected["logged/train_rows_step"] == 6
     torch.testing.assert_close(model.val_order, single.val_order)  # CatMetric keeps the batch order
