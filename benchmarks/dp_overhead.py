@@ -5,10 +5,10 @@ Usage::
     python benchmarks/dp_overhead.py                      # CPU: 2 replicas in threads vs one device
     python benchmarks/dp_overhead.py --replicas 3 --steps 30
 
-CPU target: ``mgpu_dp`` at most 1.10x the single-device step time on the same cores: one
-device runs its ops with T intra-op threads and each of the N replicas with T/N, so the
-comparison isolates what splitting, replicating, threading and combining cost. The last
-CPU line leaves the thread settings at their defaults, as a user gets them. With CUDA present it
+CPU target: ``mgpu_dp`` at most 1.10x the single-device step time. Both use the same
+cores: one device runs its ops with T intra-op threads, and mgpu_dp gives each of its N
+replicas T/N of them, so the ratio shows what splitting, replicating, threading and
+combining cost. With CUDA present it
 also times, on the same model and batch, a plain single GPU, ``torch.nn.DataParallel``
 and ``mgpu_dp`` over one GPU (and over every GPU when there are several); target: no
 slower than ``torch.nn.DataParallel``.
@@ -75,26 +75,6 @@ class Model(L.LightningModule):
 
 
 def step_ms(
-    net: nn.Module,
-    accelerator: str,
-    devices: Any,
-    strategy: str,
-    batch: int,
-    steps: int,
-    warmup: int,
-    threads: int | None = None,
-) -> float:
-    default_threads = torch.get_num_threads()
-    if threads is not None:
-        # threads started afterwards (the replicas') take this value too
-        torch.set_num_threads(threads)
-    try:
-        return _fit_and_time(net, accelerator, devices, strategy, batch, steps, warmup)
-    finally:
-        torch.set_num_threads(default_threads)
-
-
-def _fit_and_time(
     net: nn.Module, accelerator: str, devices: Any, strategy: str, batch: int, steps: int, warmup: int
 ) -> float:
     x = torch.randn(batch * (steps + warmup), WIDTH)
@@ -115,21 +95,34 @@ def _fit_and_time(
     return 1000 * statistics.median(timer.times)
 
 
-def measure(configs: dict[str, Any], rounds: int) -> dict[str, float]:
+def measure(configs: dict[str, Any], rounds: int) -> dict[str, list[float]]:
+    """Each configuration's median step time per round; the rounds interleave the configurations."""
     samples: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(rounds):
         for name, run in configs.items():
             samples[name].append(run())
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return samples
+
+
+def report(samples: dict[str, list[float]], base: str, reference: dict[str, str] | None = None) -> None:
+    """Median over rounds, the rounds' spread, and the ratios of the medians."""
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    for name, values in samples.items():
+        ms = medians[name]
+        line = f"  {name:<26}{ms:9.2f} ms/step  (rounds {min(values):.1f}-{max(values):.1f})"
+        line += f"   {ms / medians[base]:.3f}x {base}"
+        if reference and name in reference:
+            line += f"   {ms / medians[reference[name]]:.3f}x {reference[name]}"
+        print(line)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=2, help="CPU replicas for mgpu_dp (default: 2)")
     parser.add_argument("--batch", type=int, default=256, help="global batch size (default: 256)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per run (default: 20)")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per run (default: 12)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per run (default: 3)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default: 5)")
     args = parser.parse_args()
     common = {"batch": args.batch, "steps": args.steps, "warmup": args.warmup}
     model = (
@@ -137,21 +130,15 @@ def main() -> None:
     )
 
     n, cores = args.replicas, torch.get_num_threads()
-    per_replica = max(1, cores // n)
     cpu = measure(
         {
-            f"single device, {cores} threads": lambda: step_ms(make_net(), "cpu", 1, "auto", **common),
-            f"mgpu_dp x{n}, {per_replica} each": lambda: step_ms(
-                make_net(), "cpu", n, "mgpu_dp", threads=per_replica, **common
-            ),
-            f"mgpu_dp x{n}, default": lambda: step_ms(make_net(), "cpu", n, "mgpu_dp", **common),
+            "single device": lambda: step_ms(make_net(), "cpu", 1, "auto", **common),
+            f"mgpu_dp, {n} CPU replicas": lambda: step_ms(make_net(), "cpu", n, "mgpu_dp", **common),
         },
         args.rounds,
     )
-    print(f"CPU ({cores} cores for intra-op threads), {model}")
-    base = next(iter(cpu.values()))
-    for name, ms in cpu.items():
-        print(f"  {name:<28}{ms:9.2f} ms/step   {ms / base:.3f}x single device")
+    print(f"CPU ({cores} intra-op threads), {model}")
+    report(cpu, "single device")
 
     if not torch.cuda.is_available():
         print("GPU: no CUDA device here; the GPU comparison runs only where CUDA is present")
@@ -171,13 +158,8 @@ def main() -> None:
         configs[f"mgpu_dp {gpus}"] = lambda: step_ms(make_net(), "gpu", gpus, "mgpu_dp", **common)
     gpu = measure(configs, args.rounds)
     print(f"GPU ({torch.cuda.get_device_name(0)} x{len(gpus)}), {model}")
-    base = gpu["single device"]
-    for name, ms in gpu.items():
-        line = f"  {name:<28}{ms:9.2f} ms/step   {ms / base:.3f}x single device"
-        if name.startswith("mgpu_dp"):
-            reference = gpu["nn.DataParallel " + name.split(" ", 1)[1]]
-            line += f"   {ms / reference:.3f}x nn.DataParallel"
-        print(line)
+    dp_names = [name for name in configs if name.startswith("mgpu_dp")]
+    report(gpu, "single device", {name: "nn.DataParallel " + name.split(" ", 1)[1] for name in dp_names})
 
 
 if __name__ == "__main__":

@@ -31,6 +31,9 @@ from lightning_mgpu.strategies._replica import (
 )
 from lightning_mgpu.strategies._scatter import batch_rows, combine_outputs, scatter_batch, split_sizes
 
+# other backends warn when the thread count changes after parallel work started
+_OPENMP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
 
 class MGPUDataParallelStrategy(ParallelStrategy):
     """Data parallel training in one process: every step runs on a replica of the model per device.
@@ -70,7 +73,8 @@ class MGPUDataParallelStrategy(ParallelStrategy):
     Attributes set directly on ``self`` inside a step are set on the replica and do not
     reach the module (as with ``nn.DataParallel``); use ``self.log``, metrics or the step's
     return value. With ``accelerator="cpu", devices=N`` the same split / replicate /
-    parallel-apply / gather path runs with N CPU replicas in threads.
+    parallel-apply / gather path runs with N CPU replicas in threads, which share the
+    intra-op threads (``torch.get_num_threads() // N`` each) instead of oversubscribing.
 
     Attributes:
         replica_devices: one ``torch.device`` per replica, the first holding the module.
@@ -327,14 +331,24 @@ class MGPUDataParallelStrategy(ParallelStrategy):
             self._pool = ThreadPoolExecutor(
                 max_workers=len(self.replica_devices) - 1, thread_name_prefix="mgpu_dp"
             )
-        futures = [
-            self._pool.submit(call, *inp, **kwargs) for call, inp in zip(calls[1:], inputs[1:], strict=True)
-        ]
-        # a replica's exception is recorded in `errors`: wait for all, then raise the one that matters
-        first = None
-        with contextlib.suppress(Exception):
-            first = calls[0](*inputs[0], **kwargs)
-        wait(futures)
+        # the replicas share the cores: each runs its ops with its part of the intra-op threads
+        # (with OpenMP a thread takes the process-wide setting when it first runs a parallel op)
+        threads = torch.get_num_threads()
+        if _OPENMP:
+            torch.set_num_threads(max(1, threads // len(calls)))
+        try:
+            futures = [
+                self._pool.submit(call, *inp, **kwargs)
+                for call, inp in zip(calls[1:], inputs[1:], strict=True)
+            ]
+            # a replica's exception is recorded in `errors`: wait for all, then raise the one that matters
+            first = None
+            with contextlib.suppress(Exception):
+                first = calls[0](*inputs[0], **kwargs)
+            wait(futures)
+        finally:
+            if _OPENMP:
+                torch.set_num_threads(threads)
         raise_first(errors)
         return [first, *(future.result() for future in futures)]
 
