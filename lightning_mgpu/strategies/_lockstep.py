@@ -35,6 +35,12 @@ __all__ = [
 ]
 
 
+_SAME_CALLS = (
+    "Under mgpu_dp every replica must call manual_backward, optimizer and scheduler steps the same"
+    " number of times, whatever its part of the batch holds."
+)
+
+
 class LockstepError(RuntimeError):
     """Replicas did not call the shared manual-optimization actions in the same order."""
 
@@ -68,9 +74,7 @@ class Lockstep:
             if self._finished:
                 error = LockstepError(
                     f"replica {index} calls `{label}` but replica(s) {sorted(self._finished)} already"
-                    " returned"
-                    " from training_step. Under mgpu_dp every replica must call manual_backward, optimizer"
-                    " and scheduler steps the same number of times, whatever its part of the batch holds."
+                    f" returned from training_step. {_SAME_CALLS}"
                 )
                 self._fail(error)
                 raise error
@@ -114,8 +118,7 @@ class Lockstep:
                 self._fail(
                     LockstepError(
                         f"replica {index} returned from training_step while replica(s) wait in {waiting}."
-                        " Under mgpu_dp every replica must call manual_backward, optimizer and scheduler"
-                        " steps the same number of times, whatever its part of the batch holds."
+                        f" {_SAME_CALLS}"
                     )
                 )
 
@@ -134,9 +137,8 @@ class _SharedOptimizer:
     ) -> None:
         if isinstance(getattr(optimizer, "optimizer", optimizer), torch.optim.LBFGS):
             raise ValueError(
-                "mgpu_dp cannot run LBFGS with manual optimization: it re-evaluates the closure"
-                " inside step()."
-                " Use automatic optimization (the default) for LBFGS."
+                "mgpu_dp cannot run LBFGS with manual optimization: it re-evaluates the closure inside"
+                " step(). Use automatic optimization (the default) for LBFGS."
             )
         self._module = module
         self._optimizer = optimizer
