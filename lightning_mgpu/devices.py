@@ -6,6 +6,7 @@
 - ``nvml_memory(device)`` reads used/total memory as ``nvidia-smi`` counts it
   (all processes and CUDA contexts), when NVML is installed.
 - ``process_memory()`` reads this process's RSS and peak RSS.
+- ``nvml_available()`` says whether NVML can be queried here at all.
 
 Nothing here initialises CUDA unless it has to read a CUDA device's allocator, so
 it is safe to call before Lightning forks processes. Nothing here knows about
@@ -29,6 +30,7 @@ __all__ = [
     "allocator_memory",
     "cpu_summary",
     "cuda_devices",
+    "nvml_available",
     "nvml_memory",
     "process_memory",
     "visible_cuda_devices",
@@ -87,6 +89,11 @@ def _nvml() -> Any | None:
     except Exception:  # no driver, no library: NVML is simply not available
         return None
     return pynvml
+
+
+def nvml_available() -> bool:
+    """Whether NVML (``pip install lightning-mgpu[nvml]``) is installed and finds a driver."""
+    return _nvml() is not None
 
 
 def _nvml_handle(nvml: Any, index: int) -> Any | None:
