@@ -300,13 +300,12 @@ def measure_steps(
 
     tracker = LiveBytes(device)
     static = [*params.values(), *buffers.values()]
-    for t in static:
-        tracker.track(t)
+    batch1 = apply_to_collection(sample_batch, torch.Tensor, copy)
+    tracker.track_all(static + _tensors(batch1))
     was_training = module.training
     module.train()
     try:
         with torch.random.fork_rng(devices=[]), _quiet_lightning(), tracker:
-            batch1 = apply_to_collection(sample_batch, torch.Tensor, copy)
             trainable = [p for p in params.values() if p.requires_grad]
             # the warm-up creates the gradients and the optimizer state, as Lightning's first step does
             _step(call, batch1, optimizers, trainable, tracker, static)

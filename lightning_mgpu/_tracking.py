@@ -64,10 +64,10 @@ class LiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.live)
         self._refs.append(weakref.ref(st, functools.partial(self._free, n)))
 
-    def knows(self, t: torch.Tensor) -> bool:
-        """Whether ``t``'s storage is counted already."""
-        st = storage_of(t)
-        return st is not None and st in self._known
+    def track_all(self, tensors: list[torch.Tensor]) -> None:
+        """``track`` each tensor (a function, so no loop variable keeps the last one alive)."""
+        for t in tensors:
+            self.track(t)
 
     def _free(self, n: int, _ref: Any = None) -> None:
         self.live -= n

@@ -190,15 +190,30 @@ def allocator_memory(device: torch.device, reset_peak: bool = False) -> dict[str
 
 
 @functools.lru_cache(maxsize=1)
-def _this_process(pid: int) -> Any:
+def _statm(pid: int) -> int | None:
+    """An open descriptor of this process's ``/proc/<pid>/statm`` (Linux), re-opened after a fork."""
+    try:
+        return os.open(f"/proc/{pid}/statm", os.O_RDONLY)
+    except OSError:
+        return None
+
+
+def _rss() -> int:
+    fd = _statm(os.getpid()) if sys.platform.startswith("linux") else None
+    if fd is not None:
+        # reading statm through a kept descriptor costs about a microsecond, psutil about 25
+        return int(os.pread(fd, 128, 0).split()[1]) * _PAGE
     import psutil
 
-    return psutil.Process(pid)
+    return int(psutil.Process().memory_info().rss)
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def process_memory() -> dict[str, int]:
     """This process's resident memory: ``rss`` now and ``peak_rss`` since it started, in bytes."""
-    rss = int(_this_process(os.getpid()).memory_info().rss)
+    rss = _rss()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # ru_maxrss is KiB on Linux, bytes on macOS
     peak_bytes = peak if sys.platform == "darwin" else peak * 1024

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -93,6 +94,7 @@ class DeviceMemoryMonitor(Callback):
         self._every = 1
         self._batches = 0
         self._layouts: list[list[tuple[str, str, int, str]]] | None = None  # per rank
+        self._device_plan: list[tuple[str, str, torch.device, str, int]] | None = None
         self._warned = False
         self._rows: int | None = None
         self._largest_ok: int | None = None
@@ -116,6 +118,7 @@ class DeviceMemoryMonitor(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._batches = 0
+        self._device_plan = None
         local = [r.layout() for r in self._read(trainer, reset_peak=False)]
         self._layouts = _all_gather_objects(trainer, local)
 
@@ -218,35 +221,48 @@ class DeviceMemoryMonitor(Callback):
             return int(max(chunks))
         return math.ceil(self._rows / len(replicas)) if self._rows else None
 
+    def _plan(self, trainer: Trainer) -> list[tuple[str, str, torch.device, str, int]]:
+        """What to read each time: (label, kind, device, name, replica index or -1), fixed for the fit."""
+        if self._device_plan is None:
+            replicas = self._replicas(trainer)
+            devices = replicas or [trainer.strategy.root_device]
+            plan = []
+            if any(d.type == "cpu" for d in devices):
+                index = -1 if replicas else 0  # under mgpu_dp the process is shared by every replica
+                plan.append(
+                    (f"cpu:rank{trainer.global_rank}", "cpu", torch.device("cpu"), "CPU process", index)
+                )
+            for i, device in enumerate(devices):
+                if device.type == "cuda":
+                    name = torch.cuda.get_device_name(device)
+                    plan.append((_device_label(trainer, device), "cuda", device, name, i))
+                elif replicas and device.type == "cpu":
+                    plan.append((f"cpu:replica{i}", "replica", device, "CPU replica", i))
+            self._device_plan = plan
+        return self._device_plan
+
     def _read(self, trainer: Trainer, reset_peak: bool) -> list[Reading]:
         strategy = trainer.strategy
-        rank = trainer.global_rank
-        replicas = self._replicas(trainer)
-        devices = replicas or [strategy.root_device]
+        chunks = getattr(strategy, "last_chunk_sizes", None) or []
         readings = []
-        if any(d.type == "cpu" for d in devices):
-            mem = {k: float(v) for k, v in process_memory().items()}
-            readings.append(Reading(f"cpu:rank{rank}", "cpu", rank, "CPU process", mem))
-        chunks = list(getattr(strategy, "last_chunk_sizes", None) or [])
-        for i, device in enumerate(devices):
-            if chunks:  # replicas beyond the chunks got no rows (a batch smaller than the device count)
-                rows = float(chunks[i]) if i < len(chunks) else 0.0
+        for label, kind, device, name, index in self._plan(trainer):
+            if index < 0:
+                rows = math.nan
+            elif chunks:  # replicas beyond the chunks got no rows (a batch smaller than the device count)
+                rows = float(chunks[index]) if index < len(chunks) else 0.0
             else:
                 rows = float(self._rows) if self._rows is not None else math.nan
-            if device.type == "cuda":
+            if kind == "cpu":
+                values = {k: float(v) for k, v in process_memory().items()}
+            elif kind == "cuda":
                 values = {k: float(v) for k, v in allocator_memory(device, reset_peak=reset_peak).items()}
                 nvml = nvml_memory(device)
                 values["nvml_used"] = float(nvml[0]) if nvml else math.nan
                 values["total"] = float(nvml[1]) if nvml else float(_total_memory(device))
-                name = torch.cuda.get_device_name(device)
-                readings.append(Reading(_device_label(trainer, device), "cuda", rank, name, values, rows))
-            elif replicas and device.type == "cpu":
-                saved = list(getattr(strategy, "replica_saved_bytes", None) or [])
-                value = float(saved[i]) if i < len(saved) else math.nan
-                label = f"cpu:replica{i}"
-                readings.append(Reading(label, "replica", rank, "CPU replica", {"saved": value}, rows))
-            elif readings:
-                readings[0].rows = rows
+            else:
+                saved = getattr(strategy, "replica_saved_bytes", None) or []
+                values = {"saved": float(saved[index]) if index < len(saved) else math.nan}
+            readings.append(Reading(label, kind, trainer.global_rank, name, values, rows))
         return readings
 
     def _collect_and_log(self, trainer: Trainer) -> None:
@@ -265,7 +281,9 @@ class DeviceMemoryMonitor(Callback):
         if trainer.is_global_zero and trainer.loggers:
             values = report.metrics(readings)
             values["memory/imbalance"] = ratio
-            step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
+            # the step Lightning's own logging uses
+            step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
+            step = trainer.global_step if step is None else step
             for logger in trainer.loggers:
                 logger.log_metrics(values, step=step)
 
@@ -326,6 +344,7 @@ def _device_label(trainer: Trainer, device: torch.device) -> str:
     return f"node{trainer.node_rank}:{label}" if trainer.num_nodes > 1 else label
 
 
+@functools.lru_cache(maxsize=64)
 def _total_memory(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).total_memory)
 
