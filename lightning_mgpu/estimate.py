@@ -115,6 +115,10 @@ class MemoryEstimate:
     ) -> int:
         """The largest batch per device whose predicted peak fits; 0 when not even one sample fits.
 
+        Args:
+            strategy: ``"single"``, ``"mgpu_dp"`` (card 0, the fullest) or ``"mgpu_ddp"``.
+            device_memory: memory of one device; defaults to the one given to ``estimate_memory``.
+
         Raises:
             ValueError: if no device memory was given here or to ``estimate_memory``.
         """
@@ -147,10 +151,10 @@ class MemoryEstimate:
             + (f" {'fits':>5} {'largest batch/device':>21}" if self.device_memory else ""),
         ]
         for strategy in STRATEGIES:
-            n = 1 if strategy == "single" else self.devices
             b = self.per_device_batch(strategy)
+            total = b * self.devices if strategy == "mgpu_ddp" else self.batch_size
             peak = self.peak(strategy)
-            row = f"  {strategy:<10} {b:>12} {b * n:>12} {format_bytes(peak):>14}"
+            row = f"  {strategy:<10} {b:>12} {total:>12} {format_bytes(peak):>14}"
             if self.device_memory:
                 row += f" {'yes' if peak <= self.device_memory else 'NO':>5}"
                 row += f" {self.largest_per_device_batch(strategy):>21}"
