@@ -37,7 +37,9 @@ class DeviceMemoryMonitor(Callback):
       same data to ``<trainer.log_dir>/memory_summary.json``.
     - When a step runs out of memory (``torch.cuda.OutOfMemoryError`` or ``MemoryError``)
       the failing rank prints which device failed, what every device held and options
-      computed from the run; the original exception is then raised as usual.
+      computed from the run; the original exception is then raised as usual. This path
+      runs no collective, so it cannot hang: the other ranks stop when their next
+      collective loses the failed rank (``mgpu_ddp`` names the rank that failed).
 
     **Logged metrics** (MiB, one number per key, through ``logger.log_metrics`` on rank 0):
 
