@@ -12,8 +12,11 @@ machine hits all three alike. Two figures per configuration:
 
 - the median time between consecutive batch starts (the whole step), and its ratio to
   the run without a memory callback;
-- the time spent inside the callback's own hooks, measured directly, as a share of the
-  step: the noise-free figure that the 1% target is about.
+- the time spent inside the callback's per-step hooks (``on_train_batch_start`` / ``_end``),
+  measured directly, as a share of the step: the noise-free figure that the 1% target is
+  about. The once-per-fit hooks (``on_train_start`` / ``_end``: layout exchange, table,
+  JSON) are reported apart, in ms per fit; under DDP they also hold the wait for the
+  slower rank to arrive.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import DeviceMemoryMonitor
 
-HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_train_start", "on_train_end")
+STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end")
+FIT_HOOKS = ("on_train_start", "on_train_end")
 
 
 class MLP(L.LightningModule):
@@ -69,28 +73,29 @@ class StepClock(Callback):
 
 
 def timed_hooks(callback: Callback, spent: list[float]) -> Callback:
-    """Wrap the callback's hooks so that the seconds they take add up in ``spent[0]``."""
+    """Wrap the hooks: seconds in per-step hooks add up in ``spent[0]``, per-fit ones in ``spent[1]``."""
 
-    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(method: Callable[..., Any], slot: int) -> Callable[..., Any]:
         @functools.wraps(method)
         def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
                 return method(*args, **kwargs)
             finally:
-                spent[0] += time.perf_counter() - start
+                spent[slot] += time.perf_counter() - start
 
         return timed
 
-    for hook in HOOKS:
-        setattr(callback, hook, wrap(getattr(callback, hook)))
+    for slot, hooks in enumerate((STEP_HOOKS, FIT_HOOKS)):
+        for hook in hooks:
+            setattr(callback, hook, wrap(getattr(callback, hook), slot))
     return callback
 
 
 def one_run(
     config: str, args: argparse.Namespace, loader: DataLoader, log_dir: str
-) -> tuple[list[float], float]:
-    clock, spent = StepClock(), [0.0]
+) -> tuple[list[float], float, float]:
+    clock, spent = StepClock(), [0.0, 0.0]
     callbacks: list[Callback] = [clock]
     if config == "DeviceMemoryMonitor":
         callbacks.append(timed_hooks(DeviceMemoryMonitor(every_n_steps=1, print_summary=False), spent))
@@ -112,7 +117,7 @@ def one_run(
     torch.manual_seed(0)
     trainer.fit(MLP(args.width), loader)
     steps = [b - a for a, b in zip(clock.starts, clock.starts[1:], strict=False)][args.warmup :]
-    return steps, spent[0] / max(1, len(clock.starts) - 1)
+    return steps, spent[0] / max(1, len(clock.starts) - 1), spent[1]
 
 
 def main() -> None:
@@ -131,12 +136,14 @@ def main() -> None:
     configs = ("none", "DeviceMemoryMonitor", "DeviceStatsMonitor")
     steps: dict[str, list[float]] = {c: [] for c in configs}
     hooks: dict[str, list[float]] = {c: [] for c in configs}
+    once: dict[str, list[float]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory() as log_dir:
         for _ in range(args.rounds):
             for config in configs:
-                s, h = one_run(config, args, loader, log_dir)
+                s, h, o = one_run(config, args, loader, log_dir)
                 steps[config] += s
                 hooks[config].append(h)
+                once[config].append(o)
     if int(os.environ.get("LOCAL_RANK", "0")) != 0:  # rank 0 reports for mgpu_ddp
         return
 
@@ -147,13 +154,24 @@ def main() -> None:
         f" batch {args.batch_size}, {args.rounds} rounds x {args.steps - args.warmup} timed steps,"
         " logging every step"
     )
-    row = "{:<22} {:>17} {:>9} {:>14} {:>16}"
-    print(row.format("configuration", "step ms (median)", "vs none", "hooks ms/step", "hooks % of step"))
+    row = "{:<22} {:>17} {:>9} {:>14} {:>16} {:>16}"
+    header = (
+        "configuration",
+        "step ms (median)",
+        "vs none",
+        "hooks ms/step",
+        "hooks % of step",
+        "fit hooks ms/fit",
+    )
+    print(row.format(*header))
     med = {c: statistics.median(steps[c]) for c in configs}
     hook = {c: statistics.median(hooks[c]) for c in configs}
     for c in configs:
         share = f"{100 * hook[c] / base:.3f}%"
-        print(row.format(c, f"{med[c] * 1e3:.3f}", f"{med[c] / base:.4f}", f"{hook[c] * 1e3:.4f}", share))
+        fit = f"{statistics.median(once[c]) * 1e3:.2f}"
+        print(
+            row.format(c, f"{med[c] * 1e3:.3f}", f"{med[c] / base:.4f}", f"{hook[c] * 1e3:.4f}", share, fit)
+        )
     ours, theirs = "DeviceMemoryMonitor", "DeviceStatsMonitor"
     print(f"hook time {ours} / {theirs}: {hook[ours] / hook[theirs]:.3f}")
     print(f"step time {ours} / {theirs}: {med[ours] / med[theirs]:.4f}")
