@@ -131,6 +131,8 @@ class DeviceMemoryMonitor(Callback):
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        # the gather started at the end of the last step ran while this batch was fetched
+        self._finish_gather(trainer)
         sizes = [t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
         self._rows = int(sizes[0]) if sizes else None
 
@@ -271,10 +273,12 @@ class DeviceMemoryMonitor(Callback):
         return readings
 
     def _collect_and_log(self, trainer: Trainer) -> None:
-        """Read this process's devices; under DDP, start gathering them and use the previous gather.
+        """Read this process's devices; under DDP, start gathering every rank's readings.
 
-        The gather runs asynchronously while the next steps train, so no rank waits for the
-        others here; its result is used (and logged with its own step) at the next call.
+        The gather runs asynchronously while Lightning logs and fetches the next batch; its
+        result is used at the next batch start and logged with the step it was read at, which
+        is also the last step Lightning's own logging has reached (so loggers that only
+        accept increasing steps, like W&B, keep it).
         """
         local = self._read(trainer, reset_peak=True)
         # the step Lightning's own logging uses
@@ -292,7 +296,7 @@ class DeviceMemoryMonitor(Callback):
         self._pending = (dist.all_gather(parts, mine, async_op=True), parts, step)
 
     def _finish_gather(self, trainer: Trainer) -> None:
-        """Wait for the gather started at the previous log (done by now) and use it."""
+        """Wait for the gather started at the last log (usually done by now) and use it."""
         if self._pending is None or self._layouts is None:
             return
         work, parts, step = self._pending
