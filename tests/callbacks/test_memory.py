@@ -252,12 +252,11 @@ class WideRows(L.LightningModule):
 
 
 def test_dp_replicas_reach_the_logger_and_uneven_split_is_named(tmp_path: Path) -> None:
-    dp = pytest.importorskip("lightning_mgpu.strategies.dp")
     loader = DataLoader(TensorDataset(torch.randn(12, 4096)), batch_size=3)  # 2 replicas: 2 rows and 1 row
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=dp.MGPUDataParallelStrategy(),
+        strategy="mgpu_dp",
         max_epochs=1,
         logger=CSVLogger(tmp_path),
         callbacks=[DeviceMemoryMonitor(every_n_steps=1)],
@@ -291,11 +290,10 @@ class OutOfMemoryOnThirdBatch(WideRows):
 
 
 def test_dp_out_of_memory_offers_mgpu_ddp(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    dp = pytest.importorskip("lightning_mgpu.strategies.dp")
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=dp.MGPUDataParallelStrategy(),
+        strategy="mgpu_dp",
         max_epochs=1,
         logger=False,
         callbacks=[DeviceMemoryMonitor(every_n_steps=1)],
