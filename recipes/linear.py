@@ -119,7 +119,8 @@ class LinearRegression(RecipeModule):
         if isinstance(data, LinearData):
             learned = torch.cat([self.net.weight.detach().flatten(), self.net.bias.detach()]).cpu()
             truth = torch.cat([data.true_weight.flatten(), data.true_bias])
-            self.log("val/weight_distance", torch.linalg.vector_norm(learned - truth), prog_bar=True)
+            distance = torch.linalg.vector_norm(learned - truth)
+            self.log("val/weight_distance", distance, prog_bar=True, sync_dist=True)  # equal on every rank
 
 
 def _check(cfg: Any) -> list[str]:

@@ -167,5 +167,5 @@ def build_trainer(cfg: RunConfig, run_dir: Path, callbacks: list[Callback]) -> L
             enable_checkpointing=cfg.callbacks.checkpoint.enabled,
             **kwargs,
         )
-    except MisconfigurationException as err:
+    except (MisconfigurationException, TypeError) as err:  # Lightning's words for a setting it refuses
         raise ValueError(f"trainer: {err}") from err

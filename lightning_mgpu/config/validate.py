@@ -20,7 +20,7 @@ import typing
 from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from lightning_mgpu.config.schema import RunConfig
 
@@ -135,12 +135,23 @@ def _merge(
             else:
                 _merge(node[key], cast(type, section), value, f"{path}.", valid, problems)
             continue
-        if float in (hints[key], *typing.get_args(hints[key])) and type(value) is int:
-            value = float(value)  # YAML reads 1 as an int; a float field takes it
+        value = _coerce(hints[key], value)
         try:
+            if type(value) is bool and str in (hints[key], *typing.get_args(hints[key])):
+                raise ValidationError("omegaconf would store true as 'True'")
             node[key] = value
         except OmegaConfBaseException:
             problems.append(f"{path}: expected {_kind(hints[key])}, got {value!r}")
+
+
+def _coerce(hint: Any, value: Any) -> Any:
+    """The conversions YAML makes necessary: ``1`` for a float field, ``16`` for a string field."""
+    types = (hint, *typing.get_args(hint))
+    if float in types and type(value) is int:
+        return float(value)
+    if str in types and type(value) in (int, float):
+        return str(value)
+    return value
 
 
 def _not_a_section(path: str, value: Any) -> str:
@@ -160,11 +171,15 @@ def _all_keys(schema: type, prefix: str = "") -> list[str]:
 
 
 def _unknown_key(path: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(path, valid, n=1, cutoff=0.6)
+    """The message for an unknown key: the closest key of its section, else that name in another section."""
+    parent, _, leaf = path.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in valid if k.rpartition(".")[0] == parent}
+    close = [siblings[name] for name in difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.6)]
+    if not close:  # e.g. trainer.lr -> optimizer.lr, trainer.batch_size -> data.batch_size
+        leaves = {k.rpartition(".")[2]: k for k in reversed(valid)}  # first key of each name wins
+        close = [leaves[name] for name in difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.8)]
     if close:
         return f"{path}: unknown key; did you mean {close[0]}?"
-    parent = path.rpartition(".")[0]
-    siblings = [k.rpartition(".")[2] for k in valid if k.rpartition(".")[0] == parent]
     where = f"in {parent}" if parent else "at the top level"
     return f"{path}: unknown key; valid keys {where}: {', '.join(siblings)}"
 
