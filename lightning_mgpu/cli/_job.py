@@ -24,6 +24,7 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from omegaconf import OmegaConf
 from typing_extensions import override
 
@@ -100,7 +101,7 @@ def run_job(cfg: RunConfig) -> int:
     trainer = build_trainer(cfg, run_dir, callbacks)
     per_process_batch_size(cfg.data.batch_size, trainer.world_size)  # fail before any process starts
     if getattr(rank_zero_only, "rank", 0) == 0:
-        if trainer.logger is not None:
+        if isinstance(trainer.logger, CSVLogger):
             _ = trainer.logger.experiment  # the CSV logger first: it warns about a folder that is not empty
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
