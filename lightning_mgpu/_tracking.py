@@ -1,0 +1,92 @@
+"""Count the bytes of live tensors while ops run, on any device, including ``meta``.
+
+A ``TorchDispatchMode`` sees every op's outputs; each new storage is counted once and
+uncounted when it is freed (a weak reference on the storage, which torch keeps unique
+while the storage lives). This is what a device's caching allocator would hold, minus
+its rounding and cache, so it works on CPU and on meta tensors where no allocator
+statistics exist.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["LiveBytes", "storage_bytes", "storage_of"]
+
+
+def storage_of(t: torch.Tensor) -> Any | None:
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse and other layouts without one storage
+        return None
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    """Bytes of the storage behind ``t`` (a view keeps its whole storage alive)."""
+    st = storage_of(t)
+    return int(st.nbytes()) if st is not None else t.numel() * t.element_size()
+
+
+class LiveBytes(TorchDispatchMode):
+    """Live and peak bytes of the storages on ``device`` that ops create, plus those added by ``track``.
+
+    Args:
+        device: only storages on this device type count (``"cpu"`` or ``"meta"``).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device_type = device.type
+        self.live = 0
+        self.peak = 0
+        self._known: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._refs: list[weakref.ref] = []
+
+    def track(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage until it is freed (no-op if already counted or on another device)."""
+        if t.device.type != self.device_type:
+            return
+        st = storage_of(t)
+        if st is None or st in self._known:
+            return
+        n = int(st.nbytes())
+        self._known[st] = n
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        self._refs.append(weakref.ref(st, functools.partial(self._free, n)))
+
+    def track_all(self, tensors: list[torch.Tensor]) -> None:
+        """``track`` each tensor (a function, so no loop variable keeps the last one alive)."""
+        for t in tensors:
+            self.track(t)
+
+    def _free(self, n: int, _ref: Any = None) -> None:
+        self.live -= n
+
+    @contextmanager
+    def phase(self) -> Iterator[dict[str, int]]:
+        """Measure the peak of a stretch of work: yields a dict that holds ``peak`` afterwards."""
+        self.peak = self.live
+        result: dict[str, int] = {}
+        try:
+            yield result
+        finally:
+            result["peak"] = self.peak
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        return out

@@ -1,0 +1,1 @@
+"""Lightning callbacks of the package, one per module (``memory.py``: ``DeviceMemoryMonitor``)."""

@@ -1,0 +1,286 @@
+"""What ``DeviceMemoryMonitor`` reads, and the texts it writes: metrics, table, causes, OOM options.
+
+Everything here is plain data in, plain data out, so every message can be checked
+without a device that shows the problem.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_mgpu.devices import MiB, format_bytes
+
+# reading kind -> its fields, in the order they travel between ranks; all bytes
+FIELDS: dict[str, tuple[str, ...]] = {
+    "cuda": ("allocated", "reserved", "peak_allocated", "peak_reserved", "nvml_used", "total"),
+    "cpu": ("rss", "peak_rss"),
+    "replica": ("saved",),
+}
+# the field compared across devices for ``memory/imbalance`` and drawn by the plot
+PRIMARY = {"cuda": "peak_allocated", "cpu": "peak_rss", "replica": "saved"}
+# fields whose fit-wide summary keeps the latest value rather than the maximum
+_LATEST = {"total"}
+
+
+@dataclass
+class Reading:
+    """One device's memory at one moment (bytes; NaN where unknown)."""
+
+    device: str
+    kind: str
+    rank: int
+    name: str
+    values: dict[str, float]
+    rows: float = math.nan
+    """Batch rows this device processed in the last step."""
+
+    def layout(self) -> tuple[str, str, int, str]:
+        return (self.device, self.kind, self.rank, self.name)
+
+    def vector(self) -> list[float]:
+        return [self.values.get(f, math.nan) for f in FIELDS[self.kind]] + [self.rows]
+
+
+def from_vector(layout: tuple[str, str, int, str], vec: list[float]) -> Reading:
+    device, kind, rank, name = layout
+    n = len(FIELDS[kind])
+    return Reading(device, kind, rank, name, dict(zip(FIELDS[kind], vec[:n], strict=True)), vec[n])
+
+
+def metrics(readings: list[Reading]) -> dict[str, float]:
+    """``memory/<device>/<field>_MiB`` for every known value."""
+    out = {}
+    for r in readings:
+        for key, value in r.values.items():
+            if not math.isnan(value):
+                out[f"memory/{r.device}/{key}_MiB"] = value / MiB
+    return out
+
+
+def compared(readings: list[Reading]) -> list[Reading]:
+    """The readings that ``memory/imbalance`` compares: CUDA devices, else DP replicas, else CPU ranks."""
+    for kind in ("cuda", "replica", "cpu"):
+        chosen = [r for r in readings if r.kind == kind and not math.isnan(r.values[PRIMARY[kind]])]
+        if chosen:
+            return chosen
+    return []
+
+
+def imbalance(readings: list[Reading]) -> tuple[float, Reading | None]:
+    """Maximum over devices of the primary value divided by the mean, and the fullest device."""
+    chosen = compared(readings)
+    if not chosen:
+        return 1.0, None
+    values = [r.values[PRIMARY[r.kind]] for r in chosen]
+    mean = sum(values) / len(values)
+    fullest = chosen[values.index(max(values))]
+    return (max(values) / mean if mean > 0 else 1.0), fullest
+
+
+@dataclass
+class Summary:
+    """Fit-wide maxima per device, for the end-of-fit table and JSON."""
+
+    devices: dict[str, Reading] = field(default_factory=dict)
+    max_imbalance: float = 1.0
+    logs: int = 0
+
+    def update(self, readings: list[Reading], imbalance_now: float) -> None:
+        self.logs += 1
+        self.max_imbalance = max(self.max_imbalance, imbalance_now)
+        for r in readings:
+            old = self.devices.get(r.device)
+            if old is None:
+                self.devices[r.device] = Reading(r.device, r.kind, r.rank, r.name, dict(r.values), r.rows)
+                continue
+            for key, value in r.values.items():
+                if math.isnan(value):
+                    continue
+                before = old.values.get(key, math.nan)
+                keep_latest = key in _LATEST or math.isnan(before)
+                old.values[key] = value if keep_latest else max(before, value)
+
+    def as_json(self) -> dict[str, Any]:
+        def clean(v: float) -> int | None:
+            return None if math.isnan(v) else int(v)
+
+        return {
+            "devices": [
+                {"device": r.device, "rank": r.rank, "name": r.name}
+                | {f"{k}_bytes": clean(v) for k, v in r.values.items()}
+                for r in self.devices.values()
+            ],
+            "max_imbalance": round(self.max_imbalance, 4),
+            "logs": self.logs,
+        }
+
+
+def _mib(v: float) -> str:
+    return "-" if math.isnan(v) else f"{v / MiB:,.0f} MiB"
+
+
+def table(readings: list[Reading], title: str = "") -> str:
+    """An ``nvidia-smi``-like table: one row per device, only the columns some device knows."""
+    columns: list[tuple[str, Any]] = [("Device", lambda r: r.device), ("Name", lambda r: r.name)]
+    kinds = {r.kind for r in readings}
+    if "cuda" in kinds:
+        columns += [
+            ("Peak allocated", lambda r: _mib(r.values.get("peak_allocated", math.nan))),
+            ("Peak reserved", lambda r: _mib(r.values.get("peak_reserved", math.nan))),
+            ("Used / Total", _used_total),
+        ]
+    if "cpu" in kinds:
+        columns += [
+            ("RSS", lambda r: _mib(r.values.get("rss", math.nan))),
+            ("Peak RSS", lambda r: _mib(r.values.get("peak_rss", math.nan))),
+        ]
+    if "replica" in kinds:
+        columns += [("Saved for backward", lambda r: _mib(r.values.get("saved", math.nan)))]
+    cells = [[h for h, _ in columns]] + [[str(get(r)) for _, get in columns] for r in readings]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    rule = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
+    lines = [title] if title else []
+    lines.append(rule)
+    for i, row in enumerate(cells):
+        lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |")
+        if i == 0:
+            lines.append(rule.replace("-", "="))
+    lines.append(rule)
+    return "\n".join(lines)
+
+
+def _used_total(r: Reading) -> str:
+    used, total = r.values.get("nvml_used", math.nan), r.values.get("total", math.nan)
+    if math.isnan(used) and math.isnan(total):
+        return "-"
+    return f"{_mib(used)} / {_mib(total)}"
+
+
+@dataclass
+class Facts:
+    """What the run looked like when an imbalance showed, gathered from every rank."""
+
+    strategy: str  # "mgpu_dp", "ddp" or "single"
+    root_device: str = ""
+    chunk_sizes: list[int] = field(default_factory=list)
+    """Rows per replica in the last step (mgpu_dp)."""
+    rows_per_rank: dict[int, float] = field(default_factory=dict)
+    optimizer_state_elsewhere: dict[int, dict[str, int]] = field(default_factory=dict)
+    """rank -> {device: bytes of optimizer state on a device other than the rank's own}."""
+    allocated_elsewhere: dict[int, dict[str, int]] = field(default_factory=dict)
+    """rank -> {device: bytes its allocator holds on a CUDA device other than its own}."""
+    contexts: dict[str, list[int]] = field(default_factory=dict)
+    """device -> ranks with a process on it, as NVML lists them."""
+
+
+def likely_causes(fullest: Reading, ratio: float, facts: Facts) -> list[str]:
+    """Plain-language causes of ``fullest`` holding ``ratio`` times the mean, most likely first."""
+    dev = fullest.device
+    causes = []
+    if facts.strategy == "mgpu_dp" and dev == facts.root_device:
+        causes.append(
+            f"mgpu_dp gathers every replica's outputs and computes the loss on {dev}, which also holds the"
+            f" gradients and the optimizer state; strategy='mgpu_ddp' gives each device only its own share"
+        )
+    if facts.strategy == "mgpu_dp" and facts.chunk_sizes and max(facts.chunk_sizes) != min(facts.chunk_sizes):
+        causes.append(
+            f"uneven splits: the replicas got {facts.chunk_sizes} rows in the last step; use a batch size"
+            f" divisible by {len(facts.chunk_sizes)}"
+        )
+    rows = [v for v in facts.rows_per_rank.values() if not math.isnan(v)]
+    if facts.strategy == "ddp" and rows and max(rows) != min(rows):
+        per_rank = ", ".join(f"rank {r}: {v:.0f}" for r, v in sorted(facts.rows_per_rank.items()))
+        causes.append(f"uneven splits: ranks got different batches in the last step ({per_rank})")
+    for rank, where in sorted(facts.optimizer_state_elsewhere.items()):
+        if dev in where:
+            causes.append(
+                f"optimizer state on {dev}: rank {rank} keeps {format_bytes(where[dev])} of optimizer state"
+                " there, not on its own device (load optimizer state with map_location=the rank's device)"
+            )
+    strays = sorted(r for r in facts.contexts.get(dev, []) if r != fullest.rank)
+    elsewhere = sorted(r for r, where in facts.allocated_elsewhere.items() if dev in where)
+    if strays or elsewhere:
+        ranks = ", ".join(str(r) for r in sorted(set(strays) | set(elsewhere)))
+        causes.append(
+            f"a stray CUDA context on {dev}: rank(s) {ranks} also use {dev}; call"
+            " torch.cuda.set_device(rank's device) before any CUDA work and pass map_location to torch.load"
+        )
+    if not causes:
+        causes.append(
+            f"none of the usual causes (DP gathering, optimizer state or stray CUDA contexts on one device,"
+            f" uneven splits) shows in this run: look for tensors kept on {dev} only, e.g. caches or"
+            " metrics built under `if self.global_rank == 0:`"
+        )
+    return causes
+
+
+def imbalance_warning(fullest: Reading, ratio: float, threshold: float, causes: list[str]) -> str:
+    lines = [
+        f"Memory is unbalanced: {fullest.device} holds {ratio:.2f}x the mean peak of the devices"
+        f" (memory/imbalance > {threshold}). Likely cause(s):"
+    ]
+    lines += [f"  - {c}" for c in causes]
+    return "\n".join(lines)
+
+
+@dataclass
+class OOMContext:
+    """What the run knew when it ran out of memory."""
+
+    failed_device: str
+    rank: int
+    step: int
+    strategy: str  # "mgpu_dp", "ddp" or "single"
+    devices_used: int
+    devices_available: int
+    accelerator: str  # "cuda" or "cpu"
+    batch_per_device: int | None
+    largest_ok: int | None
+    accumulate: int
+    precision: str
+
+
+def oom_guidance(error: BaseException, ctx: OOMContext, readings: list[Reading]) -> str:
+    """The message printed when a step runs out of memory: the failed device, every device, options."""
+    lines = [
+        f"Out of memory on {ctx.failed_device} (rank {ctx.rank}) at step {ctx.step}:"
+        f" {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(),
+        table(readings, title="What each device held (latest readings):") if readings else "",
+        "Options, from this run:",
+    ]
+    b, ok = ctx.batch_per_device, ctx.largest_ok
+    if b is not None:
+        ok_text = f"the largest that finished a step so far is {ok}" if ok else "no step has finished yet"
+        target = ok if ok and ok < b else max(1, b // 2)
+        lines.append(f"  - batch: {b} rows per device now; {ok_text}; try {target} rows per device.")
+        steps = math.ceil(b * ctx.accumulate / target)
+        loader = target * ctx.devices_used if ctx.strategy == "mgpu_dp" else target
+        lines.append(
+            f"  - keep the global batch with gradient accumulation: DataLoader batch_size={loader} and"
+            f" Trainer(accumulate_grad_batches={steps}) (now {ctx.accumulate})."
+        )
+    if ctx.strategy == "mgpu_dp":
+        lines.append(
+            "  - strategy='mgpu_ddp' instead of mgpu_dp: each device then computes its own loss, and no"
+            " device gathers the outputs, gradients and optimizer state of all."
+        )
+    if ctx.devices_available > ctx.devices_used:
+        lines.append(
+            f"  - more devices: {ctx.devices_used} of {ctx.devices_available} are used; devices="
+            f"{ctx.devices_available} spreads the same global batch thinner."
+        )
+    elif ctx.accelerator == "cpu":
+        lines.append("  - more memory: this machine's RAM is shared by every CPU process of the run.")
+    else:
+        lines.append("  - more devices: every visible device is used; add a machine (num_nodes) for more.")
+    if ctx.precision in ("32-true", "32", "64-true", "64"):
+        lines.append(
+            f"  - precision: {ctx.precision} now; precision='bf16-mixed' (or '16-mixed' where bf16 is not"
+            " supported) roughly halves activation memory."
+        )
+    else:
+        lines.append(f"  - precision: already {ctx.precision}.")
+    lines.append("  - before training: lightning_mgpu.estimate_memory(model, batch, ...) predicts what fits.")
+    return "\n".join(line for line in lines if line)

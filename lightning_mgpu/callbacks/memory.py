@@ -1,0 +1,368 @@
+"""``DeviceMemoryMonitor``: memory of every device of a run, its balance, and what to do on OOM."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import re
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils._pytree import tree_flatten
+from typing_extensions import override
+
+from lightning_mgpu.callbacks import _memory_report as report
+from lightning_mgpu.callbacks._memory_report import Facts, OOMContext, Reading, Summary
+from lightning_mgpu.devices import allocator_memory, cuda_devices, nvml_memory, process_memory
+
+__all__ = ["DeviceMemoryMonitor"]
+
+
+class DeviceMemoryMonitor(Callback):
+    """Logs the memory of every device a run trains on, explains imbalance and out-of-memory failures.
+
+    - Under ``mgpu_dp`` it reads every replica's device from the one process; under
+      ``mgpu_ddp`` (or any DDP) every rank's readings are all-gathered so rank 0's
+      loggers hold all devices.
+    - ``memory/imbalance`` is the largest device's peak divided by the mean; above
+      ``imbalance_threshold`` it warns once, naming the likely cause in this run.
+    - At the end of ``fit`` rank 0 prints an ``nvidia-smi``-like table and writes the
+      same data to ``<trainer.log_dir>/memory_summary.json``.
+    - When a step runs out of memory (``torch.cuda.OutOfMemoryError`` or ``MemoryError``)
+      the failing rank prints which device failed, what every device held and options
+      computed from the run; the original exception is then raised as usual. This path
+      runs no collective, so it cannot hang: the other ranks stop when their next
+      collective loses the failed rank (``mgpu_ddp`` names the rank that failed).
+
+    **Logged metrics** (MiB, one number per key, through ``logger.log_metrics`` on rank 0):
+
+    - CUDA device ``<d>`` (``cuda:0``, ``cuda:1``, ...; ``node<n>:cuda:<i>`` on several machines):
+      ``memory/<d>/allocated_MiB``, ``memory/<d>/reserved_MiB`` (caching allocator now),
+      ``memory/<d>/peak_allocated_MiB``, ``memory/<d>/peak_reserved_MiB`` (peaks since the previous
+      log; the callback resets the allocator's peak counters),
+      ``memory/<d>/nvml_used_MiB`` (all processes and CUDA contexts, as ``nvidia-smi``; needs
+      ``nvidia-ml-py``) and ``memory/<d>/total_MiB``.
+    - CPU process of rank ``<r>``: ``memory/cpu:rank<r>/rss_MiB``, ``memory/cpu:rank<r>/peak_rss_MiB``.
+    - CPU ``mgpu_dp`` replica ``<i>`` (threads of one process, sharing its RSS):
+      ``memory/cpu:replica<i>/saved_MiB``, the bytes it saved for backward in its last forward.
+    - ``memory/imbalance``: max over devices of peak allocated (CUDA), saved bytes (CPU replicas)
+      or peak RSS (CPU ranks), divided by the mean.
+
+    Args:
+        every_n_steps: log every this many training batches; ``None`` follows
+            ``Trainer(log_every_n_steps=...)``.
+        imbalance_threshold: warn once when ``memory/imbalance`` exceeds this.
+        summary_file: JSON written at the end of fit, relative to ``trainer.log_dir``;
+            ``None`` writes none.
+        print_summary: whether rank 0 prints the end-of-fit table.
+
+    Raises:
+        ValueError: if ``every_n_steps`` is not a positive integer or the threshold is below 1.
+
+    Example::
+
+        import lightning as L
+        from lightning_mgpu import DeviceMemoryMonitor
+
+        trainer = L.Trainer(strategy="mgpu_ddp", devices=2, callbacks=[DeviceMemoryMonitor(every_n_steps=10)])
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        imbalance_threshold: float = 1.25,
+        summary_file: str | None = "memory_summary.json",
+        print_summary: bool = True,
+    ) -> None:
+        if every_n_steps is not None and (not isinstance(every_n_steps, int) or every_n_steps < 1):
+            raise ValueError(f"every_n_steps must be a positive integer or None, got {every_n_steps!r}")
+        if not imbalance_threshold >= 1.0:
+            raise ValueError(
+                f"imbalance_threshold must be at least 1.0 (balanced), got {imbalance_threshold!r}"
+            )
+        self.every_n_steps = every_n_steps
+        self.imbalance_threshold = float(imbalance_threshold)
+        self.summary_file = summary_file
+        self.print_summary = print_summary
+        self.summary = Summary()
+        self.latest: list[Reading] = []
+        self._every = 1
+        self._batches = 0
+        self._layouts: list[list[tuple[str, str, int, str]]] | None = None  # per rank
+        self._device_plan: list[tuple[str, str, torch.device, str, int]] | None = None
+        self._warned = False
+        self._rows: int | None = None
+        self._largest_ok: int | None = None
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._every = self.every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 50)))
+        if not trainer.loggers:
+            rank_zero_warn(
+                "DeviceMemoryMonitor: the Trainer has no logger, so memory/* metrics are not logged;"
+                " the end-of-fit table, the summary JSON and the OOM guidance still work."
+            )
+        strategy = trainer.strategy
+        if self._replicas(trainer) and strategy.root_device.type == "cpu":
+            # CPU replicas share one RSS; the strategy then counts what each saved for backward
+            strategy.track_replica_memory = True  # type: ignore[attr-defined]
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._batches = 0
+        self._device_plan = None
+        local = [r.layout() for r in self._read(trainer, reset_peak=False)]
+        self._layouts = _all_gather_objects(trainer, local)
+
+    # ------------------------------------------------------------------ steps
+    @override
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        sizes = [t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+        self._rows = int(sizes[0]) if sizes else None
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        per_device = self._per_device_batch(trainer)
+        if per_device is not None:
+            self._largest_ok = max(self._largest_ok or 0, per_device)
+        self._batches += 1
+        if self._batches % self._every == 0:
+            self._collect_and_log(trainer)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._layouts is None:
+            return
+        if self._batches % self._every != 0:  # include the peaks since the last log
+            self._collect_and_log(trainer)
+        log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank calls it
+        if not trainer.is_global_zero or not self.summary.devices:
+            return
+        rows = list(self.summary.devices.values())
+        if self.print_summary:
+            print(report.table(rows, title="Device memory over the fit (peaks):"), flush=True)
+        if self.summary_file is not None:
+            path = os.path.join(log_dir, self.summary_file)
+            _write_json(path, self.summary.as_json())
+
+    # ------------------------------------------------------------------ OOM
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if not _is_oom(exception):
+            return
+        try:  # the original error must surface whatever happens here
+            message = self._oom_message(trainer, exception)
+        except Exception as err:  # pragma: no cover - defensive
+            message = f"DeviceMemoryMonitor could not describe the out-of-memory error: {err!r}"
+        print(message, file=sys.stderr, flush=True)
+
+    def _oom_message(self, trainer: Trainer, exception: BaseException) -> str:
+        local = self._read(trainer, reset_peak=False)
+        mine = {r.device for r in local}
+        readings = [r for r in self.latest if r.device not in mine] + local
+        readings.sort(key=lambda r: (r.rank, r.device))
+        root = trainer.strategy.root_device
+        failed = local[0].device if local else str(root)
+        match = re.search(r"GPU (\d+)", str(exception))
+        if isinstance(exception, torch.cuda.OutOfMemoryError) and match:
+            failed = _device_label(trainer, torch.device("cuda", int(match.group(1))))
+        replicas = self._replicas(trainer)
+        if root.type == "cuda":
+            available = torch.cuda.device_count() * trainer.num_nodes
+        else:
+            available = trainer.world_size
+        ctx = OOMContext(
+            failed_device=failed,
+            rank=trainer.global_rank,
+            step=trainer.global_step,
+            strategy=self._strategy_kind(trainer),
+            devices_used=len(replicas) if replicas else trainer.world_size,
+            devices_available=available,
+            accelerator=root.type,
+            batch_per_device=self._per_device_batch(trainer),
+            largest_ok=self._largest_ok,
+            accumulate=trainer.accumulate_grad_batches,
+            precision=str(trainer.precision),
+        )
+        return report.oom_guidance(exception, ctx, readings)
+
+    # ------------------------------------------------------------------ reading
+    @staticmethod
+    def _replicas(trainer: Trainer) -> list[torch.device]:
+        """The devices of a single-process data-parallel strategy (``mgpu_dp``); empty for any other."""
+        try:
+            return list(getattr(trainer.strategy, "replica_devices", None) or [])
+        except RuntimeError:  # a strategy without devices yet
+            return []
+
+    def _strategy_kind(self, trainer: Trainer) -> str:
+        if self._replicas(trainer):
+            return "mgpu_dp"
+        return "ddp" if trainer.world_size > 1 else "single"
+
+    def _per_device_batch(self, trainer: Trainer) -> int | None:
+        replicas = self._replicas(trainer)
+        if not replicas:
+            return self._rows
+        chunks = list(getattr(trainer.strategy, "last_chunk_sizes", None) or [])
+        if chunks:
+            return int(max(chunks))
+        return math.ceil(self._rows / len(replicas)) if self._rows else None
+
+    def _plan(self, trainer: Trainer) -> list[tuple[str, str, torch.device, str, int]]:
+        """What to read each time: (label, kind, device, name, replica index or -1), fixed for the fit."""
+        if self._device_plan is None:
+            replicas = self._replicas(trainer)
+            devices = replicas or [trainer.strategy.root_device]
+            plan = []
+            if any(d.type == "cpu" for d in devices):
+                index = -1 if replicas else 0  # under mgpu_dp the process is shared by every replica
+                plan.append(
+                    (f"cpu:rank{trainer.global_rank}", "cpu", torch.device("cpu"), "CPU process", index)
+                )
+            for i, device in enumerate(devices):
+                if device.type == "cuda":
+                    name = torch.cuda.get_device_name(device)
+                    plan.append((_device_label(trainer, device), "cuda", device, name, i))
+                elif replicas and device.type == "cpu":
+                    plan.append((f"cpu:replica{i}", "replica", device, "CPU replica", i))
+            self._device_plan = plan
+        return self._device_plan
+
+    def _read(self, trainer: Trainer, reset_peak: bool) -> list[Reading]:
+        strategy = trainer.strategy
+        chunks = getattr(strategy, "last_chunk_sizes", None) or []
+        readings = []
+        for label, kind, device, name, index in self._plan(trainer):
+            if index < 0:
+                rows = math.nan
+            elif chunks:  # replicas beyond the chunks got no rows (a batch smaller than the device count)
+                rows = float(chunks[index]) if index < len(chunks) else 0.0
+            else:
+                rows = float(self._rows) if self._rows is not None else math.nan
+            if kind == "cpu":
+                values = {k: float(v) for k, v in process_memory().items()}
+            elif kind == "cuda":
+                values = {k: float(v) for k, v in allocator_memory(device, reset_peak=reset_peak).items()}
+                nvml = nvml_memory(device)
+                values["nvml_used"] = float(nvml[0]) if nvml else math.nan
+                values["total"] = float(nvml[1]) if nvml else float(_total_memory(device))
+            else:
+                saved = getattr(strategy, "replica_saved_bytes", None) or []
+                values = {"saved": float(saved[index]) if index < len(saved) else math.nan}
+            readings.append(Reading(label, kind, trainer.global_rank, name, values, rows))
+        return readings
+
+    def _collect_and_log(self, trainer: Trainer) -> None:
+        local = self._read(trainer, reset_peak=True)
+        readings = self._gather(trainer, local)
+        ratio, fullest = report.imbalance(readings)
+        self.latest = readings
+        self.summary.update(readings, ratio)
+        if ratio > self.imbalance_threshold and not self._warned and fullest is not None:
+            self._warned = True
+            facts = self._facts(trainer, readings)  # collective: every rank reaches it with the same data
+            message = report.imbalance_warning(
+                fullest, ratio, self.imbalance_threshold, report.likely_causes(fullest, ratio, facts)
+            )
+            rank_zero_warn(message)
+        if trainer.is_global_zero and trainer.loggers:
+            values = report.metrics(readings)
+            values["memory/imbalance"] = ratio
+            # the step Lightning's own logging uses
+            step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
+            step = trainer.global_step if step is None else step
+            for logger in trainer.loggers:
+                logger.log_metrics(values, step=step)
+
+    def _gather(self, trainer: Trainer, local: list[Reading]) -> list[Reading]:
+        if trainer.world_size == 1 or self._layouts is None:
+            return local
+        vec = [x for r in local for x in r.vector()]
+        width = max(sum(len(report.FIELDS[kind]) + 1 for _, kind, _, _ in layout) for layout in self._layouts)
+        padded = torch.tensor(vec + [math.nan] * (width - len(vec)), dtype=torch.float64)
+        gathered = trainer.strategy.all_gather(padded.to(trainer.strategy.root_device)).cpu().tolist()
+        readings = []
+        for layout, row in zip(self._layouts, gathered, strict=True):
+            offset = 0
+            for item in layout:
+                n = len(report.FIELDS[item[1]]) + 1
+                readings.append(report.from_vector(item, row[offset : offset + n]))
+                offset += n
+        return readings
+
+    def _facts(self, trainer: Trainer, readings: list[Reading]) -> Facts:
+        strategy = trainer.strategy
+        root = strategy.root_device
+        mine: dict[str, Any] = {"rank": trainer.global_rank, "pid": os.getpid(), "state": {}, "allocated": {}}
+        for opt in trainer.optimizers:
+            for state in opt.state.values():
+                for t in tree_flatten(state)[0]:
+                    if isinstance(t, torch.Tensor) and t.dim() > 0 and t.device != root:
+                        label = _device_label(trainer, t.device)
+                        mine["state"][label] = mine["state"].get(label, 0) + t.numel() * t.element_size()
+        if root.type == "cuda" and torch.cuda.is_initialized():
+            for i in range(torch.cuda.device_count()):
+                held = torch.cuda.memory_allocated(i)
+                if i != root.index and held > 0:
+                    mine["allocated"][_device_label(trainer, torch.device("cuda", i))] = held
+        everyone = _all_gather_objects(trainer, mine)
+        facts = Facts(strategy=self._strategy_kind(trainer), root_device=_device_label(trainer, root))
+        facts.chunk_sizes = [int(c) for c in getattr(strategy, "last_chunk_sizes", None) or []]
+        facts.rows_per_rank = {r.rank: r.rows for r in readings if r.kind != "replica"}
+        facts.optimizer_state_elsewhere = {m["rank"]: m["state"] for m in everyone if m["state"]}
+        facts.allocated_elsewhere = {m["rank"]: m["allocated"] for m in everyone if m["allocated"]}
+        if root.type == "cuda" and trainer.num_nodes == 1:
+            rank_of = {m["pid"]: m["rank"] for m in everyone}
+            for info in cuda_devices():
+                ranks = [rank_of[p.pid] for p in info.processes if p.pid in rank_of]
+                if ranks:
+                    facts.contexts[_device_label(trainer, torch.device("cuda", info.index))] = ranks
+        return facts
+
+
+def _is_oom(exception: BaseException) -> bool:
+    if isinstance(exception, (MemoryError, torch.cuda.OutOfMemoryError)):
+        return True
+    return isinstance(exception, RuntimeError) and "out of memory" in str(exception).lower()
+
+
+def _device_label(trainer: Trainer, device: torch.device) -> str:
+    label = f"{device.type}:{device.index or 0}"
+    return f"node{trainer.node_rank}:{label}" if trainer.num_nodes > 1 else label
+
+
+@functools.lru_cache(maxsize=64)
+def _total_memory(device: torch.device) -> int:
+    return int(torch.cuda.get_device_properties(device).total_memory)
+
+
+def _all_gather_objects(trainer: Trainer, obj: Any) -> list[Any]:
+    if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)

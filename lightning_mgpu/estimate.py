@@ -1,0 +1,305 @@
+"""Predict per-device memory of a training step before training, without a GPU.
+
+``estimate_memory(module, sample_batch, devices=N, device_memory="12GiB")`` runs one
+training step (forward, backward, optimizer step) the way Lightning does, on meta
+tensors (no compute, no memory) or on CPU when the model cannot run on meta, and
+counts every byte it creates:
+
+- parameters, buffers, gradients and optimizer state (from a real optimizer step on copies);
+- activations saved for backward, per sample (``torch.autograd.graph.saved_tensors_hooks``);
+- the live-memory peak of forward + backward and of the optimizer step, at two batch
+  sizes, so the peak is known as ``fixed + per_sample * batch`` for any batch.
+
+From these it predicts the fullest device's peak for a single device, ``mgpu_dp``
+(the first card also receives the whole batch and the gathered outputs) and
+``mgpu_ddp`` (each device also holds DDP's gradient buckets), and the largest
+per-device batch that fits a given memory. The module's own weights, gradients,
+buffers and random state are left untouched.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_mgpu._estimate_step import MeasuredStep, measure_steps
+from lightning_mgpu.devices import cuda_devices, format_bytes, parse_bytes
+
+__all__ = ["MemoryEstimate", "estimate_memory"]
+
+STRATEGIES = ("single", "mgpu_dp", "mgpu_ddp")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted per-device memory of one training step; ``str()`` gives a readable report.
+
+    Byte counts are for one copy of the model; ``*_per_sample`` fields scale with the
+    batch on a device. ``forward_backward`` and ``optimizer_step`` hold the peak of each
+    phase as ``(fixed, per_sample)`` bytes, both including the parameters, buffers,
+    gradients, optimizer state and the batch that are alive at that time.
+
+    Example::
+
+        est = estimate_memory(model, batch, devices=4, device_memory="24GiB")
+        print(est)
+        est.peak("mgpu_ddp")                  # bytes on each device under mgpu_ddp
+        est.largest_per_device_batch("single")
+    """
+
+    model: str
+    batch_size: int
+    """The batch each process's DataLoader yields (per device under ``mgpu_ddp``, split under ``mgpu_dp``)."""
+    devices: int
+    device_memory: int | None
+    measured_on: str
+    precision: str
+    optimizer: str
+    parameter_bytes: int
+    buffer_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    batch_bytes_per_sample: float
+    activation_bytes_per_sample: float
+    output_bytes_per_sample: float
+    forward_backward: tuple[float, float]
+    optimizer_step: tuple[float, float]
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def per_device_batch(self, strategy: str = "single") -> int:
+        """The batch on each device under ``strategy`` at the configured batch size."""
+        _check_strategy(strategy)
+        if strategy == "mgpu_dp":
+            return math.ceil(self.batch_size / self.devices)
+        return self.batch_size
+
+    def _slope_and_fixed(self, strategy: str) -> list[tuple[float, float]]:
+        fb, step = self.forward_backward, self.optimizer_step
+        if strategy == "mgpu_ddp":
+            # DDP keeps a bucket copy of every gradient for its all-reduce
+            return [(fb[0] + self.gradient_bytes, fb[1]), (step[0] + self.gradient_bytes, step[1])]
+        if strategy == "mgpu_dp":
+            # card 0 receives the whole batch before scattering it and gathers every replica's outputs
+            batch = (self.devices - 1) * self.batch_bytes_per_sample
+            outputs = self.devices * self.output_bytes_per_sample
+            return [(fb[0], fb[1] + batch + outputs), (step[0], step[1] + batch)]
+        return [fb, step]
+
+    def peak(self, strategy: str = "single", per_device_batch: int | None = None) -> int:
+        """Predicted peak bytes on the fullest device (card 0 under ``mgpu_dp``).
+
+        Args:
+            strategy: ``"single"``, ``"mgpu_dp"`` or ``"mgpu_ddp"``.
+            per_device_batch: samples on each device; defaults to the configured batch.
+        """
+        b = self.per_device_batch(strategy) if per_device_batch is None else per_device_batch
+        return int(max(fixed + slope * b for fixed, slope in self._slope_and_fixed(strategy)))
+
+    def other_device_peak(self, per_device_batch: int | None = None) -> int:
+        """Predicted peak on each ``mgpu_dp`` replica other than card 0.
+
+        A replica holds a broadcast copy of the parameters and buffers, its slice of
+        the batch, its saved activations and, during backward, its gradients.
+        """
+        b = self.per_device_batch("mgpu_dp") if per_device_batch is None else per_device_batch
+        static = self.parameter_bytes + self.buffer_bytes + self.gradient_bytes
+        return int(static + b * (self.batch_bytes_per_sample + self.activation_bytes_per_sample))
+
+    def largest_per_device_batch(
+        self, strategy: str = "single", device_memory: int | str | None = None
+    ) -> int:
+        """The largest batch per device whose predicted peak fits; 0 when not even one sample fits.
+
+        Args:
+            strategy: ``"single"``, ``"mgpu_dp"`` (card 0, the fullest) or ``"mgpu_ddp"``.
+            device_memory: memory of one device; defaults to the one given to ``estimate_memory``.
+
+        Raises:
+            ValueError: if no device memory was given here or to ``estimate_memory``.
+        """
+        memory = self.device_memory if device_memory is None else parse_bytes(device_memory)
+        if memory is None:
+            raise ValueError("no device memory to fit: pass device_memory='12GiB' (or a number of bytes)")
+        best = math.inf
+        for fixed, slope in self._slope_and_fixed(strategy):
+            if fixed + slope > memory:
+                return 0
+            if slope > 0:
+                best = min(best, math.floor((memory - fixed) / slope))
+        return int(best) if math.isfinite(best) else 1 << 31
+
+    def __str__(self) -> str:
+        gib = f", {format_bytes(self.device_memory)} per device" if self.device_memory else ""
+        lines = [
+            f"Memory estimate for {self.model} ({self.precision}, optimizer {self.optimizer},"
+            f" measured on {self.measured_on})",
+            f"  parameters           {format_bytes(self.parameter_bytes):>12}",
+            f"  buffers              {format_bytes(self.buffer_bytes):>12}",
+            f"  gradients            {format_bytes(self.gradient_bytes):>12}",
+            f"  optimizer state      {format_bytes(self.optimizer_state_bytes):>12}",
+            f"  per sample: batch {format_bytes(self.batch_bytes_per_sample)}, activations saved for"
+            f" backward {format_bytes(self.activation_bytes_per_sample)},"
+            f" outputs {format_bytes(self.output_bytes_per_sample)}",
+            "",
+            f"Predicted peak per device, DataLoader batch {self.batch_size}, {self.devices} device(s){gib}:",
+            f"  {'strategy':<10} {'batch/device':>12} {'global batch':>12} {'peak/device':>14}"
+            + (f" {'fits':>5} {'largest batch/device':>21}" if self.device_memory else ""),
+        ]
+        for strategy in STRATEGIES:
+            b = self.per_device_batch(strategy)
+            total = b * self.devices if strategy == "mgpu_ddp" else self.batch_size
+            peak = self.peak(strategy)
+            row = f"  {strategy:<10} {b:>12} {total:>12} {format_bytes(peak):>14}"
+            if self.device_memory:
+                row += f" {'yes' if peak <= self.device_memory else 'NO':>5}"
+                row += f" {self.largest_per_device_batch(strategy):>21}"
+            lines.append(row)
+        if self.devices > 1:
+            lines.append(
+                f"  mgpu_dp: card 0 is the fullest; the other cards peak near"
+                f" {format_bytes(self.other_device_peak())} each."
+            )
+            lines.append("  mgpu_ddp: includes one extra copy of the gradients (DDP's all-reduce buckets).")
+        lines.extend(f"  note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+
+def _check_strategy(strategy: str) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
+
+
+_PRECISIONS: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
+    # name -> (parameter dtype, autocast dtype)
+    "32-true": (None, None),
+    "32": (None, None),
+    "64-true": (torch.float64, None),
+    "16-true": (torch.float16, None),
+    "bf16-true": (torch.bfloat16, None),
+    "16-mixed": (None, torch.float16),
+    "bf16-mixed": (None, torch.bfloat16),
+}
+
+
+def estimate_memory(
+    module: nn.Module,
+    sample_batch: Any,
+    *,
+    devices: int = 1,
+    device_memory: int | str | None = None,
+    batch_size: int | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    precision: str | int | None = None,
+    step_fn: Callable[[nn.Module, Any], Any] | None = None,
+    measure_on: str = "auto",
+) -> MemoryEstimate:
+    """Predict per-device memory for training ``module`` on batches like ``sample_batch``.
+
+    - runs one warm-up step and two measured steps (at the sample's batch size and at
+      half or double of it) on copies of the parameters, so the module is not changed;
+    - a ``LightningModule`` is stepped through its ``training_step(batch, 0)`` and
+      optimized by what its ``configure_optimizers()`` returns; any other module is
+      called as ``module(batch)`` and the sum of its output is the loss;
+    - ``measure_on="auto"`` tries meta tensors first (nothing is computed) and falls
+      back to CPU when the step cannot run on meta (e.g. it calls ``.item()``).
+
+    Args:
+        module: the model; a ``LightningModule`` or any ``nn.Module``.
+        sample_batch: one batch as the DataLoader yields it; its first dimension is the batch.
+        devices: devices to predict ``mgpu_dp`` / ``mgpu_ddp`` for.
+        device_memory: memory of one device (``"12GiB"``, ``"80GB"`` or bytes) for the fit
+            columns; ``None`` uses the smallest visible CUDA device, if any.
+        batch_size: the DataLoader's batch to predict for (per device under ``mgpu_ddp``,
+            split over the devices under ``mgpu_dp``); defaults to the sample's batch.
+        optimizer: an optimizer over ``module``'s parameters; defaults to ``configure_optimizers()``.
+        precision: Lightning's precision: ``"32-true"`` (default), ``"16-mixed"``,
+            ``"bf16-mixed"``, ``"16-true"``, ``"bf16-true"`` or ``"64-true"``.
+        step_fn: ``step_fn(module, batch)`` returning the loss (or a dict with ``"loss"``),
+            for modules with manual optimization or an unusual forward.
+        measure_on: ``"auto"``, ``"meta"`` or ``"cpu"``.
+
+    Returns:
+        A :class:`MemoryEstimate`; ``print()`` it for the report.
+
+    Raises:
+        ValueError: for an unknown precision, strategy input, memory size or a step that
+            does not return a loss.
+
+    Example::
+
+        from lightning_mgpu import estimate_memory
+
+        est = estimate_memory(model, next(iter(loader)), devices=2, device_memory="12GiB")
+        print(est)
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"expected an nn.Module (or LightningModule), got {type(module).__name__}")
+    if not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be a positive integer, got {devices!r}")
+    if measure_on not in ("auto", "meta", "cpu"):
+        raise ValueError(f"measure_on must be 'auto', 'meta' or 'cpu', got {measure_on!r}")
+    precision_name = "32-true" if precision is None else str(precision)
+    if precision_name not in _PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}: use one of {', '.join(_PRECISIONS)}")
+    memory = parse_bytes(device_memory) if device_memory is not None else _smallest_cuda_device()
+    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    param_dtype, autocast_dtype = _PRECISIONS[precision_name]
+
+    notes: list[str] = []
+    places = ["meta", "cpu"] if measure_on == "auto" else [measure_on]
+    if autocast_dtype is not None and "meta" in places:
+        if measure_on == "meta":
+            raise ValueError(
+                f"precision {precision_name!r} needs autocast, which meta tensors ignore:"
+                " use measure_on='cpu'"
+            )
+        places = ["cpu"]
+    measured: MeasuredStep | None = None
+    for place in places:
+        try:
+            measured = measure_steps(
+                module,
+                sample_batch,
+                device=torch.device(place),
+                optimizer=optimizer,
+                step_fn=step_fn,
+                param_dtype=param_dtype,
+                autocast_dtype=autocast_dtype,
+            )
+            break
+        except (RuntimeError, NotImplementedError, TypeError, AttributeError) as err:
+            if place == places[-1]:
+                raise
+            notes.append(f"could not step on meta tensors ({type(err).__name__}: {err}); measured on CPU")
+    assert measured is not None  # the loop either measured or raised
+    notes.extend(measured.notes)
+    return MemoryEstimate(
+        model=type(module).__name__,
+        batch_size=batch_size or measured.sample_batch_size,
+        devices=devices,
+        device_memory=memory,
+        measured_on=measured.device,
+        precision=precision_name,
+        optimizer=measured.optimizer,
+        parameter_bytes=measured.parameter_bytes,
+        buffer_bytes=measured.buffer_bytes,
+        gradient_bytes=measured.gradient_bytes,
+        optimizer_state_bytes=measured.optimizer_state_bytes,
+        batch_bytes_per_sample=measured.batch.slope,
+        activation_bytes_per_sample=measured.saved.slope,
+        output_bytes_per_sample=measured.outputs.slope,
+        forward_backward=measured.forward_backward.pair,
+        optimizer_step=measured.optimizer_step.pair,
+        notes=tuple(notes),
+    )
+
+
+def _smallest_cuda_device() -> int | None:
+    totals = [d.total_bytes for d in cuda_devices() if d.total_bytes]
+    return min(totals) if totals else None

@@ -1,0 +1,145 @@
+"""Draw per-device memory over the steps of a run from the metrics ``DeviceMemoryMonitor`` logged.
+
+Reads ``memory/<device>/<field>_MiB`` columns from a CSVLogger ``metrics.csv`` (or rows
+given directly), draws one line per device and each device's limit (``total_MiB``)
+dashed in the same colour when it is known. Needs matplotlib (``pip install
+'lightning-mgpu[plot]'``); it is imported only here, and pyplot is never touched, so
+plotting changes no global matplotlib state.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["find_metrics_csv", "plot_memory", "read_memory_metrics"]
+
+_KEY = re.compile(r"^memory/([^/]+)/([a-z_]+)_MiB$")
+# what to draw for each kind of device, in order of preference
+_DEFAULT_FIELDS = ("peak_allocated", "rss", "saved")
+
+
+def find_metrics_csv(path: str | os.PathLike[str]) -> Path:
+    """The ``metrics.csv`` of a run: ``path`` itself, ``path/metrics.csv``, or the only one below ``path``.
+
+    Raises:
+        FileNotFoundError: if there is none.
+        ValueError: if there are several (the message lists them).
+    """
+    p = Path(path)
+    if p.is_file():
+        return p
+    if not p.exists():
+        raise FileNotFoundError(f"no such run folder or metrics file: {p}")
+    if (p / "metrics.csv").is_file():
+        return p / "metrics.csv"
+    found = sorted(p.rglob("metrics.csv"))
+    if not found:
+        raise FileNotFoundError(f"no metrics.csv under {p}: train with a CSVLogger and DeviceMemoryMonitor")
+    if len(found) > 1:
+        listed = "\n  ".join(str(f.parent) for f in found)
+        raise ValueError(f"{p} holds several runs; pass one of:\n  {listed}")
+    return found[0]
+
+
+def read_memory_metrics(
+    source: str | os.PathLike[str] | Sequence[Mapping[str, Any]],
+) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """``{device: {field: [(step, MiB), ...]}}`` from a run folder, a metrics.csv or a list of rows."""
+    if isinstance(source, (str, os.PathLike)):
+        with open(find_metrics_csv(source), newline="") as f:
+            rows: Sequence[Mapping[str, Any]] = list(csv.DictReader(f))
+    else:
+        rows = source
+    series: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for i, row in enumerate(rows):
+        step_text = row.get("step")
+        step = int(float(step_text)) if step_text not in (None, "") else i
+        for key, text in row.items():
+            match = _KEY.match(str(key))
+            if match is None or text in (None, ""):
+                continue
+            value = float(text)
+            if not math.isnan(value):
+                series.setdefault(match.group(1), {}).setdefault(match.group(2), []).append((step, value))
+    return series
+
+
+def plot_memory(
+    run_dir_or_metrics: str | os.PathLike[str] | Sequence[Mapping[str, Any]],
+    out_png: str | os.PathLike[str],
+    *,
+    field: str | None = None,
+    title: str | None = None,
+) -> Any:
+    """Draw each device's memory over the steps into a PNG; returns the matplotlib ``Figure``.
+
+    - one solid line per device: peak allocated on CUDA devices, RSS of CPU ranks, bytes
+      saved for backward of CPU ``mgpu_dp`` replicas (or ``field`` for all devices);
+    - the device's limit (``total_MiB``) as a dashed line of the same colour, when logged.
+
+    Args:
+        run_dir_or_metrics: a run folder (holding ``metrics.csv`` somewhere below), a
+            ``metrics.csv`` path, or rows as dicts with ``step`` and ``memory/...`` keys.
+        out_png: where to write the PNG.
+        field: draw this field (e.g. ``"reserved"``, ``"nvml_used"``) instead of the default.
+        title: the plot's title.
+
+    Raises:
+        ImportError: if matplotlib is not installed.
+        ValueError: if the source holds no ``memory/*`` metrics (or not the requested field).
+
+    Example::
+
+        from lightning_mgpu import plot_memory
+
+        fig = plot_memory("lightning_logs/version_0", "memory.png")
+    """
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise ImportError("plot_memory needs matplotlib: pip install 'lightning-mgpu[plot]'") from err
+
+    series = read_memory_metrics(run_dir_or_metrics)
+    if not series:
+        raise ValueError(
+            f"no memory/* metrics in {run_dir_or_metrics!s:.200}:"
+            " train with DeviceMemoryMonitor and a CSVLogger"
+        )
+    fig = Figure(figsize=(9, 5), layout="constrained")
+    ax = fig.subplots()
+    drawn = []
+    for device in sorted(series):
+        fields = series[device]
+        name = field or next((f for f in _DEFAULT_FIELDS if f in fields), None)
+        if name is None or name not in fields:
+            continue
+        steps = [s for s, _ in fields[name]]
+        values = [v for _, v in fields[name]]
+        (line,) = ax.plot(steps, values, linestyle="-", label=f"{device} {name}")
+        drawn.append(name)
+        if "total" in fields:
+            limit = max(v for _, v in fields["total"])
+            ax.axhline(limit, color=line.get_color(), linestyle="--", label=f"{device} limit")
+    if not drawn:
+        raise ValueError(f"no device logged memory/<device>/{field}_MiB; fields present: {_fields(series)}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("MiB")
+    ax.set_title(title or "Memory per device")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    fig.savefig(tmp, format="png", dpi=100)
+    os.replace(tmp, out)
+    return fig
+
+
+def _fields(series: dict[str, dict[str, list[tuple[int, float]]]]) -> str:
+    return ", ".join(sorted({f for fields in series.values() for f in fields}))

@@ -1,0 +1,338 @@
+"""DeviceMemoryMonitor in real runs: DDP ranks and DP replicas reach the logger, imbalance, summary, OOM."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mgpu import DeviceMemoryMonitor
+from lightning_mgpu.callbacks._memory_report import Facts, Reading, likely_causes
+from tests.helpers import run_script
+
+MODULE = """
+import os, sys
+import lightning as L, torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from lightning.pytorch.loggers import CSVLogger
+from lightning_mgpu import DeviceMemoryMonitor
+
+class Model(L.LightningModule):
+    def __init__(self, fail_rank=None, fail_batch=None):
+        super().__init__()
+        self.net = nn.Linear(8, 1)
+        self.fail_rank, self.fail_batch = fail_rank, fail_batch
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == self.fail_rank and batch_idx == self.fail_batch:
+            raise MemoryError("could not allocate 3 GiB")
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+def trainer(log_dir, every):
+    return L.Trainer(
+        accelerator="cpu", devices=2, strategy="mgpu_ddp", max_epochs=1, logger=CSVLogger(log_dir),
+        callbacks=[DeviceMemoryMonitor(every_n_steps=every)], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+
+data = DataLoader(TensorDataset(torch.randn(64, 8), torch.randn(64, 1)), batch_size=4)
+"""
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def memory_rows(log_dir: Path) -> list[dict[str, str]]:
+    rows = read_csv(next(log_dir.rglob("metrics.csv")))
+    return [r for r in rows if r.get("memory/imbalance")]
+
+
+def test_ddp_ranks_reach_rank0_logger_imbalance_warned_and_summarized(tmp_path: Path) -> None:
+    code = (
+        MODULE
+        + """
+class Hoarder(Model):
+    def on_train_start(self):
+        if self.global_rank == 0:
+            self.hoard = torch.ones(100 * 2**20)  # 400 MiB that only rank 0 keeps
+
+t = trainer(sys.argv[1], every=2)
+t.fit(Hoarder(), data)
+print("LOG_DIR", t.log_dir)
+"""
+    )
+    result = run_script(code, tmp_path, args=[str(tmp_path / "logs")], timeout=180)
+    assert result.returncode == 0, result.output[-3000:]
+    rows = memory_rows(tmp_path / "logs")
+    assert len(rows) == 4  # 8 batches per rank, logged every 2
+    for row in rows:
+        for rank in (0, 1):
+            assert float(row[f"memory/cpu:rank{rank}/rss_MiB"]) > 100
+            assert float(row[f"memory/cpu:rank{rank}/peak_rss_MiB"]) > 100
+        rank0, rank1 = (
+            float(row["memory/cpu:rank0/peak_rss_MiB"]),
+            float(row["memory/cpu:rank1/peak_rss_MiB"]),
+        )
+        assert rank0 > rank1 + 300
+        assert float(row["memory/imbalance"]) == pytest.approx(rank0 / ((rank0 + rank1) / 2), rel=1e-6)
+
+    # one warning, from rank 0 only, naming the device and that no usual cause applies
+    assert result.output.count("Memory is unbalanced: cpu:rank0 holds") == 1
+    assert "tensors kept on cpu:rank0 only" in result.output
+    # one table, printed by rank 0, holding both ranks
+    assert result.output.count("Device memory over the fit (peaks):") == 1
+    table = result.stdout.split("Device memory over the fit (peaks):")[1]
+    assert "| cpu:rank0 | CPU process |" in table
+    assert "| cpu:rank1 | CPU process |" in table
+    log_dir = Path(result.stdout.split("LOG_DIR ")[1].split()[0])
+    summary = json.loads((log_dir / "memory_summary.json").read_text())
+    assert [d["device"] for d in summary["devices"]] == ["cpu:rank0", "cpu:rank1"]
+    assert summary["max_imbalance"] > 1.25
+    assert summary["devices"][0]["peak_rss_bytes"] > summary["devices"][1]["peak_rss_bytes"] + 300 * 2**20
+
+
+def test_ddp_out_of_memory_on_one_rank_explains_and_both_ranks_end(tmp_path: Path) -> None:
+    code = (
+        MODULE
+        + """
+t = trainer(sys.argv[1], every=1)
+try:
+    t.fit(Model(fail_rank=1, fail_batch=3), data)
+finally:
+    print(f"rank {t.global_rank} ended", file=sys.stderr, flush=True)
+"""
+    )
+    # returning at all means every process that shared the output pipes has exited: no hang
+    result = run_script(code, tmp_path, args=[str(tmp_path / "logs")], timeout=120)
+    out = result.output
+    assert result.returncode != 0
+    assert "rank 0 ended" in out
+    assert "rank 1 ended" in out
+    assert (
+        out.count("Out of memory on cpu:rank1 (rank 1) at step 3: MemoryError: could not allocate 3 GiB") == 1
+    )
+    guidance = out.split("Out of memory on cpu:rank1")[1]
+    assert "| cpu:rank0 | CPU process |" in guidance  # what every device held, from the last gather
+    assert "| cpu:rank1 | CPU process |" in guidance
+    assert "4 rows per device now; the largest that finished a step so far is 4" in guidance
+    assert "accumulate_grad_batches=2" in guidance
+    assert "[rank1]: MemoryError: could not allocate 3 GiB" in out  # the original error, re-raised
+
+
+class Small(L.LightningModule):
+    def __init__(self, fail_at_rows: int | None = None) -> None:
+        super().__init__()
+        self.net = nn.Linear(8, 1)
+        self.fail_at_rows = fail_at_rows
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if x.shape[0] == self.fail_at_rows:
+            raise MemoryError("cannot allocate memory")
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit(
+    tmp_path: Path, callback: DeviceMemoryMonitor, loader: DataLoader, model: L.LightningModule, **kw: Any
+) -> L.Trainer:
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        default_root_dir=tmp_path,
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kw,
+    )
+    trainer.fit(model, loader)
+    return trainer
+
+
+def dataset(n: int = 32) -> TensorDataset:
+    return TensorDataset(torch.randn(n, 8), torch.randn(n, 1))
+
+
+def test_single_process_interval_final_log_and_summary_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    monitor = DeviceMemoryMonitor(every_n_steps=3, summary_file="mem.json", print_summary=False)
+    trainer = fit(tmp_path, monitor, DataLoader(dataset(), batch_size=4), Small(), logger=CSVLogger(tmp_path))
+    rows = memory_rows(tmp_path)
+    assert [int(r["step"]) for r in rows] == [2, 5, 8]  # after batches 3 and 6, and the rest at the end
+    assert all(float(r["memory/cpu:rank0/rss_MiB"]) > 50 for r in rows)
+    assert all(float(r["memory/imbalance"]) == 1.0 for r in rows)
+    summary = json.loads((Path(trainer.log_dir) / "mem.json").read_text())
+    assert summary["devices"][0]["device"] == "cpu:rank0"
+    assert summary["logs"] == 3
+    assert "Device memory over the fit" not in capsys.readouterr().out
+
+
+def test_without_logger_warns_and_still_writes_summary(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.warns(UserWarning, match="no logger"):
+        fit(
+            tmp_path,
+            DeviceMemoryMonitor(every_n_steps=2),
+            DataLoader(dataset(8), batch_size=4),
+            Small(),
+            logger=False,
+        )
+    assert json.loads((tmp_path / "memory_summary.json").read_text())["devices"][0]["device"] == "cpu:rank0"
+    assert "| cpu:rank0 | CPU process |" in capsys.readouterr().out
+
+
+def test_out_of_memory_reports_batches_and_options_then_reraises(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    batches = [list(range(0, 2)), list(range(2, 6)), list(range(6, 14))]  # 2, 4, then 8 rows
+    loader = DataLoader(dataset(16), batch_sampler=batches)
+    with pytest.raises(MemoryError, match="cannot allocate memory"):
+        fit(tmp_path, DeviceMemoryMonitor(every_n_steps=1), loader, Small(fail_at_rows=8), logger=False)
+    err = capsys.readouterr().err
+    assert "Out of memory on cpu:rank0 (rank 0) at step 2: MemoryError: cannot allocate memory" in err
+    assert "| cpu:rank0 | CPU process |" in err
+    assert (
+        "8 rows per device now; the largest that finished a step so far is 4; try 4 rows per device." in err
+    )
+    assert "DataLoader batch_size=4 and Trainer(accumulate_grad_batches=2) (now 1)" in err
+    assert "precision: 32-true now; precision='bf16-mixed'" in err
+    assert "mgpu_ddp instead" not in err  # only offered to mgpu_dp runs
+
+
+def test_other_errors_print_no_guidance(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    class Broken(Small):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            raise ValueError("a bug")
+
+    with pytest.raises(ValueError, match="a bug"):
+        fit(tmp_path, DeviceMemoryMonitor(), DataLoader(dataset(8), batch_size=4), Broken(), logger=False)
+    assert "Out of memory" not in capsys.readouterr().err
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="every_n_steps must be a positive integer"):
+        DeviceMemoryMonitor(every_n_steps=0)
+    with pytest.raises(ValueError, match="imbalance_threshold must be at least 1.0"):
+        DeviceMemoryMonitor(imbalance_threshold=0.9)
+
+
+class WideRows(L.LightningModule):
+    """Activations grow with the rows; the weight is one number, so rows decide each replica's memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return (x * self.scale).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_dp_replicas_reach_the_logger_and_uneven_split_is_named(tmp_path: Path) -> None:
+    dp = pytest.importorskip("lightning_mgpu.strategies.dp")
+    loader = DataLoader(TensorDataset(torch.randn(12, 4096)), batch_size=3)  # 2 replicas: 2 rows and 1 row
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=dp.MGPUDataParallelStrategy(),
+        max_epochs=1,
+        logger=CSVLogger(tmp_path),
+        callbacks=[DeviceMemoryMonitor(every_n_steps=1)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.warns(UserWarning, match="Memory is unbalanced") as record:
+        trainer.fit(WideRows(), loader)
+    rows = memory_rows(tmp_path)
+    assert len(rows) == 4
+    for row in rows:
+        first, second = (
+            float(row["memory/cpu:replica0/saved_MiB"]),
+            float(row["memory/cpu:replica1/saved_MiB"]),
+        )
+        assert first == pytest.approx(2 * second, rel=0.05)
+        assert float(row["memory/cpu:rank0/rss_MiB"]) > 50
+        assert float(row["memory/imbalance"]) == pytest.approx(4 / 3, rel=0.05)
+    messages = [str(w.message) for w in record if "Memory is unbalanced" in str(w.message)]
+    assert len(messages) == 1
+    assert "cpu:replica0" in messages[0]
+    assert "uneven splits: the replicas got [2, 1] rows" in messages[0]
+
+
+def reading(device: str, rank: int, peak: float, rows: float = 8) -> Reading:
+    values = dict.fromkeys(("allocated", "reserved", "peak_reserved", "nvml_used", "total"), math.nan)
+    return Reading(device, "cuda", rank, "GPU", values | {"peak_allocated": peak}, rows)
+
+
+def test_likely_causes_name_each_known_cause() -> None:
+    card0, card1 = reading("cuda:0", 0, 3e9), reading("cuda:1", 1, 1e9)
+    dp = likely_causes(card0, 1.5, Facts("mgpu_dp", root_device="cuda:0", chunk_sizes=[8, 8]))
+    assert len(dp) == 1
+    assert "mgpu_dp gathers every replica's outputs and computes the loss on cuda:0" in dp[0]
+    uneven = likely_causes(card0, 1.5, Facts("mgpu_dp", root_device="cuda:0", chunk_sizes=[9, 8, 8]))
+    assert "uneven splits: the replicas got [9, 8, 8] rows" in uneven[1]
+    ranks = likely_causes(card0, 1.5, Facts("ddp", root_device="cuda:0", rows_per_rank={0: 12, 1: 4}))
+    assert ranks == ["uneven splits: ranks got different batches in the last step (rank 0: 12, rank 1: 4)"]
+    state = likely_causes(card0, 1.5, Facts("ddp", optimizer_state_elsewhere={1: {"cuda:0": 2**30}}))
+    assert state[0].startswith("optimizer state on cuda:0: rank 1 keeps 1.00 GiB")
+    stray = likely_causes(card0, 1.5, Facts("ddp", contexts={"cuda:0": [0, 1, 2]}))
+    assert stray[0].startswith("a stray CUDA context on cuda:0: rank(s) 1, 2 also use cuda:0")
+    allocated = likely_causes(card0, 1.5, Facts("ddp", allocated_elsewhere={3: {"cuda:0": 10}}))
+    assert "rank(s) 3 also use cuda:0" in allocated[0]
+    nothing = likely_causes(card1, 1.5, Facts("ddp", contexts={"cuda:0": [0, 1]}))
+    assert nothing[0].startswith("none of the usual causes")
+
+
+@pytest.mark.gpu
+def test_cuda_keys_table_and_oom(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    class Big(Small):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if batch_idx == 2:
+                torch.empty(2**50, device=self.device)  # more than any GPU holds
+            return super().training_step(batch, batch_idx)
+
+    loader = DataLoader(dataset(16), batch_size=4)
+    trainer = L.Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_epochs=1,
+        logger=CSVLogger(tmp_path),
+        callbacks=[DeviceMemoryMonitor(every_n_steps=1)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        trainer.fit(Big(), loader)
+    err = capsys.readouterr().err
+    assert "Out of memory on cuda:0 (rank 0) at step 2" in err
+    assert f"| cuda:0 | {torch.cuda.get_device_name(0)} |" in err
+    rows = memory_rows(tmp_path)
+    assert len(rows) == 2
+    for key in ("allocated", "reserved", "peak_allocated", "peak_reserved", "total"):
+        assert float(rows[0][f"memory/cuda:0/{key}_MiB"]) >= 0
+    assert float(rows[0]["memory/cuda:0/peak_allocated_MiB"]) > 0
+    assert float(rows[0]["memory/cuda:0/total_MiB"]) > 1000
