@@ -5,7 +5,8 @@ The run folder (``run_dir``, by default ``runs/<recipe>-<date>-<time>``) receive
 - ``config.yaml``: the resolved config;
 - ``metrics.csv`` (and ``hparams.yaml``): every logged metric (Lightning's ``CSVLogger``);
 - ``checkpoints/``: ``ModelCheckpoint``'s files and, next to each, plain ``.safetensors`` weights;
-- the memory monitor's summary JSON and plot;
+- ``memory_summary.json`` (the memory monitor's per-device peaks) and ``memory.png`` (its plot, when
+  matplotlib is installed);
 - ``predictions.csv`` for ``task: predict``.
 
 Under DDP every process runs this; Lightning's launcher passes the run folder to the processes
@@ -119,8 +120,25 @@ def run_job(cfg: RunConfig) -> int:
         if launcher_env:
             os.environ.pop(RUN_DIR_ENV, None)
     if trainer.is_global_zero:
-        print(summary(cfg, trainer, run_dir, time.monotonic() - start))
+        seconds = time.monotonic() - start
+        plot_note = _plot_memory(cfg, trainer, run_dir)
+        print(summary(cfg, trainer, run_dir, seconds) + (f"\n{plot_note}" if plot_note else ""))
     return 0
+
+
+def _plot_memory(cfg: RunConfig, trainer: L.Trainer, run_dir: Path) -> str:
+    """Draw ``memory.png`` from the logged memory metrics; returns why not when it cannot."""
+    if cfg.task != "fit" or not cfg.callbacks.memory.enabled or not (run_dir / "metrics.csv").is_file():
+        return ""
+    from lightning_mgpu.plot import plot_memory
+
+    try:
+        plot_memory(run_dir / "metrics.csv", run_dir / "memory.png", title=f"{cfg.recipe}: memory per device")
+    except ImportError as err:
+        return f"no memory.png: {err}"
+    except ValueError:  # too short a run to log memory (e.g. fewer steps than every_n_steps)
+        return ""
+    return ""
 
 
 def summary(cfg: RunConfig, trainer: L.Trainer, run_dir: Path, seconds: float) -> str:
@@ -144,7 +162,8 @@ def summary(cfg: RunConfig, trainer: L.Trainer, run_dir: Path, seconds: float) -
         ]
     lines.append(f"written to {run_dir}/:")
     lines += [f"  {line}" for line in _describe_files(trainer, run_dir)]
-    lines += _peak_memory_lines(trainer)
+    lines.append("peak memory:")
+    lines += [f"  {line}" for line in _peak_memory_lines(trainer)]
     return "\n".join(lines)
 
 
@@ -170,23 +189,40 @@ def _describe_files(trainer: L.Trainer, run_dir: Path) -> list[str]:
             note = "best checkpoint" if best and Path(best).resolve() == path.resolve() else "checkpoint"
         elif path.suffix == ".safetensors":
             note = "plain weights (safetensors)"
-        elif path.suffix == ".png":
-            note = "plot"
-        elif path.suffix == ".json":
-            note = "summary"
+        elif path.name == "memory.png":
+            note = "memory of each device over the steps"
+        elif path.name == "memory_summary.json":
+            note = "each device's peak memory"
         out.append(f"{rel}  {note}".rstrip())
     return out
 
 
 def _peak_memory_lines(trainer: L.Trainer) -> list[str]:
-    """This process's devices: the CUDA allocator's peak, or the process's peak RSS on CPU."""
-    from lightning_mgpu.devices import MiB, process_memory
+    """Each device's peak: the memory monitor's fit-wide maxima, else this process's own device."""
+    from lightning_mgpu.callbacks.memory import DeviceMemoryMonitor
+    from lightning_mgpu.devices import format_bytes, process_memory
 
-    device = trainer.strategy.root_device
+    callbacks = getattr(trainer, "callbacks", [])  # set at run time, unknown to type checkers
+    monitor = next((cb for cb in callbacks if isinstance(cb, DeviceMemoryMonitor)), None)
+    devices = monitor.summary.as_json()["devices"] if monitor is not None else []
+    lines = []
+    for d in devices:
+        label = f"{d['device']} ({d['name']})" if d.get("name") else d["device"]
+        parts = [f"{what} {format_bytes(d[key])}" for key, what in _PEAK_FIELDS if d.get(key) is not None]
+        lines.append(f"{label}: {', '.join(parts) or 'not measured'}")
+    if lines:
+        return lines
+    device = trainer.strategy.root_device  # the monitor is off, or the run was too short to read it
     if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-        return ["peak memory:", f"  {device}  {peak / MiB:.0f} MiB allocated"]
-    return [
-        "peak memory:",
-        f"  cpu:rank{trainer.global_rank}  {process_memory()['peak_rss'] / MiB:.0f} MiB RSS",
-    ]
+        return [f"{device}: peak allocated {format_bytes(torch.cuda.max_memory_allocated(device))}"]
+    return [f"cpu:rank{trainer.global_rank}: peak RSS {format_bytes(process_memory()['peak_rss'])}"]
+
+
+# memory_summary.json fields worth a line, as the monitor names them
+_PEAK_FIELDS = (
+    ("peak_allocated_bytes", "peak allocated"),
+    ("peak_reserved_bytes", "peak reserved"),
+    ("nvml_used_bytes", "nvidia-smi used"),
+    ("peak_rss_bytes", "peak RSS"),
+    ("saved_bytes", "saved for backward"),
+)

@@ -2,8 +2,9 @@
 
 - ``resolve_devices`` turns ``devices: auto`` into every visible GPU, or on a machine without
   one into one CPU process per core, at most ``CPU_DEVICE_CAP`` (4).
-- ``build_callbacks`` adds ``ModelCheckpoint`` (to ``<run_dir>/checkpoints``), the memory monitor,
-  the plain weights export and early stopping as the ``callbacks`` section says.
+- ``build_callbacks`` adds the memory monitor (its summary is ``<run_dir>/memory_summary.json``),
+  ``ModelCheckpoint`` (to ``<run_dir>/checkpoints``), the plain weights export and early stopping
+  as the ``callbacks`` section says.
 - ``build_trainer`` gives the Trainer a ``CSVLogger`` writing ``<run_dir>/metrics.csv``.
 
 Lightning's configuration errors become ``ValueError`` so the command line prints them in one line.
@@ -125,8 +126,15 @@ def build_callbacks(cfg: RunConfig, run_dir: Path) -> list[Callback]:
 
         callbacks = build_callbacks(cfg, Path("runs/digits-1"))
     """
+    from lightning_mgpu.callbacks.memory import DeviceMemoryMonitor
+
     section = cfg.callbacks
     callbacks: list[Callback] = []
+    if section.memory.enabled:
+        mem = section.memory
+        # the run's summary shows each device's peak, so the callback's own table stays off
+        monitor = DeviceMemoryMonitor(mem.every_n_steps, mem.imbalance_threshold, print_summary=False)
+        callbacks.append(monitor)
     if section.checkpoint.enabled:
         ck = section.checkpoint
         callbacks.append(

@@ -212,10 +212,14 @@ class MemoryConfig:
     """Turn the monitor on or off."""
     every_n_steps: int = 10
     """Read memory every this many training steps."""
+    imbalance_threshold: float = 1.25
+    """Warn once when the fullest device's peak exceeds the mean peak by this factor."""
 
     def problems(self) -> list[str]:
         """Impossible values in this section, one message each."""
-        return _at_least("every_n_steps", self.every_n_steps, 1)
+        return _at_least("every_n_steps", self.every_n_steps, 1) + _at_least(
+            "imbalance_threshold", self.imbalance_threshold, 1.0, " (1.0 is perfectly balanced)"
+        )
 
 
 @dataclass
