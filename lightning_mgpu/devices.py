@@ -7,6 +7,7 @@
   (all processes and CUDA contexts), when NVML is installed.
 - ``process_memory()`` reads this process's RSS and peak RSS.
 - ``parse_bytes("12GiB")`` and ``format_bytes(n)`` convert memory sizes for people.
+- ``nvml_available()`` says whether NVML can be queried here at all.
 
 Nothing here initialises CUDA unless it has to read a CUDA device's allocator, so
 it is safe to call before Lightning forks processes. Nothing here knows about
@@ -34,6 +35,7 @@ __all__ = [
     "cpu_summary",
     "cuda_devices",
     "format_bytes",
+    "nvml_available",
     "nvml_memory",
     "parse_bytes",
     "process_memory",
@@ -94,6 +96,11 @@ def _nvml() -> Any | None:
     except Exception:  # no driver, no library: NVML is simply not available
         return None
     return pynvml
+
+
+def nvml_available() -> bool:
+    """Whether NVML (``pip install lightning-mgpu[nvml]``) is installed and finds a driver."""
+    return _nvml() is not None
 
 
 def _nvml_handle(nvml: Any, index: int) -> Any | None:

@@ -6,9 +6,19 @@ import importlib
 from typing import Any
 
 # module, class: one strategy per file
-_STRATEGIES = (("lightning_mgpu.strategies.ddp", "MGPUDDPStrategy"),)
+_STRATEGIES = (
+    ("lightning_mgpu.strategies.ddp", "MGPUDDPStrategy"),
+    ("lightning_mgpu.strategies.dp", "MGPUDataParallelStrategy"),
+    ("lightning_mgpu.strategies.auto", "MGPUAutoStrategy"),
+)
 
 
 def strategy_classes() -> list[Any]:
     """Import and return every strategy class of the package."""
     return [getattr(importlib.import_module(module), name) for module, name in _STRATEGIES]
+
+
+# A strategy module imports Lightning, and Lightning's import registers every strategy
+# (see ``_registration``). Importing Lightning here, before any strategy module starts,
+# means that registration never meets a strategy module that is only half imported.
+import lightning.pytorch  # noqa: E402, F401

@@ -1,0 +1,61 @@
+"""``lightning-mgpu devices``: the devices here, what they hold, and what ``mgpu_auto`` would pick.
+
+For each visible CUDA device: its index for torch (``cuda:N``) and, under
+``CUDA_VISIBLE_DEVICES``, the physical index ``nvidia-smi`` uses; its name; used and
+total memory and the processes holding memory on it (through NVML, the
+``lightning-mgpu[nvml]`` extra). On a machine without CUDA it says so and shows the CPU
+cores and RAM. Then it prints the strategy ``Trainer(strategy="mgpu_auto",
+devices="auto")`` would use here, and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+_GiB = 1024**3
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--num-nodes",
+        type=int,
+        default=1,
+        help="nodes the Trainer would run on, for the mgpu_auto decision (default: 1)",
+    )
+
+
+def _gib(value: int | None) -> str:
+    return "?" if value is None else f"{value / _GiB:.1f}"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.num_nodes < 1:
+        raise ValueError(f"--num-nodes must be at least 1, got {args.num_nodes}")
+    from lightning_mgpu.devices import cpu_summary, cuda_devices, nvml_available, visible_cuda_devices
+    from lightning_mgpu.strategies.auto import choose_strategy
+
+    devices = cuda_devices()
+    visible = visible_cuda_devices()
+    if visible is not None:
+        print(f"CUDA_VISIBLE_DEVICES={','.join(visible) or '(empty)'}")
+    if not devices:
+        cpu = cpu_summary()
+        print("No CUDA device is visible: this machine trains on CPU only.")
+        ram = f"RAM {_gib(cpu['ram_used'])} GiB used of {_gib(cpu['ram_total'])} GiB"
+        print(f"CPU: {cpu['cores']} logical cores, {ram}")
+    for device in devices:
+        physical = f" (physical {device.physical})" if device.physical != str(device.index) else ""
+        memory = (
+            f"{_gib(device.used_bytes)} GiB used of {_gib(device.total_bytes)} GiB"
+            if device.used_bytes is not None
+            else f"{_gib(device.total_bytes)} GiB total"
+        )
+        print(f"cuda:{device.index}{physical}  {device.name}  {memory}")
+        for proc in device.processes:
+            held = "" if proc.used_bytes is None else f"  {_gib(proc.used_bytes)} GiB"
+            print(f"    pid {proc.pid}  {proc.name or '?'}{held}")
+    if devices and not nvml_available():
+        print("(used memory and processes need NVML: pip install 'lightning-mgpu[nvml]')")
+    choice = choose_strategy(devices="auto", num_nodes=args.num_nodes)
+    print(f'mgpu_auto with devices="auto" would pick {choice.strategy}: {choice.reason}')
+    return 0

@@ -1,0 +1,226 @@
+"""Replicas of a LightningModule, the call that runs one step inside a replica, and its logs.
+
+- ``replicate`` copies the module tree once per device. On CUDA it is
+  ``torch.nn.parallel.replicate`` (parameters broadcast in a differentiable way, buffers
+  copied). On CPU every replica shares the module's parameters, the first replica shares
+  its buffers and the others get copies of them: the same semantics without the copies
+  that one device does not need.
+- ``ReplicaCall`` runs ``training_step`` (or another step) of one replica in its thread with
+  the caller's grad / inference mode and the precision plugin's autocast, which are all
+  thread-local, and can count the bytes the replica saves for backward.
+- ``LogCapture`` records the ``self.log`` calls of one replica; ``replay_logs`` combines them
+  into one call on the module.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, ExitStack
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from torchmetrics import Metric
+
+from lightning_mgpu.strategies._scatter import weighted_mean
+
+__all__ = ["LogCapture", "ReplicaCall", "prepare_replica", "replay_logs", "replicate"]
+
+
+def _replicate_on_cpu(module: nn.Module, count: int) -> list[nn.Module]:
+    modules: list[nn.Module] = []
+    index: dict[int, int] = {}
+    pending = [module]
+    while pending:
+        current = pending.pop()
+        if id(current) in index:
+            continue
+        index[id(current)] = len(modules)
+        modules.append(current)
+        if not isinstance(current, Metric):  # metrics get their own copies (see _metrics.py)
+            pending.extend(child for child in current._modules.values() if child is not None)
+    copies = [[m._replicate_for_data_parallel() for m in modules] for _ in range(count)]
+    for j in range(count):
+        for i, original in enumerate(modules):
+            replica = copies[j][i]
+            replica._parameters = dict(original._parameters)
+            if j > 0:
+                replica._buffers = {k: None if b is None else b.clone() for k, b in original._buffers.items()}
+            for key, child in original._modules.items():
+                if child is not None and id(child) in index:
+                    replica._modules[key] = copies[j][index[id(child)]]
+    return [c[0] for c in copies]
+
+
+def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
+    """One replica of ``module`` per device; gradients of every replica flow into ``module``'s parameters."""
+    if all(d.type == "cpu" for d in devices):
+        return _replicate_on_cpu(module, len(devices))
+    from torch.nn.parallel import replicate as torch_replicate
+
+    replicas = torch_replicate(module, list(devices), detach=not torch.is_grad_enabled())
+    for replica in replicas:
+        for sub in replica.modules():
+            former = getattr(sub, "_former_parameters", None)
+            if former:
+                # so that ``self.parameters()`` inside a step still sees (differentiable) parameters
+                sub._parameters = {**sub._parameters, **former}
+    return replicas
+
+
+@functools.cache
+def _log_signature() -> inspect.Signature:
+    return inspect.signature(LightningModule.log)
+
+
+class LogCapture:
+    """Stands in for ``self.log`` inside one replica."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, tuple[Any, dict[str, Any]]] = {}
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        options = dict(_log_signature().bind(None, name, value, *args, **kwargs).arguments)
+        for key in ("self", "name", "value"):
+            options.pop(key, None)
+        self.calls[name] = (value, options)
+
+
+def _reduction(reduce_fx: Any) -> str:
+    if isinstance(reduce_fx, str):
+        name = reduce_fx.lower()
+        return "mean" if name == "avg" else name
+    for name, fns in (("mean", (torch.mean,)), ("sum", (torch.sum, sum)), ("max", (torch.max, max))):
+        if reduce_fx in fns:
+            return name
+    if reduce_fx in (torch.min, min):
+        return "min"
+    return "mean"  # Lightning rejects other reductions with its own message when the value is logged
+
+
+def _combine_logged(values: list[Tensor], weights: Sequence[float], reduce_fx: Any) -> Tensor:
+    kind = _reduction(reduce_fx)
+    if kind == "sum":
+        return functools.reduce(torch.add, values)
+    if kind == "max":
+        return functools.reduce(torch.maximum, values)
+    if kind == "min":
+        return functools.reduce(torch.minimum, values)
+    return weighted_mean(values, weights, values[0].device)
+
+
+def replay_logs(
+    module: LightningModule,
+    captures: Sequence[LogCapture],
+    sizes: Sequence[int],
+    device: torch.device,
+    originals: dict[int, Metric],
+) -> None:
+    """Log once on ``module`` what the replicas logged.
+
+    A value is the mean of the replicas' values weighted by their chunk sizes (or by the
+    ``batch_size`` they passed), or their sum / max / min when ``reduce_fx`` says so. A metric
+    object logged in a replica is replaced by the module's own metric.
+    """
+    names = dict.fromkeys(name for capture in captures for name in capture.calls)
+    for name in names:
+        entries = [(n, c.calls[name]) for n, c in zip(sizes, captures, strict=True) if name in c.calls]
+        value, options = entries[0][1]
+        options = dict(options)
+        if isinstance(value, Metric):
+            module.log(name, originals.get(id(value), value), **options)
+            continue
+        given = [float(opts["batch_size"]) for _, (_, opts) in entries if opts.get("batch_size") is not None]
+        if len(given) == len(entries):
+            weights = given
+            options["batch_size"] = int(sum(weights))
+        else:
+            weights = [float(n) for n, _ in entries]
+        values = [
+            v.to(device) if isinstance(v, Tensor) else torch.tensor(v, device=device) for _, (v, _) in entries
+        ]
+        module.log(name, _combine_logged(values, weights, options.get("reduce_fx", "mean")), **options)
+
+
+def prepare_replica(replica: nn.Module, device: torch.device, hooks: dict[str, Callable[..., Any]]) -> None:
+    """Point a replica's ``self.device`` at its own device and install the stand-ins in ``hooks``."""
+    for sub in replica.modules():
+        if "_device" in sub.__dict__ and sub.__dict__["_device"] != device:
+            sub.__dict__["_device"] = device
+    replica.__dict__.update(hooks)
+
+
+class _SavedBytes:
+    """Counts the bytes of the distinct tensors autograd saves for backward."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._seen: set[tuple[Any, ...]] = set()
+
+    def pack(self, tensor: Tensor) -> Tensor:
+        try:
+            key = (tensor.device, tensor.data_ptr(), tensor.numel(), tensor.dtype)
+        except RuntimeError:  # tensors without storage (sparse, nested, meta)
+            return tensor
+        if key not in self._seen:
+            self._seen.add(key)
+            self.total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: Tensor) -> Tensor:
+        return tensor
+
+
+class ReplicaCall:
+    """Calls ``method`` of one replica with the caller's thread-local modes.
+
+    Args:
+        replica: the replica (or the module itself when one replica runs).
+        method: ``"training_step"``, ``"validation_step"``, ...
+        step_context: the precision plugin's context for this kind of step.
+        track_memory: whether to count the bytes saved for backward; ``saved_bytes`` holds them.
+        on_exit: called with the exception (or ``None``) when the step ends.
+    """
+
+    def __init__(
+        self,
+        replica: nn.Module,
+        method: str,
+        step_context: Callable[[], AbstractContextManager[Any]],
+        track_memory: bool = False,
+        on_exit: Callable[[BaseException | None], None] | None = None,
+    ) -> None:
+        self.replica = replica
+        self.method = method
+        self.step_context = step_context
+        self.saved_bytes = 0
+        self._track = track_memory
+        self._on_exit = on_exit
+        self._grad = torch.is_grad_enabled()
+        self._inference = torch.is_inference_mode_enabled()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        counter = _SavedBytes() if self._track else None
+        error: BaseException | None = None
+        try:
+            with ExitStack() as stack:
+                stack.enter_context(torch.inference_mode(self._inference))
+                stack.enter_context(torch.set_grad_enabled(self._grad))
+                stack.enter_context(self.step_context())
+                if counter is not None:
+                    stack.enter_context(
+                        torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack)
+                    )
+                return getattr(self.replica, self.method)(*args, **kwargs)
+        except BaseException as err:
+            error = err
+            raise
+        finally:
+            if counter is not None:
+                self.saved_bytes = counter.total
+            if self._on_exit is not None:
+                self._on_exit(error)

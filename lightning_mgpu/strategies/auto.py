@@ -1,0 +1,334 @@
+"""``mgpu_auto`` and ``choose_strategy``: pick the multi-device strategy that works where the code runs.
+
+``choose_strategy(devices=..., num_nodes=...)`` decides, from the number of devices and
+the facts of the environment, in this order:
+
+- several nodes, or a process started by torchrun, SLURM or a launcher that set
+  ``LOCAL_RANK``: ``mgpu_ddp``, the processes already exist or must be started per node;
+- one device: ``single_device``, nothing to parallelise;
+- ``torch.distributed`` missing from this torch build: ``mgpu_dp``, one process needs no
+  process group;
+- several devices in a script: ``mgpu_ddp``;
+- several devices in an interactive session (Jupyter, IPython, ``python -i``) where CUDA
+  is already initialised: ``mgpu_dp``, because forking a process after CUDA is initialised
+  is impossible (Lightning's ``ddp_notebook`` raises there);
+- the same on a platform without ``fork`` (Windows): ``mgpu_dp``;
+- several devices in an interactive session otherwise: Lightning's ``ddp_notebook``.
+
+On CUDA without NCCL (Windows builds) the DDP choices use the ``gloo`` backend.
+
+The ``mgpu_auto`` strategy applies the decision inside the Trainer. A registered strategy
+is built before the Trainer has resolved ``devices`` and ``num_nodes``, so ``mgpu_auto``
+starts as a placeholder: the Trainer hands it the accelerator, precision, devices, node
+count and cluster environment, and then calls ``_configure_launcher`` on it. There it
+decides, builds the chosen strategy with exactly those settings, and takes its place
+(the object becomes an instance of the chosen class), so ``trainer.strategy`` is an
+ordinary ``MGPUDDPStrategy``, ``DDPStrategy``, ``SingleDeviceStrategy`` or
+``MGPUDataParallelStrategy``. The decision is logged once, with its reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry
+from lightning.pytorch.strategies import ParallelStrategy, SingleDeviceStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+__all__ = ["EnvironmentFacts", "MGPUAutoStrategy", "StrategyChoice", "choose_strategy"]
+
+
+def _interactive() -> bool:
+    if hasattr(sys, "ps1") or sys.flags.interactive:
+        return True
+    ipython = sys.modules.get("IPython")
+    return ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
+
+
+def _launcher() -> str | None:
+    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+    if TorchElasticEnvironment.detect():
+        return "torchrun"
+    if SLURMEnvironment.detect():
+        return "SLURM"
+    if "LOCAL_RANK" in os.environ:
+        return "a launcher (LOCAL_RANK is set)"
+    return None
+
+
+@dataclass(frozen=True)
+class EnvironmentFacts:
+    """What ``choose_strategy`` reads from the environment. ``detect()`` reads them; tests may set any.
+
+    Example::
+
+        facts = EnvironmentFacts.detect(interactive=True, cuda_initialized=True)
+        choose_strategy(devices=2, facts=facts).strategy  # 'mgpu_dp'
+    """
+
+    interactive: bool
+    """A notebook, IPython or ``python -i`` session."""
+    cuda_initialized: bool
+    """``torch.cuda.is_initialized()``: fork-based DDP is impossible afterwards."""
+    launcher: str | None
+    """The tool that started this process as one of several ranks (torchrun, SLURM), if any."""
+    fork_available: bool
+    """Whether the ``fork`` start method exists on this platform."""
+    nccl_available: bool
+    """Whether this torch build has NCCL."""
+    distributed_available: bool
+    """Whether this torch build has ``torch.distributed``."""
+
+    @classmethod
+    def detect(cls, **overrides: Any) -> EnvironmentFacts:
+        """Read every fact from this process, then apply ``overrides`` (fact name -> value)."""
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(
+                f"unknown environment facts {sorted(unknown)};"
+                f" known: {[f.name for f in dataclasses.fields(cls)]}"
+            )
+        distributed = torch.distributed.is_available()
+        facts = cls(
+            interactive=_interactive(),
+            cuda_initialized=torch.cuda.is_initialized(),
+            launcher=_launcher(),
+            fork_available="fork" in torch.multiprocessing.get_all_start_methods(),
+            nccl_available=distributed and torch.distributed.is_nccl_available(),
+            distributed_available=distributed,
+        )
+        return dataclasses.replace(facts, **overrides)
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    """The strategy ``mgpu_auto`` picks, and why.
+
+    Example::
+
+        choice = choose_strategy(devices=4)
+        print(choice)  # mgpu_ddp: 4 devices in a script: one process per device
+    """
+
+    strategy: str
+    """A registered strategy name: ``mgpu_ddp``, ``mgpu_dp``, ``ddp_notebook`` or ``single_device``."""
+    reason: str
+    devices: int
+    num_nodes: int = 1
+    options: dict[str, Any] = field(default_factory=dict)
+    """Extra arguments for the strategy, such as ``process_group_backend="gloo"``."""
+
+    def __str__(self) -> str:
+        return f"{self.strategy}: {self.reason}"
+
+
+def decide(devices: int, num_nodes: int, device_type: str, facts: EnvironmentFacts) -> StrategyChoice:
+    """The decision for ``devices`` resolved devices per node; see the module docstring for the rules."""
+
+    def choice(strategy: str, reason: str, **options: Any) -> StrategyChoice:
+        if (
+            strategy != "mgpu_dp"
+            and strategy != "single_device"
+            and device_type == "cuda"
+            and not facts.nccl_available
+        ):
+            options["process_group_backend"] = "gloo"
+            reason += "; NCCL is missing from this torch build, so the gloo backend is used"
+        return StrategyChoice(strategy, reason, devices, num_nodes, options)
+
+    if num_nodes > 1 or facts.launcher is not None:
+        if not facts.distributed_available:
+            raise ValueError(
+                "several processes need torch.distributed, which this torch build lacks;"
+                " install a torch build with distributed support"
+            )
+        why = f"{num_nodes} nodes" if num_nodes > 1 else f"started by {facts.launcher}"
+        return choice("mgpu_ddp", f"{why}: one process per device")
+    if devices <= 1:
+        return choice("single_device", f"one {device_type} device: nothing to split")
+    if not facts.distributed_available:
+        return choice(
+            "mgpu_dp", f"{devices} devices but no torch.distributed in this build: one process drives all"
+        )
+    if not facts.interactive:
+        return choice("mgpu_ddp", f"{devices} devices in a script: one process per device")
+    if facts.cuda_initialized:
+        return choice(
+            "mgpu_dp",
+            f"{devices} devices in an interactive session where CUDA is already initialised:"
+            " processes cannot be forked any more, so one process drives all devices",
+        )
+    if not facts.fork_available:
+        return choice(
+            "mgpu_dp",
+            f"{devices} devices in an interactive session on a platform without fork:"
+            " one process drives all devices",
+        )
+    return choice(
+        "ddp_notebook",
+        f"{devices} devices in an interactive session before CUDA is initialised: forked processes",
+    )
+
+
+def _resolve_devices(
+    devices: int | str | list[int], accelerator: str | Accelerator, facts: EnvironmentFacts
+) -> tuple[int, str]:
+    if isinstance(accelerator, Accelerator):
+        accelerator_cls: type[Accelerator] = type(accelerator)
+    else:
+        name = accelerator
+        if name == "auto":
+            name = "cuda" if AcceleratorRegistry.get("cuda").is_available() else "cpu"
+        elif name == "gpu":
+            name = "cuda"
+        if name not in AcceleratorRegistry:
+            raise ValueError(
+                f"unknown accelerator {accelerator!r};"
+                f" choose one of: auto, gpu, {', '.join(AcceleratorRegistry)}"
+            )
+        accelerator_cls = type(AcceleratorRegistry.get(name))
+    if devices == "auto":
+        count = accelerator_cls.auto_device_count()
+        # Lightning itself uses one GPU for devices="auto" in an interactive session
+        devices = 1 if facts.interactive and accelerator_cls.name() == "cuda" else count
+    parsed = accelerator_cls.parse_devices(devices)
+    return len(accelerator_cls.get_parallel_devices(parsed)), accelerator_cls.name()
+
+
+def choose_strategy(
+    devices: int | str | list[int] = "auto",
+    num_nodes: int = 1,
+    accelerator: str | Accelerator = "auto",
+    facts: EnvironmentFacts | None = None,
+) -> StrategyChoice:
+    """The strategy ``Trainer(strategy="mgpu_auto")`` would use with these arguments, and why.
+
+    Args:
+        devices: as for the Trainer: a count, a list of indices or ``"auto"``.
+        num_nodes: as for the Trainer.
+        accelerator: as for the Trainer.
+        facts: the environment; read from this process when ``None``.
+
+    Raises:
+        ValueError: on devices the accelerator cannot provide, or ``num_nodes < 1``.
+
+    Example::
+
+        import lightning_mgpu
+
+        choice = lightning_mgpu.choose_strategy(devices=2)
+        print(choice.strategy, "-", choice.reason)
+    """
+    if not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ValueError(f"`num_nodes` must be a positive integer, got {num_nodes!r}")
+    facts = facts if facts is not None else EnvironmentFacts.detect()
+    count, device_type = _resolve_devices(devices, accelerator, facts)
+    return decide(count, num_nodes, device_type, facts)
+
+
+class MGPUAutoStrategy(ParallelStrategy):
+    """Placeholder registered as ``mgpu_auto``: becomes the strategy ``choose_strategy`` picks.
+
+    See the module docstring for the rules and for how the Trainer's settings reach it.
+
+    Args:
+        facts: the environment facts to decide with; read from this process when ``None``.
+
+    Example::
+
+        import lightning as L
+        import lightning_mgpu
+
+        trainer = L.Trainer(accelerator="gpu", devices=2, strategy="mgpu_auto")
+    """
+
+    strategy_name = "mgpu_auto"
+
+    def __init__(self, facts: EnvironmentFacts | None = None) -> None:
+        super().__init__()
+        self.facts = facts
+        self.num_nodes = 1
+        self.choice: StrategyChoice | None = None
+
+    @override
+    def _configure_launcher(self) -> None:
+        devices = list(self.parallel_devices or [])
+        device_type = devices[0].type if devices else "cpu"
+        facts = self.facts if self.facts is not None else EnvironmentFacts.detect()
+        choice = decide(len(devices), self.num_nodes, device_type, facts)
+        rank_zero_info(f"mgpu_auto chose {choice.strategy}: {choice.reason}")
+        target = self._build(choice, devices)
+        # take the chosen strategy's place: the Trainer keeps this object
+        state = dict(target.__dict__, choice=choice)
+        self.__dict__.clear()
+        self.__dict__.update(state)
+        self.__class__ = type(target)  # type: ignore[assignment]
+
+    def _build(self, choice: StrategyChoice, devices: list[torch.device]) -> Strategy:
+        target: Strategy
+        if choice.strategy == "single_device":
+            target = SingleDeviceStrategy(device=devices[0] if devices else "cpu")
+        else:
+            entry = StrategyRegistry[choice.strategy]
+            target = entry["strategy"](**{**entry["init_params"], **choice.options})
+        if self._accelerator is not None:
+            target.accelerator = self._accelerator
+        if self._precision_plugin is not None:
+            target.precision_plugin = self._precision_plugin
+        if self._checkpoint_io is not None:
+            target.checkpoint_io = self._checkpoint_io
+        if isinstance(target, ParallelStrategy):
+            if target.cluster_environment is None:
+                target.cluster_environment = self.cluster_environment
+            target.parallel_devices = devices
+            target._layer_sync = self._layer_sync
+        if hasattr(target, "num_nodes"):
+            target.num_nodes = self.num_nodes
+        if hasattr(target, "set_world_ranks"):
+            target.set_world_ranks()
+        target._configure_launcher()
+        return target
+
+    def _undecided(self) -> RuntimeError:
+        return RuntimeError(
+            "mgpu_auto decides when the Trainer configures it; pass it to `Trainer(strategy=...)`"
+        )
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        raise self._undecided()
+
+    @override
+    def model_to_device(self) -> None:
+        raise self._undecided()
+
+    @override
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        raise self._undecided()
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        raise self._undecided()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        raise self._undecided()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="picks mgpu_ddp, mgpu_dp, ddp_notebook or one device for where the code runs",
+            override=True,
+        )

@@ -1,0 +1,397 @@
+"""``mgpu_dp``: DataParallel for Lightning 2.x, exact and checkpoint-clean, in one process."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_mgpu.strategies._lockstep import Lockstep, ReplicaAborted, manual_optimization_hooks
+from lightning_mgpu.strategies._metrics import ReplicaMetrics
+from lightning_mgpu.strategies._replica import (
+    LogCapture,
+    ReplicaCall,
+    prepare_replica,
+    replay_logs,
+    replicate,
+)
+from lightning_mgpu.strategies._scatter import batch_rows, combine_outputs, scatter_batch, split_sizes
+
+
+class MGPUDataParallelStrategy(ParallelStrategy):
+    """Data parallel training in one process: every step runs on a replica of the model per device.
+
+    For each batch the strategy splits the batch along dim 0 (tensors inside nested tuples,
+    lists, dicts, namedtuples and dataclasses; anything else is handed to every replica),
+    replicates the LightningModule on each device, runs ``training_step`` (or the
+    validation / test / predict step) of every replica on its chunk in parallel threads,
+    and combines the results on the first device. The optimizer is your plain optimizer and
+    steps the module's own parameters; there is no wrapper, so checkpoints have exactly the
+    keys of a single-device run and load back under ``mgpu_dp``, ``mgpu_ddp`` or one device.
+
+    What one step on N devices equals:
+
+    - **The loss.** Each replica's loss is weighted by its share of the batch, so with a
+      mean-reduced loss one step changes the weights as one step on a single device with
+      the whole batch, also when the batch does not divide evenly (a warning says so once)
+      and when it has fewer rows than there are devices (fewer replicas run).
+    - **Step outputs.** Per-sample tensors (first dimension = the replica's rows) are
+      concatenated; floating-point values of equal shape are averaged by batch share;
+      integer values (counts) are summed.
+    - **``self.log``.** Calls made in replicas become one call: the mean of the replicas'
+      values weighted by their rows (or by the ``batch_size`` they passed), or the sum / max /
+      min when ``reduce_fx`` says so.
+    - **torchmetrics.** Each replica updates its own copy of every ``Metric`` of the module;
+      after the step the copies are merged into the module's metric (``merge_state``), so
+      ``compute()`` equals the single-device value. Logging the metric object works too.
+    - **BatchNorm** follows ``torch.nn.DataParallel``: in training each replica normalises
+      with the statistics of its own chunk, and the running statistics are updated from the
+      first replica's chunk only. Use ``mgpu_ddp`` with ``sync_batchnorm=True`` for
+      whole-batch statistics.
+    - **Manual optimization.** ``manual_backward``, ``opt.step()``, ``opt.zero_grad()``,
+      ``sch.step()``, ``clip_gradients`` and ``toggle_optimizer`` called inside the replicas
+      happen once per step on the combined loss; every replica must call them in the same
+      order.
+
+    Attributes set directly on ``self`` inside a step are set on the replica and do not
+    reach the module (as with ``nn.DataParallel``); use ``self.log``, metrics or the step's
+    return value. With ``accelerator="cpu", devices=N`` the same split / replicate /
+    parallel-apply / gather path runs with N CPU replicas in threads.
+
+    Attributes:
+        replica_devices: one ``torch.device`` per replica, the first holding the module.
+        last_chunk_sizes: rows of the batch each replica got in the last step (fewer
+            entries than devices when the batch was smaller; ``[0]`` when it held no tensor).
+        track_replica_memory: when ``True``, every step records in ``replica_saved_bytes``
+            the bytes of the tensors each replica saved for backward (activations and the
+            weights layers keep), counted once per tensor, measured with
+            ``torch.autograd.graph.saved_tensors_hooks`` in the replica's thread. Off by
+            default, and free when off.
+        replica_saved_bytes: one entry per replica of the last step while tracking is on.
+
+    Args:
+        accelerator: set by the Trainer.
+        parallel_devices: the devices, normally set by the Trainer from ``devices=``.
+        checkpoint_io: set by the Trainer.
+        precision_plugin: set by the Trainer.
+        track_replica_memory: see above.
+
+    Raises:
+        ValueError: with ``sync_batchnorm=True``, ``num_nodes > 1``, or devices of different
+            types.
+
+    Example::
+
+        import lightning as L
+        import lightning_mgpu
+
+        trainer = L.Trainer(accelerator="gpu", devices=[0, 3], strategy="mgpu_dp")
+        trainer.fit(model, train_dataloaders=loader)
+    """
+
+    strategy_name = "mgpu_dp"
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        track_replica_memory: bool = False,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=None,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.track_replica_memory = track_replica_memory
+        self.last_chunk_sizes: list[int] = []
+        self.replica_saved_bytes: list[int] = []
+        self._metrics = ReplicaMetrics()
+        self._pool: ThreadPoolExecutor | None = None
+        self._warned_uneven = False
+
+    @property
+    def replica_devices(self) -> list[torch.device]:
+        """One device per replica; the module and the combined outputs live on the first."""
+        if not self.parallel_devices:
+            raise RuntimeError(
+                "mgpu_dp has no devices yet: pass it to a Trainer, which sets them from `devices=`"
+            )
+        return list(self.parallel_devices)
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return self.replica_devices[0]
+
+    @property
+    def num_nodes(self) -> int:
+        return 1
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        if num_nodes != 1:
+            raise ValueError(
+                f"mgpu_dp runs in one process on one machine, got `num_nodes={num_nodes}`."
+                " Use `strategy='mgpu_ddp'` to train on several machines."
+            )
+
+    @property
+    def is_distributed(self) -> bool:
+        return False
+
+    @property
+    @override
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": 1, "rank": 0}
+
+    @override
+    def setup_environment(self) -> None:
+        if self._layer_sync is not None:
+            raise ValueError(
+                "`sync_batchnorm=True` needs one process per device; mgpu_dp keeps nn.DataParallel's"
+                " per-replica BatchNorm. Use `strategy='mgpu_ddp'` for synchronised BatchNorm."
+            )
+        kinds = {d.type for d in self.replica_devices}
+        if len(kinds) > 1:
+            raise ValueError(f"mgpu_dp needs devices of one type, got {self.replica_devices}")
+        super().setup_environment()
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        """Identity: outputs are already combined over the replicas of this single process."""
+        return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return tensor
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return decision
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._data_parallel("training_step", self.precision_plugin.train_step_context, args, kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._data_parallel("validation_step", self.precision_plugin.val_step_context, args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._data_parallel("test_step", self.precision_plugin.test_step_context, args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._data_parallel("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+
+    def _chunk_sizes(self, batch: Any) -> list[int]:
+        rows = batch_rows(batch)
+        if rows is None:
+            return [0]
+        sizes = split_sizes(rows, len(self.replica_devices))
+        if len(set(sizes)) > 1 and not self._warned_uneven:
+            self._warned_uneven = True
+            rank_zero_warn(
+                f"mgpu_dp split a batch of {rows} rows unevenly over {len(sizes)} devices as {sizes}."
+                " Results stay exact (each replica's loss is weighted by its share) but the largest chunk"
+                f" sets the pace; a batch size divisible by {len(self.replica_devices)} (or"
+                " `drop_last=True`) keeps the devices balanced."
+                " This warning is shown once."
+            )
+        return sizes
+
+    def _data_parallel(
+        self,
+        method: str,
+        step_context: Callable[[], AbstractContextManager[Any]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        module = self.lightning_module
+        assert module is not None
+        sizes = self._chunk_sizes(args[0]) if args else [0]
+        self.last_chunk_sizes = sizes
+        if len(sizes) == 1:
+            call = ReplicaCall(module, method, step_context, self.track_replica_memory)
+            output = call(*args, **kwargs)
+            self.replica_saved_bytes = [call.saved_bytes] if self.track_replica_memory else []
+            return output
+
+        devices = self.replica_devices[: len(sizes)]
+        chunks = scatter_batch(args[0], sizes, devices)
+        replicas = replicate(module, devices)
+        self._metrics.install(module, replicas, devices)
+        manual = method == "training_step" and not module.automatic_optimization
+        lockstep = Lockstep(len(sizes)) if manual else None
+        after_step = functools.partial(_refresh_parameters, module, replicas) if manual else _nothing
+        captures = [LogCapture() for _ in sizes]
+        errors: list[BaseException | None] = [None] * len(sizes)
+        calls = []
+        for index, (replica, device, capture) in enumerate(zip(replicas, devices, captures, strict=True)):
+            hooks: dict[str, Callable[..., Any]] = {"log": capture.log}
+            if lockstep is not None:
+                hooks.update(manual_optimization_hooks(module, lockstep, index, sizes, after_step))
+            prepare_replica(replica, device, hooks)
+            on_exit = functools.partial(_record_exit, errors, index, lockstep)
+            calls.append(ReplicaCall(replica, method, step_context, self.track_replica_memory, on_exit))
+
+        outputs = self._parallel_apply(
+            calls, [(chunk, *args[1:]) for chunk in chunks], kwargs, devices, errors
+        )
+
+        originals = self._metrics.merge()
+        logged = {
+            id(v): originals[id(v)] for c in captures for v, _ in c.calls.values() if id(v) in originals
+        }
+        for original in {id(m): m for m in logged.values()}.values():
+            # what `forward` returned for the whole batch, read by Lightning when logging on step
+            original._forward_cache = self._metrics.batch_value(original)
+        replay_logs(module, captures, sizes, self.root_device, originals)
+        if self.track_replica_memory:
+            self.replica_saved_bytes = [call.saved_bytes for call in calls]
+        return combine_outputs(outputs, sizes, self.root_device)
+
+    def _parallel_apply(
+        self,
+        calls: list[ReplicaCall],
+        inputs: list[tuple[Any, ...]],
+        kwargs: dict[str, Any],
+        devices: Sequence[torch.device],
+        errors: list[BaseException | None],
+    ) -> list[Any]:
+        if devices[0].type == "cuda":
+            from torch.nn.parallel import parallel_apply
+
+            try:
+                return parallel_apply(calls, inputs, [kwargs] * len(calls), list(devices))  # type: ignore[arg-type]
+            except Exception:
+                _raise_first(errors)
+                raise
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                max_workers=len(self.replica_devices) - 1, thread_name_prefix="mgpu_dp"
+            )
+        futures = [
+            self._pool.submit(call, *inp, **kwargs) for call, inp in zip(calls[1:], inputs[1:], strict=True)
+        ]
+        outputs: list[Any] = [None] * len(calls)
+        # errors are recorded in `errors`: wait for every replica, then raise the one that matters
+        with contextlib.suppress(BaseException):
+            outputs[0] = calls[0](*inputs[0], **kwargs)
+        for index, future in enumerate(futures, start=1):
+            with contextlib.suppress(BaseException):
+                outputs[index] = future.result()
+        _raise_first(errors)
+        return outputs
+
+    @override
+    def teardown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        self._metrics.clear()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="DataParallel in one process: exact, logs and metrics merged, plain checkpoint keys",
+            override=True,
+        )
+
+
+def _nothing() -> None:
+    pass
+
+
+def _record_exit(
+    errors: list[BaseException | None], index: int, lockstep: Lockstep | None, error: BaseException | None
+) -> None:
+    errors[index] = error
+    if lockstep is not None:
+        lockstep.exit(index, error)
+
+
+def _raise_first(errors: list[BaseException | None]) -> None:
+    """Raise the error that stopped the step: a replica's own error before those it caused in the others."""
+    real = [e for e in errors if e is not None and not isinstance(e, ReplicaAborted)]
+    if real:
+        raise real[0]
+    aborted = [e for e in errors if e is not None]
+    if aborted:
+        raise aborted[0]
+
+
+@torch.no_grad()
+def _refresh_parameters(module: torch.nn.Module, replicas: Sequence[torch.nn.Module]) -> None:
+    """After an optimizer step inside a step, copy the new weights into replicas on other devices."""
+    originals = list(module.named_parameters())
+    for replica in replicas:
+        for name, param in originals:
+            copy = _replica_tensor(replica, name)
+            if copy is not None and copy.data_ptr() != param.data_ptr():
+                copy.copy_(param)
+
+
+def _replica_tensor(replica: torch.nn.Module, name: str) -> Tensor | None:
+    owner_path, _, leaf = name.rpartition(".")
+    try:
+        owner = replica.get_submodule(owner_path) if owner_path else replica
+    except AttributeError:
+        return None
+    value = owner.__dict__.get(leaf, owner._parameters.get(leaf))
+    return value if isinstance(value, Tensor) else None

@@ -1,0 +1,220 @@
+"""mgpu_auto: every rule from the facts it reads, and the Trainer getting the chosen strategy."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+import lightning_mgpu
+from lightning_mgpu.strategies.auto import (
+    EnvironmentFacts,
+    MGPUAutoStrategy,
+    StrategyChoice,
+    choose_strategy,
+    decide,
+)
+from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
+from lightning_mgpu.strategies.dp import MGPUDataParallelStrategy
+from tests.helpers import run_script
+from tests.strategies._dp_models import QUIET, Regressor, fit, loader, max_difference, regression_data
+
+# every launcher variable the rules read, removed so each test starts from a plain script
+_LAUNCH_VARS = ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_JOB_NAME", "LOCAL_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _plain_script(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in _LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delattr(sys, "ps1", raising=False)
+
+
+def _choose(devices: int = 2, **facts: object) -> StrategyChoice:
+    return choose_strategy(devices=devices, accelerator="cpu", facts=EnvironmentFacts.detect(**facts))
+
+
+def test_several_nodes_or_a_launcher_use_ddp(monkeypatch: pytest.MonkeyPatch) -> None:
+    choice = choose_strategy(devices=1, num_nodes=2, accelerator="cpu")
+    assert (choice.strategy, choice.num_nodes) == ("mgpu_ddp", 2)
+    assert "2 nodes" in choice.reason
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    assert str(_choose(devices=1)) == "mgpu_ddp: started by torchrun: one process per device"
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    assert _choose(interactive=True).reason.startswith("started by SLURM")
+    monkeypatch.setenv("SLURM_JOB_NAME", "interactive")  # `srun --pty bash`: not a launched rank
+    assert _choose(devices=1).strategy == "single_device"
+
+
+def test_one_device_is_single_device() -> None:
+    choice = choose_strategy(devices=1, accelerator="cpu")
+    assert choice.strategy == "single_device"
+    assert choice.devices == 1
+    assert choose_strategy(devices="auto", accelerator="cpu").strategy == "single_device"
+
+
+def test_several_devices_in_a_script_use_ddp() -> None:
+    assert EnvironmentFacts.detect().interactive is False
+    choice = choose_strategy(devices=3, accelerator="cpu")
+    assert (choice.strategy, choice.devices) == ("mgpu_ddp", 3)
+    assert "script" in choice.reason
+
+
+def test_interactive_session_before_cuda_forks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)  # what an interactive interpreter sets
+    assert EnvironmentFacts.detect().interactive
+    choice = _choose(cuda_initialized=False)
+    assert choice.strategy == "ddp_notebook"
+    assert "before CUDA is initialised" in choice.reason
+
+
+def test_interactive_session_after_cuda_uses_dp(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)
+    choice = _choose(cuda_initialized=True)
+    assert choice.strategy == "mgpu_dp"
+    assert "already initialised" in choice.reason
+
+
+def test_platforms_without_fork_nccl_or_distributed() -> None:
+    assert _choose(interactive=True, fork_available=False).strategy == "mgpu_dp"
+    assert _choose(fork_available=False).strategy == "mgpu_ddp"  # scripts start processes, no fork needed
+    facts = EnvironmentFacts.detect(nccl_available=False)
+    for interactive, expected in ((False, "mgpu_ddp"), (True, "ddp_notebook")):
+        choice = decide(2, 1, "cuda", EnvironmentFacts.detect(nccl_available=False, interactive=interactive))
+        assert choice.strategy == expected
+        assert choice.options == {"process_group_backend": "gloo"}
+    assert decide(2, 1, "cpu", facts).options == {}  # gloo is already the CPU backend
+    assert _choose(distributed_available=False).strategy == "mgpu_dp"
+    with pytest.raises(ValueError, match="torch.distributed"):
+        choose_strategy(
+            devices=1,
+            num_nodes=2,
+            accelerator="cpu",
+            facts=EnvironmentFacts.detect(distributed_available=False),
+        )
+
+
+def test_bad_arguments_are_named() -> None:
+    with pytest.raises(ValueError, match="num_nodes"):
+        choose_strategy(num_nodes=0)
+    with pytest.raises(ValueError, match="unknown accelerator 'tpuu'"):
+        choose_strategy(accelerator="tpuu")
+    with pytest.raises(TypeError, match="unknown environment facts \\['jupyter'\\]"):
+        EnvironmentFacts.detect(jupyter=True)
+
+
+def _records(caplog_target: list[str]) -> logging.Handler:
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            caplog_target.append(record.getMessage())
+
+    return Collect()
+
+
+def test_trainer_gets_the_chosen_strategy() -> None:
+    messages: list[str] = []
+    handler = _records(messages)
+    logging.getLogger("lightning.pytorch").addHandler(handler)
+    try:
+        one = L.Trainer(accelerator="cpu", devices=1, strategy="mgpu_auto", **QUIET)
+        script = L.Trainer(accelerator="cpu", devices=2, strategy="mgpu_auto", **QUIET)
+        notebook = L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=MGPUAutoStrategy(
+                facts=EnvironmentFacts.detect(interactive=True, cuda_initialized=False)
+            ),
+            **QUIET,
+        )
+        facts = EnvironmentFacts.detect(interactive=True, cuda_initialized=True)
+        model = Regressor()
+        dp = fit(model, MGPUAutoStrategy(facts=facts), 2, loader(regression_data(rows=12), 6), max_steps=2)
+    finally:
+        logging.getLogger("lightning.pytorch").removeHandler(handler)
+    assert type(one.strategy) is SingleDeviceStrategy
+    assert type(script.strategy) is MGPUDDPStrategy
+    assert script.strategy.num_processes == 2
+    assert type(notebook.strategy) is DDPStrategy
+    assert notebook.strategy._start_method == "fork"
+    assert notebook.strategy.launcher is not None
+    assert notebook.strategy.launcher.is_interactive_compatible
+    assert type(dp.strategy) is MGPUDataParallelStrategy
+    assert dp.strategy.last_chunk_sizes == [3, 3]
+    assert dp.strategy.choice.strategy == "mgpu_dp"  # type: ignore[attr-defined]
+    single = Regressor()
+    fit(single, "auto", 1, loader(regression_data(rows=12), 6), max_steps=2)
+    assert max_difference(model, single) < 1e-6
+    decisions = [m for m in messages if m.startswith("mgpu_auto chose")]
+    assert decisions == [
+        "mgpu_auto chose single_device: one cpu device: nothing to split",
+        "mgpu_auto chose mgpu_ddp: 2 devices in a script: one process per device",
+        "mgpu_auto chose ddp_notebook: 2 devices in an interactive session before CUDA is initialised:"
+        " forked processes",
+        "mgpu_auto chose mgpu_dp: 2 devices in an interactive session where CUDA is already initialised:"
+        " processes cannot be forked any more, so one process drives all devices",
+    ]
+
+
+_RESUME_UNDER_DDP = """
+import sys
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+import lightning_mgpu
+from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
+from tests.strategies._dp_models import QUIET, Regressor, regression_data
+
+model = Regressor()
+trainer = L.Trainer(
+    accelerator="cpu", devices=2, strategy="mgpu_auto", max_epochs=2, use_distributed_sampler=False, **QUIET
+)
+# 5 rows per process, every other row of the global batch of 10: together, the single-device batches
+data = regression_data(rows=20)
+sampler = DistributedSampler(data, num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
+trainer.fit(model, DataLoader(data, batch_size=5, sampler=sampler), ckpt_path=sys.argv[1])
+assert type(trainer.strategy) is MGPUDDPStrategy, type(trainer.strategy)
+if trainer.is_global_zero:
+    torch.save(model.state_dict(), sys.argv[2])
+"""
+
+
+@pytest.mark.slow
+def test_dp_checkpoint_resumes_under_ddp_chosen_by_auto(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    data = regression_data(rows=20)
+    callback = ModelCheckpoint(dirpath=tmp_path / "ckpt")
+    fit(
+        Regressor(),
+        "mgpu_dp",
+        2,
+        loader(data, 10),
+        max_epochs=1,
+        callbacks=[callback],
+        enable_checkpointing=True,
+    )
+    checkpoint = callback.best_model_path
+    expected = Regressor()
+    fit(expected, "auto", 1, loader(data, 10), max_epochs=2, ckpt_path=checkpoint)
+
+    result = run_script(_RESUME_UNDER_DDP, tmp_path, args=[checkpoint, str(tmp_path / "ddp.pt")], timeout=180)
+    assert result.returncode == 0, result.output[-3000:]
+    assert result.output.count("mgpu_auto chose mgpu_ddp: 2 devices in a script") == 1, result.output[-3000:]
+    resumed = Regressor()
+    resumed.load_state_dict(torch.load(tmp_path / "ddp.pt", weights_only=True))
+    assert max_difference(resumed, expected) < 1e-6
+
+
+def test_public_names() -> None:
+    assert lightning_mgpu.choose_strategy is choose_strategy
+    assert lightning_mgpu.StrategyChoice is StrategyChoice
+    assert torch.distributed.is_available()  # the rules above were read from a real torch.distributed
