@@ -153,10 +153,10 @@ class Judge:
         else:
             return None  # every rank busy at the same point: a long step, not a stall
         others = sorted(set(running) - set(stuck))
-        where = "; ".join(f"rank {r}: {infos[r].where}" for r in stuck if r in infos)
+        named = ", ".join(f"rank {r}" + (f" ({infos[r].where})" if r in infos else "") for r in stuck)
         return Verdict(
-            f"{_names(stuck)} stalled: no progress for {max(running[r].idle for r in stuck):.0f} s"
-            f" while {_names(others)} waited in a collective (stall_timeout={timeout:g})"
-            f"{f' ({where})' if where else ''}; the stuck rank prints its Python stack",
+            f"{named} stalled: no progress for {max(running[r].idle for r in stuck):.0f} s"
+            f" while {_names(others)} waited for it in a collective (stall_timeout={timeout:g});"
+            " its Python stack is printed by the stuck rank",
             stuck=tuple(stuck),
         )

@@ -73,6 +73,7 @@ class SignalPipe:
             data = os.read(read_fd, 512) if ready else b""
         except OSError:  # restore() closed the pipe meanwhile
             return None
+        data = data.replace(b"\0", b"")  # wake() bytes are ours
         if data and previous != -1:
             with contextlib.suppress(OSError):
                 os.write(previous, data)

@@ -175,8 +175,18 @@ class Watchdog:
             if suspect is not None:
                 self._decide(Verdict(suspect[1], dead=suspect[2]))
             else:
-                self._verdict_event.wait(0.1)
+                self._signals.wake()  # check now rather than at the next tick
+                self._verdict_event.wait(0.2)
         return self._verdict
+
+    def quiet_sigterm(self) -> None:
+        """Replace Lightning's SIGTERM handler (main thread only) once the run is failing.
+
+        Lightning's handler broadcasts a tensor, which with a lost peer only fails or hangs.
+        The watchdog still sees the signal and ends the process if it does not end by itself.
+        """
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _note_signal)
 
     def report_own_error(self, message: str) -> Verdict:
         """This rank failed by itself: tell the others, but let this process end its own way."""
@@ -211,15 +221,11 @@ class Watchdog:
         while not self._stop.is_set():
             signum = self._signals.wait(INTERVAL, self._stop)
             try:
-                if signum is not None and self._verdict is None:
-                    self._exit_code = 128 + signum
-                    name = signal.Signals(signum).name
-                    self._decide(Verdict(f"rank {self.rank} (pid {os.getpid()}) received {name}"))
-                self._tick(time.monotonic())
+                self._tick(time.monotonic(), signum)
             except Exception as err:  # the watchdog itself must never take the run down
                 sys.stderr.write(f"[rank {self.rank}] lightning_mgpu watchdog: {err!r}\n")
 
-    def _tick(self, now: float) -> None:
+    def _tick(self, now: float, signum: int | None = None) -> None:
         run = self._run
         if self._verdict is None:
             found = self._check_children() or self._check_parent()
@@ -230,6 +236,12 @@ class Watchdog:
         suspect = self._suspect
         if self._verdict is None and suspect is not None and now - suspect[0] >= DEAD_AFTER:
             self._decide(Verdict(suspect[1], dead=suspect[2]))
+        # a signal is the reason only when nothing else is: torchrun, for one, sends SIGTERM
+        # to the other ranks because one rank died
+        if signum is not None and self._verdict is None:
+            self._exit_code = 128 + signum
+            name = signal.Signals(signum).name
+            self._decide(Verdict(f"rank {self.rank} (pid {os.getpid()}) received {name}"))
         if self._verdict is not None:
             self._enforce(now)
 
@@ -343,6 +355,9 @@ class Watchdog:
         with self._lock:
             if self._run is run:
                 self._run = None
+        found = self._check_parent()  # a dead launcher explains a lost store best
+        if found is not None:
+            self._decide(found)
         if self._verdict is not None or self._suspect is not None or self._rank0_done:
             return
         addr = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
@@ -424,6 +439,10 @@ def _acks(run: _Run) -> int:
         return int(run.store.add("stopped", 0))
     except Exception:
         return 0
+
+
+def _note_signal(signum: int, frame: object) -> None:
+    """A Python-level handler, so that the interpreter still reports the signal to the watchdog."""
 
 
 _WATCHDOG: Watchdog | None = None

@@ -318,6 +318,7 @@ class MGPUDDPStrategy(DDPStrategy):
         if not self._watching:
             return
         dog = watchdog()
+        dog.quiet_sigterm()
         if is_communication_error(exception):
             # a peer went away: wait for the watchdog to learn which one and how
             verdict = dog.wait_for_verdict(DEAD_AFTER + 2 * INTERVAL)
