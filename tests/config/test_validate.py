@@ -83,14 +83,15 @@ def test_every_kind_of_mistake_in_one_error() -> None:
 
 
 def test_recipe_and_strategy_names_get_suggestions() -> None:
-    raw = OmegaConf.create({"recipe": "digts", "trainer": {"strategy": "mgpu_dpp"}})
+    raw = OmegaConf.create({"recipe": "digts", "trainer": {"strategy": "mgpu_atuo"}})
     with pytest.raises(ConfigError) as info:
         validate(raw, source="my.yaml")
     first, second = info.value.problems
     assert first.startswith("recipe: 'digts' is not a recipe; did you mean digits? known recipes: linear,")
     assert second.startswith(
-        "trainer.strategy: 'mgpu_dpp' is not a registered strategy; did you mean mgpu_ddp?"
+        "trainer.strategy: 'mgpu_atuo' is not a registered strategy; did you mean mgpu_auto? e.g. mgpu_ddp, "
     )
+    assert {"mgpu_dp", "mgpu_auto"} <= set(second.partition("e.g. ")[2].split(", "))
     assert problems(["recipe=null"])[0].startswith("recipe: missing; set it to one of linear, seq_linear")
 
 

@@ -55,4 +55,4 @@ def test_config_runs_fast_dev_run_on_one_cpu(
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert (run_dir / "config.yaml").is_file()
     assert f"written to {Path('runs') / run_dir.name}/" in out
-    assert " on 1 cpu device" in out
+    assert "with single_device on 1 cpu device" in out
