@@ -1,1 +1,5 @@
-"""Lightning callbacks of the package, one per module (``memory.py``: ``DeviceMemoryMonitor``)."""
+"""Lightning callbacks of the package, one per module.
+
+- ``memory.py``: ``DeviceMemoryMonitor``;
+- ``export.py``: ``PlainStateDictExport``.
+"""

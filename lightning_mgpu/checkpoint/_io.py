@@ -1,0 +1,288 @@
+"""Reading checkpoint files safely: what kind of file it is, weights-only unpickling, clear errors.
+
+- A file is recognised by its first bytes, not its suffix: a torch zip archive (``torch.save``
+  since 1.6), a legacy ``torch.save`` pickle, or safetensors.
+- torch files are always unpickled with ``weights_only=True``, memory-mapped when the format allows,
+  so a 10 GB checkpoint costs no memory until its tensors are read. The allowlist is widened only for
+  omegaconf containers, which Lightning stores when ``save_hyperparameters`` gets a ``DictConfig``.
+- ``trust_pickle=True`` is the one way to unpickle anything else, and the refusal names it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import pickle
+import re
+import struct
+import sys
+import typing
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from lightning_mgpu.checkpoint._safetensors import read_safetensors
+
+__all__ = ["LoadedFile", "MappedFile", "read_file", "sniff"]
+
+_ZIP_MAGIC = b"PK\x03\x04"
+_PICKLE_PROTO = 0x80
+_UNSAFE_GLOBAL = re.compile(r"GLOBAL (\S+) was not an allowed global")
+_BLOCKED = re.compile(r"(\S+) whose module \S+ is blocked")
+
+
+@dataclass
+class LoadedFile:
+    """What a checkpoint file holds and how it was read."""
+
+    obj: Any
+    format: str  # "torch zip", "torch legacy" or "safetensors"
+    metadata: dict[str, str] = field(default_factory=dict)
+    mapped: MappedFile | None = None
+
+
+def sniff(path: Path) -> str | None:
+    """``"torch zip"``, ``"torch legacy"``, ``"safetensors"``, or None for anything else."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if head.startswith(_ZIP_MAGIC):
+        return "torch zip"
+    if head[8:9] == b"{":  # 8-byte header length, then the JSON header
+        return "safetensors"
+    if head[:1] == bytes([_PICKLE_PROTO]):
+        return "torch legacy"
+    return None
+
+
+def read_file(
+    path: str | os.PathLike[str], *, map_location: Any = "cpu", trust_pickle: bool = False
+) -> LoadedFile:
+    """Read a checkpoint file without running code from it.
+
+    Raises:
+        FileNotFoundError: no such file.
+        IsADirectoryError: the path is a folder.
+        ValueError: not a checkpoint, truncated or corrupt, or it holds Python objects that only
+            ``trust_pickle=True`` would unpickle.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no such file: {path}")
+    if path.is_dir():
+        raise IsADirectoryError(
+            f"{path} is a folder, not a checkpoint file (sharded and distributed checkpoint folders are not "
+            "supported; consolidate them into one file first)"
+        )
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path} is empty: it is truncated or was never written")
+    kind = sniff(path)
+    if kind is None:
+        with open(path, "rb") as f:
+            head = f.read(16)
+        raise ValueError(
+            f"{path} is not a checkpoint: expected a file written by torch.save (.pt, .pth, .ckpt) "
+            f"or a .safetensors file, but it starts with {head!r}"
+        )
+    if kind == "safetensors":
+        if not isinstance(map_location, (str, torch.device)):
+            raise ValueError(f"map_location for a safetensors file must be a device, got {map_location!r}")
+        tensors, metadata = read_safetensors(path, device=str(map_location))
+        return LoadedFile(tensors, kind, metadata)
+    obj = _torch_load(path, kind, map_location, trust_pickle)
+    return LoadedFile(obj, kind, mapped=MappedFile(path) if kind == "torch zip" else None)
+
+
+def _check_zip(path: Path) -> None:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except zipfile.BadZipFile as err:
+        raise ValueError(f"{path} is truncated or corrupt: {err}") from None
+    if not any(name.endswith("data.pkl") for name in names):
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        raise ValueError(f"{path} is a zip archive but not a torch checkpoint (it holds {shown})")
+
+
+def _torch_load(path: Path, kind: str, map_location: Any, trust_pickle: bool) -> Any:
+    if kind == "torch zip":
+        _check_zip(path)
+
+    def load(mmap: bool) -> Any:
+        if trust_pickle:
+            return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
+        # importing omegaconf costs ~0.2 s: only when it is loaded already, or the file needs it
+        imported = "omegaconf" in sys.modules
+        try:
+            with _omegaconf_allowed(imported):
+                return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        except pickle.UnpicklingError as err:
+            if imported or "omegaconf" not in str(err):
+                raise
+        with _omegaconf_allowed(True):
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+
+    try:
+        try:
+            return load(mmap=kind == "torch zip")
+        except RuntimeError:
+            if kind != "torch zip":
+                raise
+            # some older zip checkpoints cannot be memory-mapped; read those into memory instead
+            return load(mmap=False)
+    except pickle.UnpicklingError as err:
+        message = str(err)
+        unsafe = _UNSAFE_GLOBAL.findall(message) + _BLOCKED.findall(message)
+        if unsafe:
+            unsafe = _all_unsafe_globals(path, kind) or unsafe
+            names = ", ".join(dict.fromkeys(unsafe))
+            raise ValueError(
+                f"{path} holds Python objects that are not plain weights ({names}); "
+                "unpickling them could run code from the file, so safe loading refused. If you trust where "
+                "the file came from, pass trust_pickle=True (command line: --trust-pickle)."
+            ) from None
+        reason = _first_line(message.split("WeightsUnpickler error:")[-1])
+        raise ValueError(f"{path} is truncated or corrupt: {reason}") from None
+    except (RuntimeError, EOFError, ValueError, OSError, struct.error, IndexError) as err:
+        message = _first_line(str(err))
+        if "TorchScript" in message:
+            raise ValueError(
+                f"{path} is a TorchScript archive, not a checkpoint: use torch.jit.load"
+            ) from None
+        raise ValueError(f"{path} is truncated or corrupt: {message or type(err).__name__}") from None
+
+
+def _all_unsafe_globals(path: Path, kind: str) -> list[str]:
+    """Every global the weights-only unpickler would refuse (torch only names the first one)."""
+    finder = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)  # torch >= 2.5
+    if finder is None or kind != "torch zip":
+        return []
+    try:
+        with _omegaconf_allowed(True):
+            return sorted(finder(path))
+    except Exception:  # a best effort for the message only
+        return []
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.strip().splitlines() if line.strip()), "")
+
+
+def _omegaconf_types() -> list[Any]:
+    """The globals an omegaconf ``DictConfig`` / ``ListConfig`` pickle refers to."""
+    try:
+        from omegaconf import DictConfig, ListConfig, base, nodes
+    except ImportError:
+        return []
+    node_names = ("AnyNode", "StringNode", "IntegerNode", "FloatNode", "BooleanNode", "BytesNode")
+    node_types = [getattr(nodes, name) for name in node_names if hasattr(nodes, name)]
+    # Metadata records ref/key/element types, hence the builtins and typing.Any
+    plain = [dict, list, int, float, str, bool, collections.defaultdict, typing.Any]
+    return [DictConfig, ListConfig, base.ContainerMetadata, base.Metadata, *node_types, *plain]
+
+
+@contextlib.contextmanager
+def _omegaconf_allowed(enabled: bool) -> Iterator[None]:
+    """Allow omegaconf containers in weights-only loads for the duration of the block only.
+
+    Only types not already allowed are added, and only those are removed afterwards, so what the
+    user or other libraries allowed (before or meanwhile) stays allowed.
+    """
+    serialization: Any = torch.serialization
+    allowed = set(serialization.get_safe_globals())
+    added = [t for t in _omegaconf_types() if t not in allowed] if enabled else []
+    if hasattr(serialization, "safe_globals"):
+        with serialization.safe_globals(added):
+            yield
+        return
+    # torch 2.4 has add_safe_globals but neither the context manager nor a way to remove one
+    serialization.add_safe_globals(added)
+    try:
+        yield
+    finally:
+        keep = [g for g in serialization.get_safe_globals() if g not in added]
+        serialization.clear_safe_globals()
+        serialization.add_safe_globals(keep)
+
+
+class MappedFile:
+    """Where the tensors of a memory-mapped checkpoint lie in their file, so a writer can stream them.
+
+    :meth:`copy_to` copies a tensor's bytes file-to-file in the kernel (``copy_file_range``, else
+    ``sendfile``), as ``cp`` does, without faulting them into this process: exporting a 10 GB
+    checkpoint then costs this process about one tensor's worth of memory, not 10 GB of mapped pages.
+
+    Only address ranges that ``/proc/self/maps`` shows as mappings of this very file are used, and
+    nothing is copied when torch had to byte-swap the file (its mapped pages then differ from the
+    file). Elsewhere than Linux it copies nothing and the writer writes from memory.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._ranges: list[tuple[int, int, int]] = []  # start, end, file offset of start
+        self._fd: int | None = None
+        if not sys.platform.startswith("linux") or _byteorder(path) not in (None, sys.byteorder):
+            return
+        real = os.path.realpath(path)
+        inode = os.stat(real).st_ino
+        with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
+            for line in maps:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].strip() == real and int(parts[4]) == inode:
+                    start, end = (int(x, 16) for x in parts[0].split("-"))
+                    self._ranges.append((start, end, int(parts[2], 16)))
+
+    def _offset(self, tensor: torch.Tensor) -> int | None:
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return None
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        for lo, hi, offset in self._ranges:
+            if lo <= start and end <= hi:
+                return offset + start - lo
+        return None
+
+    def copy_to(self, tensor: torch.Tensor, file: BinaryIO) -> int:
+        """Copy ``tensor``'s bytes from the file into ``file``; returns how many bytes were copied."""
+        position = self._offset(tensor)
+        if position is None:
+            return 0
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        file.flush()
+        out, total, done = file.fileno(), tensor.numel() * tensor.element_size(), 0
+        copy_range = getattr(os, "copy_file_range", None)
+        while done < total:
+            try:
+                if copy_range is not None:
+                    n = copy_range(self._fd, out, total - done, position + done)
+                else:
+                    n = os.sendfile(out, self._fd, position + done, total - done)
+            except OSError:
+                if copy_range is None:
+                    break
+                copy_range = None  # e.g. EXDEV on old kernels: try sendfile
+                continue
+            if n == 0:
+                break
+            done += n
+        return done
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _byteorder(path: Path) -> str | None:
+    """The byte order a torch zip file records (absent in files from torch < 1.13)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            name = next((n for n in archive.namelist() if n.endswith("/byteorder")), None)
+            return archive.read(name).decode().strip() if name else None
+    except (zipfile.BadZipFile, OSError, UnicodeDecodeError):
+        return "unknown"

@@ -1,0 +1,105 @@
+"""``LoadReport``: what :func:`load_state_dict` did, readable by people and by code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["LoadReport", "Shape", "human_size"]
+
+_SHOW = 10  # names listed per problem before "... and N more"
+
+
+class Shape(tuple[int, ...]):
+    """A tensor shape that prints as ``[10, 5]``."""
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(str(d) for d in self) + "]"
+
+
+def human_size(size: int) -> str:
+    """``"512 B"``, ``"3.4 KiB"``, ``"1.2 GiB"``."""
+    if size < 1024:
+        return f"{size} B"
+    value = size / 1024
+    for unit in ("KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
+def _names(keys: list[str]) -> str:
+    shown = ", ".join(keys[:_SHOW])
+    return shown + (f", ... and {len(keys) - _SHOW} more" if len(keys) > _SHOW else "")
+
+
+@dataclass
+class LoadReport:
+    """What :func:`~lightning_mgpu.load_state_dict` loaded, and what it could not.
+
+    Attributes:
+        source: The source, as the messages name it.
+        removed_prefixes: Prefixes taken off the source names (wrappers, a LightningModule attribute).
+        added_prefixes: Prefixes put on to fit the model (its own wrappers, its attribute).
+        missing: Model entries the source has nothing for.
+        unexpected: Source entries the model has no place for.
+        mismatched: ``(source name, model name, source shape, model shape)`` for each shape mismatch.
+        ignored: Source entries outside the submodule that was loaded (a loss module's buffers).
+        pairs: With ``by_order=True``, ``(source name, model name)`` for every loaded entry.
+        loaded: Number of entries copied into the model.
+
+    Example::
+
+        report = load_state_dict(model, "last.ckpt", strict=False)
+        if not report.ok:
+            print(report)
+    """
+
+    source: str
+    removed_prefixes: list[str] = field(default_factory=list)
+    added_prefixes: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[tuple[str, str, Shape, Shape]] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    pairs: list[tuple[str, str]] = field(default_factory=list)
+    loaded: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """True when every model entry got a tensor of the right shape and no source entry was left."""
+        return not (self.missing or self.unexpected or self.mismatched)
+
+    def problem_lines(self) -> list[str]:
+        """One indented line per kind of problem."""
+        lines = []
+        if self.missing:
+            lines.append(f"  missing from the source ({len(self.missing)}): {_names(self.missing)}")
+        if self.unexpected:
+            lines.append(f"  not in the model ({len(self.unexpected)}): {_names(self.unexpected)}")
+        if self.mismatched:
+            shown = [
+                f"{s} {ss} -> {t} {ts}" if s != t else f"{s}: source {ss}, model {ts}"
+                for s, t, ss, ts in self.mismatched
+            ]
+            lines.append(f"  shape mismatch ({len(shown)}): {_names(shown)}")
+        changes = []
+        if self.removed_prefixes:
+            changes.append("removed " + ", ".join(self.removed_prefixes))
+        if self.added_prefixes:
+            changes.append("added " + ", ".join(self.added_prefixes))
+        if changes:
+            lines.append("  prefixes: " + "; ".join(changes))
+        return lines
+
+    def __str__(self) -> str:
+        head = f"loaded {self.loaded} entries from {self.source}"
+        lines = [head, *self.problem_lines()]
+        if self.ignored:
+            lines.append(
+                f"  ignored, outside the loaded submodule ({len(self.ignored)}): {_names(self.ignored)}"
+            )
+        if self.pairs:
+            shown = [f"{s} -> {t}" for s, t in self.pairs]
+            lines.append(f"  paired by order ({len(shown)}): {_names(shown)}")
+        return "\n".join(lines)

@@ -1,0 +1,163 @@
+"""safetensors files: a streaming writer that keeps tied weights and key order, and the matching reader.
+
+safetensors refuses tensors that share memory. Tied weights (``decoder.weight is embedding.weight``)
+are written once and the other names recorded as aliases in the header metadata
+(``{"decoder.weight": "embedding.weight"}``), the convention of ``safetensors.torch.save_model``;
+so ``safetensors.torch.load_model`` and :func:`read_safetensors` both restore them, and
+``load_state_dict(..., strict=True)`` sees every name. The state_dict order is recorded too, so
+``by_order`` loading works from a safetensors file.
+
+The writer streams one tensor at a time, without building the whole file in memory first: tensors
+memory-mapped from a checkpoint are copied file-to-file by the kernel, others straight from their
+memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, BinaryIO, Protocol
+
+import torch
+
+__all__ = ["ORDER_KEY", "PREFIXES_KEY", "dedupe", "read_safetensors", "write_safetensors"]
+
+ORDER_KEY = "lightning_mgpu.order"
+PREFIXES_KEY = "lightning_mgpu.removed_prefixes"
+
+_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16")):
+    if hasattr(torch, _name):
+        _DTYPES[getattr(torch, _name)] = _code
+for _name, _code in (("uint32", "U32"), ("uint64", "U64")):
+    if hasattr(torch, _name):
+        _DTYPES[getattr(torch, _name)] = _code
+
+
+def dedupe(state_dict: Mapping[str, torch.Tensor]) -> tuple[OrderedDict[str, torch.Tensor], dict[str, str]]:
+    """Keep the first name of every group of identical tensor views; map the others to it.
+
+    Views that only overlap (a slice of another tensor) are kept apart: each is written with its
+    own bytes, which loads back to the same values.
+    """
+    kept: OrderedDict[str, torch.Tensor] = OrderedDict()
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    for name, tensor in state_dict.items():
+        if tensor.numel() == 0:
+            kept[name] = tensor
+            continue
+        view = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        if view in seen:
+            aliases[name] = seen[view]
+        else:
+            seen[view] = name
+            kept[name] = tensor
+    return kept, aliases
+
+
+class TensorSource(Protocol):
+    """Where tensors memory-mapped from a file can be copied from without reading them into memory."""
+
+    def copy_to(self, tensor: torch.Tensor, file: BinaryIO) -> int: ...
+
+
+def write_safetensors(
+    file: BinaryIO,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str],
+    mapped: TensorSource | None = None,
+) -> int:
+    """Write ``tensors`` (already free of shared views, see :func:`dedupe`) to an open binary file.
+
+    A tensor that ``mapped`` can copy file-to-file is copied so; any other (or the rest of one whose
+    copy stopped) is written from memory.
+
+    Returns:
+        The number of bytes written.
+
+    Raises:
+        ValueError: a dtype safetensors cannot store; the message names the key.
+    """
+    if sys.byteorder != "little":  # the format is little-endian; let the library byte-swap
+        from safetensors.torch import save
+
+        blob = save({k: v.contiguous() for k, v in tensors.items()}, metadata=dict(metadata))
+        file.write(blob)
+        return len(blob)
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _DTYPES:
+            raise ValueError(
+                f"safetensors cannot store {name!r} of dtype {tensor.dtype}; export with format='pt' instead"
+            )
+    # largest elements first keeps every tensor aligned, as the safetensors library does
+    names = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict[str, Any] = {}
+    offset = 0
+    for name in names:
+        tensor = tensors[name]
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    header["__metadata__"] = dict(metadata)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    file.write(struct.pack("<Q", len(raw)))
+    file.write(raw)
+    for name in names:
+        tensor = tensors[name]
+        if not tensor.numel():
+            continue
+        copied = mapped.copy_to(tensor, file) if mapped is not None else 0
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        if copied < data.numel():
+            file.write(data[copied:].numpy().data)
+    return 8 + len(raw) + offset
+
+
+def read_safetensors(
+    path: str | os.PathLike[str], device: str = "cpu"
+) -> tuple[OrderedDict[str, torch.Tensor], dict[str, str]]:
+    """Read a safetensors file, restoring aliases of tied weights and the recorded key order.
+
+    Returns:
+        ``(state_dict, metadata)``.
+
+    Raises:
+        ValueError: the file is truncated or corrupt.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(os.fspath(path), framework="pt", device=device) as f:
+            metadata: dict[str, str] = dict(f.metadata() or {})
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - not a dict
+    except SafetensorError as err:
+        raise ValueError(f"{Path(path)} is truncated or corrupt: {err}") from None
+    for alias, target in metadata.items():
+        if alias not in tensors and target in tensors:
+            tensors[alias] = tensors[target]
+    order = [k for k in json.loads(metadata.get(ORDER_KEY, "[]")) if k in tensors]
+    ordered = OrderedDict((k, tensors[k]) for k in order)
+    ordered.update((k, v) for k, v in tensors.items() if k not in ordered)
+    return ordered, metadata

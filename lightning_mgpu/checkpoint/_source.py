@@ -1,0 +1,211 @@
+"""Turn whatever the user has into one state_dict: a file, a (wrapped) module, a LightningModule, a dict.
+
+- a path is read safely (see ``_io``); a Lightning checkpoint gives its ``"state_dict"``;
+- a training checkpoint dict gives the one entry that is a state_dict (``"model_state_dict"``, ...);
+- a module gives ``module.state_dict()``, whatever wraps it;
+- a LightningModule, or a Lightning checkpoint, marks its keys as starting with the attribute that
+  holds the model (``model.``), which export removes when there is one such attribute.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_mgpu.checkpoint._io import MappedFile, read_file
+from lightning_mgpu.checkpoint._prefixes import select, split_top, strip_wrappers
+from lightning_mgpu.checkpoint._safetensors import ORDER_KEY
+
+__all__ = [
+    "Source",
+    "count_values",
+    "describe_tops",
+    "is_lightning_module",
+    "is_state_dict",
+    "plain_state_dict",
+    "resolve",
+]
+
+# training-checkpoint entries that usually hold the weights, most specific first
+_WEIGHT_KEYS = ("state_dict", "model_state_dict", "model", "module", "net", "network", "weights", "params")
+_LIGHTNING_KEYS = ("pytorch-lightning_version", "lightning_version")
+_WRAPPER_ATTRS = ("module", "_orig_mod", "_forward_module")
+
+
+@dataclass
+class Source:
+    """One state_dict and where it came from."""
+
+    state_dict: OrderedDict[str, Any]
+    description: str
+    kind: str
+    lightning: bool = False
+    checkpoint: Mapping[str, Any] | None = None
+    weights_key: str | None = None
+    path: Path | None = None
+    format: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    ordered: bool = True
+    mapped: MappedFile | None = None
+
+
+def is_state_dict(obj: Any) -> bool:
+    """A non-empty mapping of names to tensors (``_extra_state`` entries may hold anything)."""
+    return (
+        isinstance(obj, Mapping)
+        and len(obj) > 0
+        and all(isinstance(k, str) for k in obj)
+        and all(isinstance(v, torch.Tensor) or k.endswith("_extra_state") for k, v in obj.items())
+    )
+
+
+def is_lightning_module(module: nn.Module) -> bool:
+    """Whether ``module``, under any wrappers, is a LightningModule (without importing Lightning)."""
+    module = _innermost(module)
+    # if Lightning is not imported, no LightningModule exists
+    bases = [sys.modules[name] for name in ("lightning.pytorch", "pytorch_lightning") if name in sys.modules]
+    return any(isinstance(module, base.LightningModule) for base in bases)
+
+
+def _innermost(module: nn.Module) -> nn.Module:
+    while True:
+        inner = next(
+            (getattr(module, a) for a in _WRAPPER_ATTRS if isinstance(getattr(module, a, None), nn.Module)),
+            None,
+        )
+        if inner is None or len(module._modules) != 1:
+            return module
+        module = inner
+
+
+def resolve(source: Any, *, map_location: Any = "cpu", trust_pickle: bool = False) -> Source:
+    """Find the state_dict in ``source``.
+
+    Raises:
+        TypeError: ``source`` is none of the supported kinds.
+        ValueError: a file or dict holds no state_dict, or several.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        return _from_file(Path(source), map_location, trust_pickle)
+    if isinstance(source, nn.Module):
+        inner = _innermost(source)
+        lightning = is_lightning_module(inner)
+        kind = "LightningModule" if lightning else "module"
+        what = (
+            type(inner).__name__ if inner is source else f"{type(inner).__name__} in {type(source).__name__}"
+        )
+        return Source(OrderedDict(source.state_dict()), f"{kind} {what}", kind, lightning=lightning)
+    if isinstance(source, Mapping):
+        return _from_mapping(source, "the given dict")
+    raise TypeError(
+        "expected a checkpoint path, an nn.Module or a state_dict (a dict of tensors), "
+        f"got {type(source).__name__}"
+    )
+
+
+def _from_file(path: Path, map_location: Any, trust_pickle: bool) -> Source:
+    loaded = read_file(path, map_location=map_location, trust_pickle=trust_pickle)
+    obj = loaded.obj
+    if isinstance(obj, nn.Module):  # torch.save(model): only readable with trust_pickle
+        obj = obj.state_dict()
+    src = _from_mapping(obj, str(path)) if isinstance(obj, Mapping) else None
+    if src is None:
+        raise ValueError(
+            f"{path} is not a checkpoint: it holds a {type(obj).__name__}, not a dict of tensors"
+        )
+    src.path, src.format, src.metadata, src.mapped = path, loaded.format, loaded.metadata, loaded.mapped
+    src.ordered = loaded.format != "safetensors" or ORDER_KEY in loaded.metadata
+    return src
+
+
+def _from_mapping(obj: Mapping[str, Any], where: str) -> Source:
+    if is_state_dict(obj):
+        return Source(OrderedDict(obj), where, "state_dict")
+    lightning = any(k in obj for k in _LIGHTNING_KEYS)
+    if "state_dict" in obj and is_state_dict(obj["state_dict"]):
+        kind = "Lightning checkpoint" if lightning else "checkpoint"
+        return Source(OrderedDict(obj["state_dict"]), where, kind, lightning, obj, "state_dict")
+    candidates = [k for k in obj if isinstance(k, str) and is_state_dict(obj[k])]
+    if len(candidates) == 1:
+        return Source(OrderedDict(obj[candidates[0]]), where, "checkpoint", False, obj, candidates[0])
+    keys = ", ".join(repr(k) for k in list(obj)[:12]) + (", ..." if len(obj) > 12 else "")
+    if candidates:
+        names = ", ".join(repr(k) for k in candidates)
+        raise ValueError(
+            f"{where} is a training checkpoint holding several state_dicts ({names}); "
+            f"pass the one you want, e.g. checkpoint[{candidates[0]!r}]"
+        )
+    if not obj:
+        raise ValueError(f"{where} is an empty dict, not a checkpoint")
+    looks_like = any(k in obj for k in (*_WEIGHT_KEYS, "epoch", "optimizer_states", "optimizer"))
+    what = "a training checkpoint dict" if looks_like else "a dict"
+    raise ValueError(
+        f"{where} is {what} with keys {keys}, and none of them is a state_dict (a dict of names to tensors); "
+        "pass model.state_dict(), or the checkpoint entry that holds it"
+    )
+
+
+def count_values(state_dict: Mapping[str, Any]) -> int:
+    """Number of values in the tensors, tied weights counted once."""
+    seen: set[tuple[Any, ...]] = set()
+    total = 0
+    for tensor in state_dict.values():
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        view = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        if tensor.numel() and view in seen:
+            continue
+        seen.add(view)
+        total += tensor.numel()
+    return total
+
+
+def describe_tops(state_dict: Mapping[str, Any]) -> str:
+    """``"model (4 tensors, 1,234 values), loss_fn (1 tensor, 10 values)"``."""
+    parts = []
+    for top, count in split_top(state_dict).items():
+        values = count_values({k: v for k, v in state_dict.items() if k == top or k.startswith(top + ".")})
+        parts.append(f"{top} ({count} tensor{'s' * (count != 1)}, {values:,} values)")
+    return ", ".join(parts)
+
+
+def count_under(state_dict: Mapping[str, Any], name: str) -> int:
+    """Keys strictly below ``name.``."""
+    return sum(k.startswith(name + ".") for k in state_dict)
+
+
+def plain_state_dict(src: Source, submodule: str | None = None) -> tuple[OrderedDict[str, Any], list[str]]:
+    """The weights as a plain model holds them: wrappers removed, one submodule picked.
+
+    - every wrapper prefix is removed, at any depth;
+    - ``submodule="name"`` keeps the entries under ``name.`` and removes that prefix;
+      ``submodule=""`` keeps everything;
+    - by default a LightningModule (or a Lightning checkpoint) that holds one submodule loses its
+      attribute prefix, and one that holds several is an error listing them.
+
+    Returns:
+        The state_dict and the prefixes removed, in the keys' spelling (``["module.", "model."]``).
+    """
+    state_dict, removed = strip_wrappers(src.state_dict)
+    if submodule is None and src.lightning:
+        tops = split_top(state_dict)
+        (only,) = tops if len(tops) == 1 else (None,)
+        if only is None:
+            raise ValueError(
+                f"{src.description} holds several top-level entries: {describe_tops(state_dict)}. "
+                f"Pass submodule={next(iter(tops))!r} (command line: --submodule {next(iter(tops))}) to keep "
+                "one of them, or submodule='' to keep them all."
+            )
+        submodule = only if count_under(state_dict, only) == len(state_dict) else ""
+    if submodule:
+        state_dict = select(state_dict, submodule)
+        removed.append(submodule.rstrip(".") + ".")
+    return state_dict, removed

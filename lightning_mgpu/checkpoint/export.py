@@ -1,0 +1,193 @@
+"""``export_state_dict``: write the weights of any checkpoint or model as a plain state_dict file."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_mgpu.checkpoint._atomic import atomic_write
+from lightning_mgpu.checkpoint._prefixes import WRAPPERS, add_prefix
+from lightning_mgpu.checkpoint._report import human_size
+from lightning_mgpu.checkpoint._safetensors import ORDER_KEY, PREFIXES_KEY, dedupe, write_safetensors
+from lightning_mgpu.checkpoint._source import count_values, plain_state_dict, resolve
+
+__all__ = ["ExportReport", "export_state_dict"]
+
+_FORMATS = {"safetensors": "safetensors", "pt": "pt", "pth": "pt", "bin": "pt", "ckpt": "pt"}
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+@dataclass
+class ExportReport:
+    """What :func:`export_state_dict` wrote; ``str(report)`` is what ``lightning-mgpu export`` prints.
+
+    Attributes:
+        path: The file written.
+        format: ``"safetensors"`` or ``"pt"``.
+        tensors: Entries written (tied weights counted under each name).
+        values: Number of values, tied weights counted once.
+        bytes: Size of the file.
+        removed_prefixes: Prefixes taken off, in the source's spelling (``["module.", "model."]``).
+        added_prefix: ``"module."`` for the DataParallel form, else ``""``.
+        aliases: Tied weights stored once: alias name -> stored name.
+
+    Example::
+
+        report = export_state_dict(model, "model.safetensors")
+        print(report.removed_prefixes, report.aliases)
+    """
+
+    path: Path
+    format: str
+    tensors: int
+    values: int
+    bytes: int
+    removed_prefixes: list[str] = field(default_factory=list)
+    added_prefix: str = ""
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [
+            f"wrote {self.path} ({self.format}, {self.tensors} tensors, {self.values:,} values, "
+            f"{human_size(self.bytes)})"
+        ]
+        if self.removed_prefixes:
+            lines.append("removed prefixes: " + ", ".join(_explain(p) for p in self.removed_prefixes))
+        if self.added_prefix:
+            lines.append(f"added prefix: {self.added_prefix} (loads into nn.DataParallel(model))")
+        if self.aliases:
+            tied = ", ".join(f"{a} -> {t}" for a, t in list(self.aliases.items())[:5])
+            lines.append(f"tied weights stored once: {tied}" + (" ..." if len(self.aliases) > 5 else ""))
+        return "\n".join(lines)
+
+
+def _explain(prefix: str) -> str:
+    last = prefix.rstrip(".").rsplit(".", 1)[-1]
+    return f"{prefix} ({WRAPPERS[last]})" if last in WRAPPERS else f"{prefix} (attribute)"
+
+
+def _choose_format(path: Path, format: str | None) -> str:
+    if format is not None:
+        if format not in ("safetensors", "pt"):
+            raise ValueError(f"format must be 'safetensors' or 'pt', got {format!r}")
+        return format
+    return _FORMATS.get(path.suffix.lstrip(".").lower(), "safetensors")
+
+
+def _choose_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def export_state_dict(
+    source: Any,
+    path: str | os.PathLike[str],
+    *,
+    submodule: str | None = None,
+    prefix: str = "",
+    format: str | None = None,
+    dtype: torch.dtype | str | None = None,
+    trust_pickle: bool = False,
+) -> ExportReport:
+    """Write the plain weights of ``source`` to ``path``, atomically.
+
+    - ``source`` is a checkpoint path (Lightning ``.ckpt``, ``.pt``, ``.safetensors``), an
+      ``nn.Module`` (wrapped in DataParallel, DDP or ``torch.compile`` in any order), a
+      LightningModule, or a state_dict / training checkpoint dict;
+    - every wrapper prefix (``module.``, ``_orig_mod.``, ``_forward_module.``) is removed at any
+      depth, and a LightningModule's attribute prefix (``model.``) too when it holds one submodule;
+    - the file is written to a temporary file in the same folder, fsynced, then renamed over
+      ``path``: on any error ``path`` is unchanged and no temporary file is left;
+    - a checkpoint file is memory-mapped and streamed, so memory stays near one tensor, not one
+      copy of the weights (safetensors output).
+
+    Args:
+        source: What to export (see above).
+        path: Destination file. The format follows the suffix unless ``format`` is given.
+        submodule: Attribute to export (``"model"``, ``"model.encoder"``); ``""`` keeps everything.
+            Needed when a LightningModule holds several submodules; the error lists them.
+        prefix: Put this in front of every key; ``"module."`` gives the form that loads into
+            ``nn.DataParallel(model)``.
+        format: ``"safetensors"`` (default) or ``"pt"`` (``torch.save``). Tied weights are stored once
+            in safetensors and come back under every name with :func:`load_state_dict`.
+        dtype: Cast floating-point tensors, e.g. ``torch.bfloat16`` or ``"float16"``.
+        trust_pickle: Unpickle arbitrary Python objects from a legacy file. Only for files you trust.
+
+    Returns:
+        An :class:`ExportReport` of what was written and which prefixes were removed.
+
+    Raises:
+        FileNotFoundError, IsADirectoryError, PermissionError: a path cannot be read or written.
+        OSError: writing failed (a full disk, ...); ``path`` is left as it was.
+        ValueError: the source is not a checkpoint, is corrupt, unsafe, or ambiguous; the message
+            says what to pass.
+        KeyError: ``submodule`` does not exist; the message lists what does.
+
+    Example::
+
+        from lightning_mgpu import export_state_dict
+
+        report = export_state_dict("epoch=3.ckpt", "model.safetensors")
+        print(report.removed_prefixes)  # ['model.']
+        model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
+    """
+    path = Path(path)
+    fmt = _choose_format(path, format)
+    cast = _choose_dtype(dtype)
+    src = resolve(source, trust_pickle=trust_pickle)
+    state_dict, removed = plain_state_dict(src, submodule)
+    if cast is not None:
+        floats = [k for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        state_dict.update((k, state_dict[k].to(cast)) for k in floats)
+    if prefix:
+        prefix = prefix if prefix.endswith(".") else prefix + "."
+        state_dict = add_prefix(state_dict, prefix)
+    values = count_values(state_dict)
+    aliases: dict[str, str] = {}
+    try:
+        with atomic_write(path) as file:
+            if fmt == "safetensors":
+                kept, aliases = dedupe(_tensors_only(state_dict))
+                metadata = {"format": "pt", ORDER_KEY: json.dumps(list(state_dict)), **aliases}
+                if removed:
+                    metadata[PREFIXES_KEY] = ",".join(removed)
+                size = write_safetensors(file, kept, metadata, mapped=src.mapped)
+            else:
+                torch.save(state_dict, file)
+                size = file.tell()
+    except (OSError, RuntimeError) as err:
+        # torch.save reports a failed write as a RuntimeError raised while handling the OSError
+        cause = err if isinstance(err, OSError) else err.__context__
+        if not isinstance(cause, OSError) or str(path) in str(cause):
+            raise
+        error = OSError(f"cannot write {path}: {cause.strerror or cause}")
+        error.errno = cause.errno
+        raise error from None
+    finally:
+        if src.mapped is not None:
+            src.mapped.close()
+    return ExportReport(path, fmt, len(state_dict), values, size, removed, prefix, aliases)
+
+
+def _tensors_only(state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
+    extra = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
+    if extra:
+        kind = type(state_dict[extra[0]]).__name__
+        raise ValueError(
+            f"safetensors stores only tensors, but {extra[0]!r} holds a {kind}; "
+            "export with format='pt' instead"
+        )
+    return state_dict

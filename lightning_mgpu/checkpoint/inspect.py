@@ -1,0 +1,211 @@
+"""``inspect_checkpoint``: what a checkpoint or weights file holds, and what it loads into."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_mgpu.checkpoint._prefixes import WRAPPERS, plain_names, split_top
+from lightning_mgpu.checkpoint._report import Shape, human_size
+from lightning_mgpu.checkpoint._safetensors import PREFIXES_KEY
+from lightning_mgpu.checkpoint._source import count_values, resolve
+
+__all__ = ["CheckpointInfo", "TensorInfo", "inspect_checkpoint"]
+
+_MAX_GROUP_DEPTH = 3
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One entry of the weights, named as stored.
+
+    Example::
+
+        first = inspect_checkpoint("last.ckpt").tensors[0]
+        print(first.name, first.shape, first.dtype)  # model.0.weight [6, 4] float32
+    """
+
+    name: str
+    shape: Shape
+    dtype: str
+    values: int
+
+
+@dataclass
+class CheckpointInfo:
+    """What :func:`inspect_checkpoint` found. ``str(info)`` is the command line's report.
+
+    Example::
+
+        info = inspect_checkpoint("last.ckpt")
+        if not info.loads_into_plain:
+            print(info.wrappers, info.lightning_attribute)  # [] 'model.'
+    """
+
+    source: str
+    kind: str
+    format: str | None = None
+    size: int | None = None
+    details: list[str] = field(default_factory=list)
+    other_entries: list[str] = field(default_factory=list)
+    weights_key: str | None = None
+    tensors: list[TensorInfo] = field(default_factory=list)
+    values: int = 0
+    dtypes: dict[str, int] = field(default_factory=dict)
+    wrappers: list[str] = field(default_factory=list)
+    exported_from: list[str] = field(default_factory=list)
+    lightning_attribute: str | None = None
+    loads_into_plain: bool = False
+    loads_into_dataparallel: bool = False
+
+    def groups(self) -> dict[str, list[TensorInfo]]:
+        """Entries grouped by prefix, at the shallowest level that splits them (wrappers skipped)."""
+        wrapper_prefixes = set(self.wrappers)
+        for depth in range(1, _MAX_GROUP_DEPTH + 1):
+            groups: dict[str, list[TensorInfo]] = {}
+            for info in self.tensors:
+                groups.setdefault(_label(info.name, depth, wrapper_prefixes), []).append(info)
+            if len(groups) > 1:
+                break
+        return groups
+
+    def render(self, max_per_group: int | None = 20) -> str:
+        """The report, listing at most ``max_per_group`` entries per group (None: all)."""
+        size = f", {human_size(self.size)}" if self.size is not None else ""
+        lines = [f"{self.source}: {self.kind} ({self.format or 'in memory'}{size})"]
+        if self.details:
+            lines.append("  " + ", ".join(self.details))
+        if self.other_entries:
+            lines.append("  also holds: " + ", ".join(self.other_entries))
+        where = f" under {self.weights_key!r}" if self.weights_key else ""
+        dtypes = ", ".join(f"{d} x{n}" for d, n in self.dtypes.items())
+        lines.append(f"weights{where}: {len(self.tensors)} tensors, {self.values:,} values ({dtypes})")
+        through = [_explain(p, self.lightning_attribute) for p in self.wrappers]
+        if self.lightning_attribute:
+            through.append(_explain(self.lightning_attribute, self.lightning_attribute))
+        lines.append("saved through: " + (", ".join(through) or "no wrapper"))
+        if self.exported_from:
+            lines.append("exported by lightning-mgpu, which removed: " + ", ".join(self.exported_from))
+        lines += self._loads_lines()
+        for label, infos in self.groups().items():
+            count = sum(i.values for i in infos)
+            lines.append(f"{label} ({len(infos)} tensors, {count:,} values)")
+            width = max(len(i.name) for i in infos)
+            shown = infos if max_per_group is None else infos[:max_per_group]
+            lines += [f"  {i.name:<{width}}  {str(i.shape):<16} {i.dtype}" for i in shown]
+            if len(shown) < len(infos):
+                lines.append(f"  ... and {len(infos) - len(shown)} more (--all lists every entry)")
+        return "\n".join(lines)
+
+    def _loads_lines(self) -> list[str]:
+        name = Path(self.source).name if self.format else "weights"
+        stem = Path(name).stem
+        entry = f" (its {self.weights_key!r} entry)" if self.weights_key else ""
+        plain = (
+            f"yes{entry}"
+            if self.loads_into_plain
+            else f"no  -> lightning-mgpu export {name} {stem}.safetensors"
+        )
+        dp = (
+            f"yes{entry}"
+            if self.loads_into_dataparallel
+            else f"no  -> lightning-mgpu export --dataparallel {name} {stem}_dp.safetensors"
+        )
+        return [
+            f"loads into a plain model:          {plain}",
+            f"loads into nn.DataParallel(model): {dp}",
+            "  (lightning_mgpu.load_state_dict(model, FILE) loads it into either,"
+            " and into DDP or compiled models)",
+        ]
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+def _explain(prefix: str, attribute: str | None) -> str:
+    last = prefix.rstrip(".").rsplit(".", 1)[-1]
+    if last in WRAPPERS:
+        return f"{prefix} ({WRAPPERS[last]})"
+    return f"{prefix} (LightningModule attribute)" if prefix == attribute else prefix
+
+
+def _label(name: str, depth: int, wrapper_prefixes: set[str]) -> str:
+    parts = name.split(".")
+    label, taken = "", 0
+    for part in parts[:-1]:
+        label += part + "."
+        if label not in wrapper_prefixes:
+            taken += 1
+        if taken == depth:
+            break
+    return label or "(top level)"
+
+
+def inspect_checkpoint(source: Any, *, trust_pickle: bool = False) -> CheckpointInfo:
+    """Describe a checkpoint or weights file (or a module / state_dict) without changing anything.
+
+    Reports the kind of file, the other entries of a training checkpoint, every tensor's name,
+    shape and dtype grouped by prefix, the number of values, the wrappers the weights were saved
+    through, and whether ``model.load_state_dict`` of a plain or a DataParallel model takes it as is.
+    Files are memory-mapped, so inspecting a large checkpoint reads little of it.
+
+    Args:
+        source: A checkpoint path, a module or a state_dict.
+        trust_pickle: Unpickle arbitrary Python objects from a legacy file. Only for files you trust.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`load_state_dict`.
+
+    Example::
+
+        from lightning_mgpu import inspect_checkpoint
+
+        info = inspect_checkpoint("epoch=3.ckpt")
+        print(info)                  # the report of ``lightning-mgpu inspect``
+        info.loads_into_plain        # False: the keys start with 'model.'
+    """
+    src = resolve(source, trust_pickle=trust_pickle)
+    info = CheckpointInfo(src.description, src.kind, src.format, weights_key=src.weights_key)
+    if src.path is not None:
+        info.size = src.path.stat().st_size
+    if src.checkpoint is not None:
+        _describe_checkpoint(src.checkpoint, src.weights_key, info)
+    for name, value in src.state_dict.items():
+        if isinstance(value, torch.Tensor):
+            dtype = str(value.dtype).removeprefix("torch.")
+            info.tensors.append(TensorInfo(name, Shape(value.shape), dtype, value.numel()))
+            info.dtypes[dtype] = info.dtypes.get(dtype, 0) + 1
+    info.values = count_values(src.state_dict)
+    names, info.wrappers = plain_names(src.state_dict)
+    if src.lightning:
+        tops = split_top(names.values())
+        if len(tops) == 1:
+            info.lightning_attribute = next(iter(tops)) + "."
+    if PREFIXES_KEY in src.metadata:
+        info.exported_from = src.metadata[PREFIXES_KEY].split(",")
+    info.loads_into_plain = not info.wrappers and not src.lightning
+    info.loads_into_dataparallel = not src.lightning and info.wrappers == ["module."]
+    return info
+
+
+def _describe_checkpoint(
+    checkpoint: Mapping[str, Any], weights_key: str | None, info: CheckpointInfo
+) -> None:
+    for key, label in (
+        ("pytorch-lightning_version", "lightning"),
+        ("epoch", "epoch"),
+        ("global_step", "global step"),
+    ):
+        if key in checkpoint:
+            info.details.append(f"{label} {checkpoint[key]}")
+    for key, value in checkpoint.items():
+        if key in (weights_key, "pytorch-lightning_version", "epoch", "global_step"):
+            continue
+        kind = value.__name__ if isinstance(value, type) else type(value).__name__
+        info.other_entries.append(
+            f"{key} ({kind})" if kind not in ("dict", "list", "str", "int", "float") else str(key)
+        )

@@ -1,0 +1,208 @@
+"""``load_state_dict``: load any checkpoint into the model you have, or say exactly why not."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_mgpu.checkpoint._match import Mapping, match_names
+from lightning_mgpu.checkpoint._prefixes import WRAPPERS, plain_names, select, split_top, strip_wrappers
+from lightning_mgpu.checkpoint._report import LoadReport, Shape
+from lightning_mgpu.checkpoint._source import Source, describe_tops, is_lightning_module, resolve
+
+__all__ = ["LoadReport", "load_state_dict"]
+
+
+def load_state_dict(
+    model: nn.Module,
+    source: Any,
+    *,
+    strict: bool = True,
+    by_order: bool = False,
+    map_location: Any = "cpu",
+    trust_pickle: bool = False,
+    submodule: str | None = None,
+) -> LoadReport:
+    """Load ``source`` into ``model``, whatever wraps either of them.
+
+    - ``source`` is anything :func:`export_state_dict` takes: a checkpoint path, a module, a
+      LightningModule, a state_dict or a training checkpoint dict;
+    - ``model`` may be plain or wrapped in DataParallel, DDP or ``torch.compile``; wrapper prefixes
+      are removed from the source and put back as the model needs;
+    - a top-level prefix on either side (a LightningModule's ``model.``) is removed or added when
+      that makes the names meet; source entries outside the matched submodule are reported as ignored;
+    - with ``strict=True`` nothing is loaded unless every model entry gets a tensor of the right shape;
+    - files are unpickled with ``weights_only=True`` (omegaconf hyperparameters allowed).
+
+    Args:
+        model: The module to load into.
+        source: Where the weights come from (see above).
+        strict: Raise, loading nothing, on any missing, unexpected or mis-shaped entry. With
+            ``False`` the matching entries are loaded and the rest reported.
+        by_order: Pair entries by position instead of by name, for weights of the same architecture
+            saved under other names. Every pair's shapes are checked.
+        map_location: Where a file's tensors are read to, as in ``torch.load``.
+        trust_pickle: Unpickle arbitrary Python objects from a legacy file. Only for files you trust.
+        submodule: Take only the source entries under this name (``"model"``, ``"student"``).
+
+    Returns:
+        A :class:`LoadReport`: prefixes removed and added, missing and unexpected entries, shape
+        mismatches, ignored entries and the ``by_order`` pairs.
+
+    Raises:
+        ValueError: with ``strict=True``, the problems listed one per line, with a hint when a
+            known prefix or the order of entries explains them; or the source is unreadable or unsafe.
+
+    Example::
+
+        from lightning_mgpu import load_state_dict
+
+        model = Net()
+        report = load_state_dict(model, "lightning_logs/version_0/checkpoints/epoch=3.ckpt")
+        print(report.removed_prefixes)  # ['model.']
+    """
+    src = resolve(source, map_location=map_location, trust_pickle=trust_pickle)
+    source_sd, removed = strip_wrappers(src.state_dict)
+    ignored: list[str] = []
+    if submodule:
+        selected = select(source_sd, submodule)
+        ignored = [k for k in source_sd if not k.startswith(submodule.rstrip(".") + ".")]
+        source_sd = selected
+        removed.append(submodule.rstrip(".") + ".")
+    target_sd = model.state_dict()
+    target_names, target_wrappers = plain_names(target_sd)
+    actual = {plain: key for key, plain in target_names.items()}
+    target = OrderedDict((target_names[k], v) for k, v in target_sd.items())
+
+    report = LoadReport(source=src.description, removed_prefixes=removed, added_prefixes=target_wrappers)
+    if by_order:
+        pairs = _pair_by_order(src, source_sd, target, report)
+    else:
+        hint = _submodule_hint(source_sd)
+        mapping = match_names(
+            list(source_sd),
+            list(target),
+            hint,
+            source_lightning=src.lightning and not submodule,
+            target_lightning=is_lightning_module(model),
+        )
+        pairs = _pair_by_name(source_sd, target, mapping, report)
+        report.ignored = ignored + [k for k in source_sd if not mapping.covers(k)]
+    if strict and not report.ok:
+        raise ValueError(_failure(model, report, src, source_sd, target, by_order))
+    to_load = OrderedDict((actual[t], source_sd[s]) for s, t in pairs)
+    model.load_state_dict(to_load, strict=False)
+    report.loaded = len(to_load)
+    return report
+
+
+def _pair_by_name(
+    source: OrderedDict[str, Any], target: OrderedDict[str, Any], mapping: Mapping, report: LoadReport
+) -> list[tuple[str, str]]:
+    if mapping.strip:
+        report.removed_prefixes.append(mapping.strip)
+    if mapping.add:
+        report.added_prefixes.insert(0, mapping.add)
+    pairs, seen = [], set()
+    for key, value in source.items():
+        if not mapping.covers(key):
+            continue
+        name = mapping.apply(key)
+        if name not in target:
+            report.unexpected.append(key)
+            continue
+        seen.add(name)
+        if _shape_mismatch(key, value, name, target[name], report):
+            continue
+        pairs.append((key, name))
+    report.missing = [k for k in target if k not in seen]
+    return pairs
+
+
+def _pair_by_order(
+    src: Source, source: OrderedDict[str, Any], target: OrderedDict[str, Any], report: LoadReport
+) -> list[tuple[str, str]]:
+    if not src.ordered:
+        raise ValueError(
+            f"{src.description} does not record the order of its tensors (a safetensors file written by "
+            "another tool), so by_order cannot pair them; export the original checkpoint with "
+            "lightning_mgpu.export_state_dict, which records it"
+        )
+    sources, targets = list(source.items()), list(target.items())
+    report.unexpected = [k for k, _ in sources[len(targets) :]]
+    report.missing = [k for k, _ in targets[len(sources) :]]
+    pairs = []
+    for (key, value), (name, expected) in zip(sources, targets, strict=False):
+        if not _shape_mismatch(key, value, name, expected, report):
+            pairs.append((key, name))
+    report.pairs = pairs
+    return pairs
+
+
+def _shape_mismatch(key: str, value: Any, name: str, expected: Any, report: LoadReport) -> bool:
+    if not (isinstance(value, torch.Tensor) and isinstance(expected, torch.Tensor)):
+        return False
+    if value.shape == expected.shape:
+        return False
+    report.mismatched.append((key, name, Shape(value.shape), Shape(expected.shape)))
+    return True
+
+
+def _submodule_hint(source: OrderedDict[str, Any]) -> str:
+    tops = list(split_top(source))
+    return f"Pass submodule={tops[0]!r} (or another of {', '.join(tops)}) to choose."
+
+
+def _failure(
+    model: nn.Module,
+    report: LoadReport,
+    src: Source,
+    source: OrderedDict[str, Any],
+    target: OrderedDict[str, Any],
+    by_order: bool,
+) -> str:
+    lines = [
+        f"cannot load {report.source} into {type(model).__name__} with strict=True:",
+        *report.problem_lines(),
+    ]
+    several = src.lightning and len(split_top(source)) > 1
+    lines += [f"hint: {hint}" for hint in _hints(report, source, target, by_order, several)]
+    lines.append("pass strict=False to load what matches and get this report back")
+    return "\n".join(lines)
+
+
+def _hints(
+    report: LoadReport,
+    source: OrderedDict[str, Any],
+    target: OrderedDict[str, Any],
+    by_order: bool,
+    several: bool,
+) -> list[str]:
+    hints = []
+    for wrapper, who in WRAPPERS.items():
+        through = [k for k in report.unexpected if k.startswith(f"{wrapper}.")]
+        if through:
+            hints.append(
+                f"{len(through)} source entries start with '{wrapper}.' ({who}) but others do not, so that "
+                f"prefix was not removed: e.g. {through[0]!r}; remove it from those entries, or export the "
+                "wrapped model's inner module"
+            )
+    if several:
+        hints.append(
+            f"the source holds several top-level entries: {describe_tops(source)}; "
+            "pass submodule=NAME to load one of them"
+        )
+    if not by_order and len(source) == len(target) and (report.missing or report.unexpected):
+        same = all(
+            getattr(s, "shape", None) == getattr(t, "shape", None)
+            for s, t in zip(source.values(), target.values(), strict=True)
+        )
+        if same:
+            hints.append(
+                "the names differ but the shapes match one by one in order: "
+                "by_order=True pairs entries by position"
+            )
+    return hints

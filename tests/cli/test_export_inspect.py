@@ -1,0 +1,119 @@
+"""``lightning-mgpu export`` and ``lightning-mgpu inspect``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from lightning_mgpu.cli.main import main
+from tests.checkpoint._models import LitTwo, assert_same, lightning_checkpoint, net
+from tests.helpers import run_command, script_env
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    path = tmp_path_factory.mktemp("cli") / "fit.ckpt"
+    # hyperparameters from a config: the file refers to omegaconf classes
+    module = lightning_checkpoint(path, cfg=OmegaConf.create({"lr": 0.1, "sizes": [4, 6, 2]}))
+    return path, {k: v.clone() for k, v in module.model.state_dict().items()}
+
+
+def test_export_plain_and_dataparallel(
+    ckpt: tuple[Path, dict], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    path, expected = ckpt
+    assert main(["export", str(path), str(tmp_path / "plain.safetensors")]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote {tmp_path / 'plain.safetensors'} (safetensors, 9 tensors, 69 values" in out
+    assert "removed prefixes: model. (attribute)" in out
+    model = net(seed=4)
+    model.load_state_dict(safetensors.torch.load_file(tmp_path / "plain.safetensors"))
+    assert_same(expected, model.state_dict())
+
+    assert main(["export", str(path), str(tmp_path / "dp.bin"), "--dataparallel", "--format", "pt"]) == 0
+    dp = nn.DataParallel(net(seed=4))
+    dp.load_state_dict(torch.load(tmp_path / "dp.bin", weights_only=True))
+    assert_same(expected, dp.module.state_dict())
+
+
+def test_export_submodule_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    module = LitTwo()
+    torch.save(
+        {"pytorch-lightning_version": "2.6.0", "state_dict": module.state_dict()}, tmp_path / "two.ckpt"
+    )
+    assert main(["export", str(tmp_path / "two.ckpt"), str(tmp_path / "out.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("lightning-mgpu export: error: ")
+    assert "--submodule model" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out.safetensors").exists()
+
+    args = ["export", str(tmp_path / "two.ckpt"), str(tmp_path / "out.safetensors"), "--submodule", "model"]
+    assert main(args) == 0
+    assert_same(module.model.state_dict(), safetensors.torch.load_file(tmp_path / "out.safetensors"))
+
+    assert main(["export", str(tmp_path / "missing.ckpt"), str(tmp_path / "x.safetensors")]) == 1
+    assert "error: no such file" in capsys.readouterr().err
+
+
+def test_inspect(ckpt: tuple[Path, dict], capsys: pytest.CaptureFixture) -> None:
+    assert main(["inspect", str(ckpt[0])]) == 0
+    out = capsys.readouterr().out
+    for line in (
+        "Lightning checkpoint (torch zip",
+        "weights under 'state_dict': 9 tensors, 69 values (float32 x8, int64 x1)",
+        "saved through: model. (LightningModule attribute)",
+        "loads into a plain model:          no",
+        "  model.3.weight  [2, 6]           float32",
+    ):
+        assert line in out
+
+
+class _Touch:
+    """Unpickling this would create ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (Path.touch, (self.marker,))
+
+
+def test_inspect_refuses_a_pickle_payload(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    marker = tmp_path / "ran"
+    torch.save({"x": _Touch(marker)}, tmp_path / "bad.pt")
+    assert main(["inspect", str(tmp_path / "bad.pt")]) == 1
+    assert "--trust-pickle" in capsys.readouterr().err
+    assert not marker.exists()
+
+
+def test_console_script_and_no_torch_at_import(ckpt: tuple[Path, dict], tmp_path: Path) -> None:
+    code = "import sys, lightning_mgpu.cli.export, lightning_mgpu.cli.inspect; print('torch' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=script_env(), check=True
+    )
+    assert out.stdout.strip() == "False"
+
+    # a fresh process has not imported omegaconf: the loader does so only when the file needs it
+    script = Path(sys.executable).with_name("lightning-mgpu")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "lightning_mgpu"]
+    result = run_command([*command, "export", str(ckpt[0]), "w.pt"], cwd=tmp_path)
+    assert result.returncode == 0, result.output
+    assert torch.load(tmp_path / "w.pt", weights_only=True).keys() == ckpt[1].keys()
+
+
+def test_trust_pickle_flag(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import argparse
+
+    torch.save({"args": argparse.Namespace(lr=0.1), "state_dict": net().state_dict()}, tmp_path / "old.pth")
+    assert main(["inspect", str(tmp_path / "old.pth")]) == 1
+    assert "argparse.Namespace" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "old.pth"), str(tmp_path / "w.safetensors"), "--trust-pickle"]) == 0
+    assert_same(net().state_dict(), safetensors.torch.load_file(tmp_path / "w.safetensors"))
