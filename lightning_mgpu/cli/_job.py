@@ -187,8 +187,9 @@ def _describe_files(trainer: L.Trainer, run_dir: Path) -> list[str]:
         note = notes.get(rel, "")
         if path.suffix == ".ckpt":
             note = "best checkpoint" if best and Path(best).resolve() == path.resolve() else "checkpoint"
-        elif path.suffix == ".safetensors":
-            note = "plain weights (safetensors)"
+        elif path.suffix in (".safetensors", ".pt") and path.parent.name == "checkpoints":
+            ckpt = path.with_suffix(".ckpt")
+            note = f"plain weights of {ckpt.name}" if ckpt.exists() else "plain weights at the end of fit"
         elif path.name == "memory.png":
             note = "memory of each device over the steps"
         elif path.name == "memory_summary.json":

@@ -3,8 +3,9 @@
 - ``resolve_devices`` turns ``devices: auto`` into every visible GPU, or on a machine without
   one into one CPU process per core, at most ``CPU_DEVICE_CAP`` (4).
 - ``build_callbacks`` adds the memory monitor (its summary is ``<run_dir>/memory_summary.json``),
-  ``ModelCheckpoint`` (to ``<run_dir>/checkpoints``), the plain weights export and early stopping
-  as the ``callbacks`` section says.
+  ``ModelCheckpoint`` (to ``<run_dir>/checkpoints``), the plain weights export (the network's
+  weights next to each checkpoint and ``final.safetensors``) and early stopping as the
+  ``callbacks`` section says.
 - ``build_trainer`` gives the Trainer a ``CSVLogger`` writing ``<run_dir>/metrics.csv``.
 
 Lightning's configuration errors become ``ValueError`` so the command line prints them in one line.
@@ -88,35 +89,22 @@ def build_data(cfg: RunConfig) -> L.LightningDataModule:
 
 
 def load_weights(net: torch.nn.Module, path: str | Path) -> None:
-    """Load weights into ``net``, strictly: ``.safetensors``, a ``.pt``/``.pth`` state_dict, a ``.ckpt``.
+    """Load weights into ``net`` with ``lightning_mgpu.load_state_dict``, strictly.
 
-    A ``.ckpt`` holds the whole LightningModule; its ``net.`` keys are the network's. Nothing is
-    unpickled beyond tensors (``weights_only=True``).
+    Takes ``.safetensors``, a ``.pt``/``.pth`` state_dict (torchvision's files) or a Lightning
+    ``.ckpt`` of the recipe (its ``net.`` prefix is removed); nothing is unpickled beyond tensors.
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the keys or shapes do not fit ``net``.
+        ValueError: the keys or shapes do not fit ``net`` (each problem listed).
 
     Example::
 
         load_weights(module.net, "resnet18-f37072fd.pth")
     """
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"weights file {path} not found")
-    state: Any
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    from lightning_mgpu.checkpoint import load_state_dict
 
-        state = load_file(str(path))
-    else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if isinstance(state, dict) and "state_dict" in state:
-            state = {k[len("net.") :]: v for k, v in state["state_dict"].items() if k.startswith("net.")}
-    try:
-        net.load_state_dict(state, strict=True)
-    except RuntimeError as err:
-        raise ValueError(f"weights {path} do not fit the recipe's network: {err}") from err
+    load_state_dict(net, Path(path).expanduser(), strict=True)
 
 
 def build_callbacks(cfg: RunConfig, run_dir: Path) -> list[Callback]:
@@ -135,6 +123,11 @@ def build_callbacks(cfg: RunConfig, run_dir: Path) -> list[Callback]:
         # the run's summary shows each device's peak, so the callback's own table stays off
         monitor = DeviceMemoryMonitor(mem.every_n_steps, mem.imbalance_threshold, print_summary=False)
         callbacks.append(monitor)
+    if section.export.enabled:
+        from lightning_mgpu.callbacks.export import PlainStateDictExport
+
+        prefix = "module." if section.export.dataparallel else ""
+        callbacks.append(PlainStateDictExport(submodule="net", prefix=prefix, format=section.export.format))
     if section.checkpoint.enabled:
         ck = section.checkpoint
         callbacks.append(

@@ -224,14 +224,18 @@ class MemoryConfig:
 
 @dataclass
 class ExportConfig:
-    """``lightning_mgpu.PlainStateDictExport``: plain ``.safetensors`` weights next to every checkpoint."""
+    """``lightning_mgpu.PlainStateDictExport``: plain weights of the network next to every checkpoint."""
 
     enabled: bool = True
     """Turn the export on or off."""
+    format: str = "safetensors"
+    """``safetensors`` (no pickle, memory-mappable) or ``pt`` (``torch.save``)."""
+    dataparallel: bool = False
+    """Write keys with ``module.`` in front, the form ``nn.DataParallel(model).load_state_dict`` expects."""
 
     def problems(self) -> list[str]:
         """Impossible values in this section, one message each."""
-        return []
+        return _one_of("format", self.format, ("safetensors", "pt"))
 
 
 @dataclass

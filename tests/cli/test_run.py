@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -10,9 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from lightning_mgpu.cli.main import main
+from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.recipes import RECIPES
+from lightning_mgpu.recipes.digits import ConvClassifier
 from tests.helpers import run_command
 
 SHORT = [
@@ -41,10 +45,19 @@ def test_run_folder_and_summary(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert [r["step"] for r in rows if r.get("train/loss")] == ["1", "3", "5"]
     assert any(r.get("val/acc") for r in rows)
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt"))
+    weights = sorted(p.name for p in (run_dir / "checkpoints").glob("*.safetensors"))
+    assert weights == sorted([c.replace(".ckpt", ".safetensors") for c in ckpts] + ["final.safetensors"])
     assert "last.ckpt" in ckpts
     assert len(ckpts) == 2
     state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
-    assert "net.0.weight" in state
+    plain = load_file(run_dir / "checkpoints" / "last.safetensors")
+    ConvClassifier().net.load_state_dict(plain, strict=True)  # loads into the bare network
+    torch.testing.assert_close(plain, {k.removeprefix("net."): v for k, v in state.items()}, rtol=0, atol=0)
+
+    memory = json.loads((run_dir / "memory_summary.json").read_text())
+    assert [d["device"] for d in memory["devices"]] == ["cpu:rank0"]
+    assert memory["devices"][0]["peak_rss_bytes"] > 0
+    assert (run_dir / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     summary = out[out.index("digits: fit done in") :]
     assert "with single_device on 1 cpu device" in summary.splitlines()[0]
@@ -52,10 +65,12 @@ def test_run_folder_and_summary(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "  val/acc " in summary
     assert "  train/loss " in summary
     assert f"written to {run_dir}/:" in summary
-    for name in ("config.yaml", "metrics.csv", "checkpoints/last.ckpt"):
+    for name in ("config.yaml", "metrics.csv", "checkpoints/last.ckpt", "memory.png", "memory_summary.json"):
         assert f"  {name}  " in summary
-    assert "peak memory:" in summary
-    assert "cpu:rank0" in summary
+    assert "  checkpoints/last.safetensors  plain weights of last.ckpt" in summary
+    assert "  checkpoints/final.safetensors  plain weights at the end of fit" in summary
+    peak = memory["devices"][0]["peak_rss_bytes"]
+    assert summary.endswith(f"peak memory:\n  cpu:rank0 (CPU process): peak RSS {format_bytes(peak)}\n")
 
 
 def test_default_run_folder_is_under_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

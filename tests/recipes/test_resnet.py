@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file
 
 from lightning_mgpu.cli.main import main
 from lightning_mgpu.config import ConfigError, load_config
@@ -93,7 +94,9 @@ def test_fit_on_an_image_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     ]
     args += ["trainer.fast_dev_run=true", "trainer.devices=1", "trainer.accelerator=cpu", "run_dir=out"]
     assert main([*args, "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]) == 0
-    assert (tmp_path / "out" / "config.yaml").is_file()
+    exported = load_file(tmp_path / "out" / "checkpoints" / "final.safetensors")
+    resnet18(num_classes=2).load_state_dict(exported, strict=True)  # torchvision's keys, no prefix
+    assert sorted(exported) == sorted(key for key, _ in torchvision_keys("resnet18"))
 
 
 def test_predict_with_torchvision_style_weights(tmp_path: Path) -> None:
@@ -130,8 +133,8 @@ def test_weights_that_do_not_fit_are_a_clear_error(
     ]
     assert main(args) == 1
     err = capsys.readouterr().err
-    assert f"weights {weights} do not fit the recipe's network" in err
-    assert "size mismatch for fc.weight" in err
+    assert f"cannot load {weights} into ResNet with strict=True" in err
+    assert "fc.weight: source [1000, 512], model [10, 512]" in err
 
 
 def test_device_lists_select_gpus_only(capsys: pytest.CaptureFixture[str]) -> None:
