@@ -67,6 +67,9 @@ def split(dataset: Dataset, val_fraction: float, seed: int) -> tuple[Subset, Sub
     return Subset(dataset, order[n_val:]), Subset(dataset, order[:n_val])
 
 
+_OPTIMIZER_DEFAULTS: dict[str, Any] = {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0, "momentum": 0.9}
+
+
 class RecipeModule(L.LightningModule):
     """Base of the recipe modules: holds the network as ``self.net`` and builds the configured optimizer.
 
@@ -91,26 +94,20 @@ class RecipeModule(L.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        """The configured optimizer over this module's parameters (the schedule needs a Trainer)."""
+        cfg = {**_OPTIMIZER_DEFAULTS, **self.optimizer_config}
+        lr, decay = cfg["lr"], cfg["weight_decay"]
+        if cfg["name"] == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=lr, momentum=cfg["momentum"], weight_decay=decay)
+        if cfg["name"] == "adam":
+            return torch.optim.Adam(self.parameters(), lr=lr, weight_decay=decay)
+        return torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=decay)
+
     @override
     def configure_optimizers(self) -> Any:
-        cfg: dict[str, Any] = {
-            "name": "adamw",
-            "lr": 1e-3,
-            "weight_decay": 0.0,
-            "momentum": 0.9,
-            "scheduler": "none",
-        }
-        cfg.update(self.optimizer_config)
-        params = self.parameters()
-        if cfg["name"] == "sgd":
-            opt: torch.optim.Optimizer = torch.optim.SGD(
-                params, lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"]
-            )
-        elif cfg["name"] == "adam":
-            opt = torch.optim.Adam(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"])
-        else:
-            opt = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"])
-        if cfg["scheduler"] != "cosine":
+        opt = self.make_optimizer()
+        if self.optimizer_config.get("scheduler", "none") != "cosine":
             return opt
         steps = max(1, int(self.trainer.estimated_stepping_batches))
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)

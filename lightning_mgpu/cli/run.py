@@ -16,31 +16,23 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lightning_mgpu.cli._config_args import add_config_arguments, split_overrides
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "config",
-        nargs="?",
-        default="digits",
-        help="a YAML file or a shipped config name such as digits or resnet18 (default: digits)",
-    )
-    parser.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="key=value",
-        help="change the config: trainer.devices=[0,3] data.batch_size=128 callbacks.memory.enabled=false",
-    )
+
+def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved, validated config and exit"
     )
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, _options, default="digits")
+
+
 def run(args: argparse.Namespace) -> int:
     from lightning_mgpu.config import load_config
 
-    config, overrides = args.config, list(args.overrides)
-    if "=" in config and not config.endswith((".yaml", ".yml")):  # only overrides were given
-        config, overrides = "digits", [config, *overrides]
+    config, overrides = split_overrides(args)
     try:
         cfg = load_config(config, overrides)
         if args.print_config:

@@ -154,3 +154,10 @@ def test_light_commands_do_not_import_torch(argv: list[str]) -> None:
         assert "run" in out
         assert "recipes" in out
         assert "estimate" in out
+
+
+def test_options_may_come_after_the_overrides(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "linear", "--print-config", "trainer.devices=2"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["trainer"]["devices"] == 2
+    assert main(["run", "linear", "trainer.devices=2", "--print-confg"]) == 1
+    assert "unknown option --print-confg; see lightning-mgpu run --help" in capsys.readouterr().err
