@@ -17,7 +17,15 @@ from typing_extensions import override
 
 from lightning_mgpu.config.schema import DataConfig
 
-__all__ = ["ClassifierModule", "Recipe", "RecipeData", "RecipeModule", "per_process_batch_size", "split"]
+__all__ = [
+    "ClassifierModule",
+    "Recipe",
+    "RecipeData",
+    "RecipeModule",
+    "per_process_batch_size",
+    "same_in_model_and_data",
+    "split",
+]
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,21 @@ class Recipe:
     tasks: tuple[str, ...] = ("fit", "validate")
     check: Callable[[Any], list[str]] = field(default=lambda cfg: [])
     """Cross-section checks (e.g. class count of the data against the model), run during validation."""
+
+
+def same_in_model_and_data(name: str) -> Callable[[Any], list[str]]:
+    """A ``Recipe.check`` requiring ``model.<name>`` and ``data.<name>`` to be equal.
+
+    Example::
+
+        RECIPE = Recipe(..., check=same_in_model_and_data("in_features"))
+    """
+
+    def check(cfg: Any) -> list[str]:
+        model, data = getattr(cfg.model, name), getattr(cfg.data, name)
+        return [] if model == data else [f"data.{name}={data} must equal model.{name}={model}"]
+
+    return check
 
 
 def per_process_batch_size(batch_size: int, world_size: int) -> int:

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
-from typing_extensions import override
 
 from lightning_mgpu.config import schema
 
@@ -41,31 +40,15 @@ class ModelConfig:
 
     def problems(self) -> list[str]:
         """Impossible values, one message each."""
-        out = [
-            f"{n}: must be >= 1, got {getattr(self, n)}"
-            for n in ("channels", "hidden")
-            if getattr(self, n) < 1
-        ]
-        if self.num_classes < 2:
-            out.append(f"num_classes: must be >= 2, got {self.num_classes}")
+        out = schema.minimums(self, channels=1, hidden=1, num_classes=2)
         if not 0.0 <= self.dropout < 1.0:
             out.append(f"dropout: must be in [0, 1), got {self.dropout:g}")
         return out
 
 
 @dataclass
-class DataConfig(schema.DataConfig):
+class DataConfig(schema.SplitDataConfig):
     """scikit-learn's digits, split once into train and validation."""
-
-    val_fraction: float = 0.2
-    """Share of the images held out for validation."""
-
-    @override
-    def problems(self) -> list[str]:
-        out = super().problems()
-        if not 0.0 < self.val_fraction < 1.0:
-            out.append(f"val_fraction: must be between 0 and 1, got {self.val_fraction:g}")
-        return out
 
 
 class ConvClassifier(ClassifierModule):

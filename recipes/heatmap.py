@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_mgpu.config import schema
 
-from ._base import Recipe, RecipeData, RecipeModule, split
+from ._base import Recipe, RecipeData, RecipeModule, same_in_model_and_data, split
 
 
 @dataclass
@@ -38,15 +38,11 @@ class ModelConfig:
 
     def problems(self) -> list[str]:
         """Impossible values, one message each."""
-        return [
-            f"{n}: must be >= 1, got {getattr(self, n)}"
-            for n in ("keypoints", "channels")
-            if getattr(self, n) < 1
-        ]
+        return schema.minimums(self, keypoints=1, channels=1)
 
 
 @dataclass
-class DataConfig(schema.DataConfig):
+class DataConfig(schema.SplitDataConfig):
     """Synthetic images with Gaussian blobs."""
 
     num_samples: int = 2048
@@ -57,20 +53,11 @@ class DataConfig(schema.DataConfig):
     """Blobs per image, one per keypoint."""
     sigma: float = 2.0
     """Standard deviation of each blob and target, in pixels."""
-    val_fraction: float = 0.2
-    """Share of the images held out for validation."""
 
     @override
     def problems(self) -> list[str]:
-        out = super().problems()
-        for name, low in (("num_samples", 2), ("image_size", 8), ("keypoints", 1)):
-            if getattr(self, name) < low:
-                out.append(f"{name}: must be >= {low}, got {getattr(self, name)}")
-        if self.sigma <= 0:
-            out.append(f"sigma: must be > 0, got {self.sigma:g}")
-        if not 0.0 < self.val_fraction < 1.0:
-            out.append(f"val_fraction: must be between 0 and 1, got {self.val_fraction:g}")
-        return out
+        out = super().problems() + schema.minimums(self, num_samples=2, image_size=8, keypoints=1)
+        return out + ([] if self.sigma > 0 else [f"sigma: must be > 0, got {self.sigma:g}"])
 
 
 def gaussian_maps(centres: torch.Tensor, size: int, sigma: float) -> torch.Tensor:
@@ -165,10 +152,6 @@ def _argmax_2d(maps: torch.Tensor) -> torch.Tensor:
     return torch.stack([flat // width, flat % width], dim=-1).float()
 
 
-def _check(cfg: Any) -> list[str]:
-    if cfg.model.keypoints == cfg.data.keypoints:
-        return []
-    return [f"data.keypoints={cfg.data.keypoints} must equal model.keypoints={cfg.model.keypoints}"]
-
-
-RECIPE = Recipe("heatmap", HeatmapNet, HeatmapData, ModelConfig, DataConfig, check=_check)
+RECIPE = Recipe(
+    "heatmap", HeatmapNet, HeatmapData, ModelConfig, DataConfig, check=same_in_model_and_data("keypoints")
+)

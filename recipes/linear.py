@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_mgpu.config import schema
 
-from ._base import Recipe, RecipeData, RecipeModule, split
+from ._base import Recipe, RecipeData, RecipeModule, same_in_model_and_data, split
 
 
 @dataclass
@@ -33,11 +33,11 @@ class ModelConfig:
 
     def problems(self) -> list[str]:
         """Impossible values, one message each."""
-        return [] if self.in_features >= 1 else [f"in_features: must be >= 1, got {self.in_features}"]
+        return schema.at_least("in_features", self.in_features, 1)
 
 
 @dataclass
-class DataConfig(schema.DataConfig):
+class DataConfig(schema.SplitDataConfig):
     """Synthetic ``y = x @ w + b + noise`` with ``w`` and ``b`` drawn from ``seed``."""
 
     num_samples: int = 4096
@@ -46,19 +46,10 @@ class DataConfig(schema.DataConfig):
     """Inputs per sample; must equal ``model.in_features``."""
     noise: float = 0.01
     """Standard deviation of the noise added to ``y``."""
-    val_fraction: float = 0.2
-    """Share of the samples held out for validation."""
 
     @override
     def problems(self) -> list[str]:
-        out = super().problems()
-        if self.num_samples < 2:
-            out.append(f"num_samples: must be >= 2, got {self.num_samples}")
-        if self.noise < 0:
-            out.append(f"noise: must be >= 0, got {self.noise:g}")
-        if not 0.0 < self.val_fraction < 1.0:
-            out.append(f"val_fraction: must be between 0 and 1, got {self.val_fraction:g}")
-        return out
+        return super().problems() + schema.minimums(self, num_samples=2, noise=0.0)
 
 
 class LinearData(RecipeData):
@@ -123,10 +114,11 @@ class LinearRegression(RecipeModule):
             self.log("val/weight_distance", distance, prog_bar=True, sync_dist=True)  # equal on every rank
 
 
-def _check(cfg: Any) -> list[str]:
-    if cfg.model.in_features == cfg.data.in_features:
-        return []
-    return [f"data.in_features={cfg.data.in_features} must equal model.in_features={cfg.model.in_features}"]
-
-
-RECIPE = Recipe("linear", LinearRegression, LinearData, ModelConfig, DataConfig, check=_check)
+RECIPE = Recipe(
+    "linear",
+    LinearRegression,
+    LinearData,
+    ModelConfig,
+    DataConfig,
+    check=same_in_model_and_data("in_features"),
+)

@@ -140,11 +140,11 @@ class ModelConfig:
     def problems(self) -> list[str]:
         """Impossible values, one message each."""
         out = [] if self.arch in _LAYERS else [f"arch: {self.arch!r} is not one of {', '.join(_LAYERS)}"]
-        return out + ([] if self.num_classes >= 2 else [f"num_classes: must be >= 2, got {self.num_classes}"])
+        return out + schema.at_least("num_classes", self.num_classes, 2)
 
 
 @dataclass
-class DataConfig(schema.DataConfig):
+class DataConfig(schema.SplitDataConfig):
     """Image folders, or synthetic images."""
 
     root: str | None = None
@@ -162,14 +162,8 @@ class DataConfig(schema.DataConfig):
 
     @override
     def problems(self) -> list[str]:
-        out = super().problems()
-        if self.image_size < 32:
-            out.append(f"image_size: must be >= 32 (ResNet halves it five times), got {self.image_size}")
-        if not 0.0 < self.val_fraction < 1.0:
-            out.append(f"val_fraction: must be between 0 and 1, got {self.val_fraction:g}")
-        if self.num_samples < 2:
-            out.append(f"num_samples: must be >= 2, got {self.num_samples}")
-        return out
+        halvings = schema.at_least("image_size", self.image_size, 32, " (ResNet halves it five times)")
+        return super().problems() + halvings + schema.at_least("num_samples", self.num_samples, 2)
 
 
 def class_folders(root: str | Path) -> list[str]:

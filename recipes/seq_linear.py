@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_mgpu.config import schema
 
-from ._base import Recipe, RecipeData, RecipeModule, log_input_shape, split
+from ._base import Recipe, RecipeData, RecipeModule, log_input_shape, same_in_model_and_data, split
 
 
 @dataclass
@@ -34,11 +34,11 @@ class ModelConfig:
 
     def problems(self) -> list[str]:
         """Impossible values, one message each."""
-        return [] if self.features >= 1 else [f"features: must be >= 1, got {self.features}"]
+        return schema.at_least("features", self.features, 1)
 
 
 @dataclass
-class DataConfig(schema.DataConfig):
+class DataConfig(schema.SplitDataConfig):
     """Synthetic sequences ``x`` of shape ``[seq_len, features]`` and targets ``x @ A.T + b``."""
 
     num_samples: int = 1024
@@ -52,13 +52,7 @@ class DataConfig(schema.DataConfig):
 
     @override
     def problems(self) -> list[str]:
-        out = super().problems()
-        for name in ("num_samples", "seq_len", "features"):
-            if getattr(self, name) < 1:
-                out.append(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if not 0.0 < self.val_fraction < 1.0:
-            out.append(f"val_fraction: must be between 0 and 1, got {self.val_fraction:g}")
-        return out
+        return super().problems() + schema.minimums(self, num_samples=1, seq_len=1, features=1)
 
 
 class SeqData(RecipeData):
@@ -114,10 +108,6 @@ class SeqLinear(RecipeModule):
         self.log("val/loss", nn.functional.mse_loss(self(x), y), sync_dist=True, prog_bar=True)
 
 
-def _check(cfg: Any) -> list[str]:
-    if cfg.model.features == cfg.data.features:
-        return []
-    return [f"data.features={cfg.data.features} must equal model.features={cfg.model.features}"]
-
-
-RECIPE = Recipe("seq_linear", SeqLinear, SeqData, ModelConfig, DataConfig, check=_check)
+RECIPE = Recipe(
+    "seq_linear", SeqLinear, SeqData, ModelConfig, DataConfig, check=same_in_model_and_data("features")
+)

@@ -26,7 +26,10 @@ __all__ = [
     "MemoryConfig",
     "OptimizerConfig",
     "RunConfig",
+    "SplitDataConfig",
     "TrainerConfig",
+    "at_least",
+    "minimums",
 ]
 
 CPU_DEVICE_CAP = 4
@@ -57,10 +60,26 @@ def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> list[str]:
     return [f"{name}: {value!r} is not one of {', '.join(allowed)}"]
 
 
-def _at_least(name: str, value: float | None, low: float, note: str = "") -> list[str]:
+def at_least(name: str, value: float | None, low: float, note: str = "") -> list[str]:
+    """``[]`` when ``value`` is ``None`` or at least ``low``, else the message naming ``name``.
+
+    Example::
+
+        at_least("num_samples", 0, 1)  # ['num_samples: must be >= 1, got 0']
+    """
     if value is None or value >= low:
         return []
     return [f"{name}: must be >= {low:g}{note}, got {value:g}"]
+
+
+def minimums(section: Any, **lows: float) -> list[str]:
+    """``at_least`` for several fields of ``section`` at once.
+
+    Example::
+
+        minimums(cfg.data, num_samples=2, image_size=8)
+    """
+    return [p for name, low in lows.items() for p in at_least(name, getattr(section, name), low)]
 
 
 def _limit(name: str, value: Any) -> list[str]:
@@ -121,9 +140,9 @@ class TrainerConfig:
         out = _one_of("accelerator", self.accelerator, _ACCELERATORS)
         out += _one_of("precision", self.precision, _PRECISIONS)
         out += _devices_problems(self.devices)
-        out += _at_least("num_nodes", self.num_nodes, 1)
-        out += _at_least("max_epochs", self.max_epochs, -1, " (-1 means no limit)")
-        out += _at_least("max_steps", self.max_steps, -1, " (-1 means no limit)")
+        out += at_least("num_nodes", self.num_nodes, 1)
+        out += at_least("max_epochs", self.max_epochs, -1, " (-1 means no limit)")
+        out += at_least("max_steps", self.max_steps, -1, " (-1 means no limit)")
         if self.max_epochs == 0 or self.max_steps == 0:
             out.append("max_epochs/max_steps: 0 trains nothing; use -1 for no limit")
         fdr = self.fast_dev_run
@@ -131,11 +150,11 @@ class TrainerConfig:
             out.append(f"fast_dev_run: expected true, false or a batch count >= 1, got {fdr!r}")
         for name in ("limit_train_batches", "limit_val_batches", "limit_predict_batches"):
             out += _limit(name, getattr(self, name))
-        out += _at_least("check_val_every_n_epoch", self.check_val_every_n_epoch, 1)
-        out += _at_least("log_every_n_steps", self.log_every_n_steps, 1)
-        out += _at_least("accumulate_grad_batches", self.accumulate_grad_batches, 1)
-        out += _at_least("gradient_clip_val", self.gradient_clip_val, 0.0)
-        out += _at_least("num_sanity_val_steps", self.num_sanity_val_steps, -1, " (-1 runs them all)")
+        out += at_least("check_val_every_n_epoch", self.check_val_every_n_epoch, 1)
+        out += at_least("log_every_n_steps", self.log_every_n_steps, 1)
+        out += at_least("accumulate_grad_batches", self.accumulate_grad_batches, 1)
+        out += at_least("gradient_clip_val", self.gradient_clip_val, 0.0)
+        out += at_least("num_sanity_val_steps", self.num_sanity_val_steps, -1, " (-1 runs them all)")
         return out
 
 
@@ -175,7 +194,22 @@ class DataConfig:
 
     def problems(self) -> list[str]:
         """Impossible values in this section, one message each."""
-        return _at_least("batch_size", self.batch_size, 1) + _at_least("num_workers", self.num_workers, 0)
+        return at_least("batch_size", self.batch_size, 1) + at_least("num_workers", self.num_workers, 0)
+
+
+@dataclass
+class SplitDataConfig(DataConfig):
+    """``DataConfig`` for data split once into train and validation sets."""
+
+    val_fraction: float = 0.2
+    """Share of the samples held out for validation."""
+
+    def problems(self) -> list[str]:
+        """Impossible values in this section, one message each."""
+        out = super().problems()
+        if not 0.0 < self.val_fraction < 1.0:
+            out.append(f"val_fraction: must be between 0 and 1, got {self.val_fraction:g}")
+        return out
 
 
 @dataclass
@@ -198,7 +232,7 @@ class OptimizerConfig:
         out = _one_of("name", self.name, _OPTIMIZERS) + _one_of("scheduler", self.scheduler, _SCHEDULERS)
         if self.lr <= 0:
             out.append(f"lr: must be > 0, got {self.lr:g}")
-        out += _at_least("weight_decay", self.weight_decay, 0.0)
+        out += at_least("weight_decay", self.weight_decay, 0.0)
         if not 0.0 <= self.momentum < 1.0:
             out.append(f"momentum: must be in [0, 1), got {self.momentum:g}")
         return out
@@ -217,7 +251,7 @@ class MemoryConfig:
 
     def problems(self) -> list[str]:
         """Impossible values in this section, one message each."""
-        return _at_least("every_n_steps", self.every_n_steps, 1) + _at_least(
+        return at_least("every_n_steps", self.every_n_steps, 1) + at_least(
             "imbalance_threshold", self.imbalance_threshold, 1.0, " (1.0 is perfectly balanced)"
         )
 
@@ -255,7 +289,7 @@ class CheckpointConfig:
 
     def problems(self) -> list[str]:
         """Impossible values in this section, one message each."""
-        return _one_of("mode", self.mode, _MODES) + _at_least("save_top_k", self.save_top_k, -1)
+        return _one_of("mode", self.mode, _MODES) + at_least("save_top_k", self.save_top_k, -1)
 
 
 @dataclass
@@ -273,7 +307,7 @@ class EarlyStoppingConfig:
 
     def problems(self) -> list[str]:
         """Impossible values in this section, one message each."""
-        return _one_of("mode", self.mode, _MODES) + _at_least("patience", self.patience, 0)
+        return _one_of("mode", self.mode, _MODES) + at_least("patience", self.patience, 0)
 
 
 @dataclass
