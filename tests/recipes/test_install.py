@@ -13,10 +13,9 @@ import pytest
 from lightning_mgpu.recipes import RECIPES
 from tests.helpers import REPO, run_command
 
-tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-
 
 def test_every_package_is_listed_for_setuptools() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     on_disk = {
         ".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "lightning_mgpu").rglob("__init__.py")
