@@ -22,6 +22,7 @@ __all__ = [
     "Recipe",
     "RecipeData",
     "RecipeModule",
+    "RegressionModule",
     "per_process_batch_size",
     "same_in_model_and_data",
     "split",
@@ -201,6 +202,45 @@ class RecipeData(L.LightningDataModule):
         self.setup("fit")
         loader = DataLoader(self.train_set, batch_size=size)
         return next(iter(loader))
+
+
+class RegressionModule(RecipeModule):
+    """Mean-squared-error regression: logs ``train/loss`` and ``val/loss`` (over the whole validation set).
+
+    Subclasses set ``self.net``; ``validation_step`` returns the predictions for further metrics.
+
+    Args:
+        optimizer: the config's ``optimizer`` section.
+
+    Example::
+
+        class Tiny(RegressionModule):
+            def __init__(self, optimizer=None):
+                super().__init__(optimizer)
+                self.net = nn.Linear(4, 1)
+    """
+
+    def __init__(self, optimizer: dict[str, Any] | None = None) -> None:
+        super().__init__(optimizer)
+        self.val_loss = torchmetrics.MeanSquaredError()
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    @override
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        pred = self(x)
+        self.val_loss.update(pred, y)
+        return pred
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        self.log("val/loss", self.val_loss, prog_bar=True)
 
 
 class ClassifierModule(RecipeModule):

@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_mgpu.config import schema
 
-from ._base import Recipe, RecipeData, RecipeModule, same_in_model_and_data, split
+from ._base import Recipe, RecipeData, RegressionModule, same_in_model_and_data, split
 
 
 @dataclass
@@ -99,7 +99,7 @@ class HeatmapData(RecipeData):
         self.train_set, self.val_set = split(TensorDataset(images, targets), val_fraction, self.seed)
 
 
-class HeatmapNet(RecipeModule):
+class HeatmapNet(RegressionModule):
     """Three 3x3 conv layers keeping the resolution, then one 1x1 conv to ``keypoints`` heatmaps.
 
     Example::
@@ -122,26 +122,17 @@ class HeatmapNet(RecipeModule):
             nn.ReLU(),
             nn.Conv2d(channels, keypoints, 1),
         )
-        self.val_loss = torchmetrics.MeanSquaredError()
         self.val_error = torchmetrics.MeanMetric()
 
     @override
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        images, targets = batch
-        loss = nn.functional.mse_loss(self(images), targets)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
-
-    @override
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        images, targets = batch
-        pred = self(images)
-        self.val_loss.update(pred, targets)
-        self.val_error.update(torch.linalg.vector_norm(_argmax_2d(pred) - _argmax_2d(targets), dim=-1))
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        pred = super().validation_step(batch, batch_idx)
+        self.val_error.update(torch.linalg.vector_norm(_argmax_2d(pred) - _argmax_2d(batch[1]), dim=-1))
+        return pred
 
     @override
     def on_validation_epoch_end(self) -> None:
-        self.log("val/loss", self.val_loss)
+        super().on_validation_epoch_end()
         self.log("val/keypoint_error_px", self.val_error, prog_bar=True)
 
 

@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_mgpu.config import schema
 
-from ._base import Recipe, RecipeData, RecipeModule, same_in_model_and_data, split
+from ._base import Recipe, RecipeData, RegressionModule, same_in_model_and_data, split
 
 
 @dataclass
@@ -79,7 +79,7 @@ class LinearData(RecipeData):
         self.train_set, self.val_set = split(TensorDataset(x, y), val_fraction, self.seed)
 
 
-class LinearRegression(RecipeModule):
+class LinearRegression(RegressionModule):
     """``nn.Linear(in_features, 1)`` trained with MSE.
 
     Example::
@@ -93,19 +93,8 @@ class LinearRegression(RecipeModule):
         self.net: nn.Linear = nn.Linear(in_features, 1)
 
     @override
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = nn.functional.mse_loss(self(x), y)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
-
-    @override
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        x, y = batch
-        self.log("val/loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
-
-    @override
     def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
         data = getattr(self.trainer, "datamodule", None)
         if isinstance(data, LinearData):
             learned = torch.cat([self.net.weight.detach().flatten(), self.net.bias.detach()]).cpu()

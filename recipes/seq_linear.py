@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_mgpu.config import schema
 
-from ._base import Recipe, RecipeData, RecipeModule, log_input_shape, same_in_model_and_data, split
+from ._base import Recipe, RecipeData, RegressionModule, log_input_shape, same_in_model_and_data, split
 
 
 @dataclass
@@ -80,7 +80,7 @@ class SeqData(RecipeData):
         self.train_set, self.val_set = split(TensorDataset(x, x @ weight.T + bias), val_fraction, self.seed)
 
 
-class SeqLinear(RecipeModule):
+class SeqLinear(RegressionModule):
     """``nn.Linear(features, features)`` applied at every position, trained with MSE.
 
     Example::
@@ -96,16 +96,8 @@ class SeqLinear(RecipeModule):
 
     @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        log_input_shape("seq_linear", x, batch_idx, self.current_epoch)
-        loss = nn.functional.mse_loss(self(x), y)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
-
-    @override
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        x, y = batch
-        self.log("val/loss", nn.functional.mse_loss(self(x), y), sync_dist=True, prog_bar=True)
+        log_input_shape("seq_linear", batch[0], batch_idx, self.current_epoch)
+        return super().training_step(batch, batch_idx)
 
 
 RECIPE = Recipe(

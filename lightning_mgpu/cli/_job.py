@@ -151,7 +151,8 @@ def summary(cfg: RunConfig, trainer: L.Trainer, run_dir: Path, seconds: float) -
     )
     lines = [f"{cfg.recipe}: {cfg.task} done in {seconds:.1f} s with {strategy} on {where}"]
     if cfg.task == "fit":
-        lines[0] += f", {trainer.current_epoch} epochs, {trainer.global_step} optimizer steps"
+        epochs, steps = trainer.current_epoch, trainer.global_step
+        lines[0] += f", {epochs} epoch{'s' * (epochs != 1)}, {steps} optimizer step{'s' * (steps != 1)}"
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     if metrics:
         lines.append("metrics:")
