@@ -5,15 +5,18 @@ Usage::
     python benchmarks/memory_overhead.py                  # one process (CPU, or one GPU when present)
     python benchmarks/memory_overhead.py --devices 2      # mgpu_ddp: every step also all-gathers the ranks
 
-Three configurations train the same MLP, all with a CSVLogger and
-``log_every_n_steps=1``: no memory callback, ``DeviceMemoryMonitor(every_n_steps=1)``
-and Lightning's ``DeviceStatsMonitor``. Rounds are interleaved so that load on the
-machine hits all three alike. Two figures per configuration:
+The same MLP trains with a CSVLogger and ``log_every_n_steps=1`` under each callback:
+``DeviceMemoryMonitor(every_n_steps=1)`` and Lightning's ``DeviceStatsMonitor``. Within
+each run the callback's per-step hooks run on odd batches only, so every step with the
+callback has a neighbour without it, measured a few milliseconds apart: the paired
+difference cancels the load of a shared machine that separate runs cannot. Reported:
 
-- the median time between consecutive batch starts (the whole step), and its ratio to
-  the run without a memory callback;
-- the time spent inside the callback's own hooks, measured directly, as a share of the
-  step: the noise-free figure that the 1% target is about.
+- the median step without the callback (the baseline), the median paired difference
+  (step with minus the step before without) and the resulting step-time ratio;
+- the time spent inside the callback's per-step hooks, measured directly, as a share of
+  the baseline step;
+- the once-per-fit hooks (``on_train_start`` / ``_end``: layout exchange, table, JSON) in
+  ms per fit; under DDP they include waiting for the slower rank to arrive.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import DeviceMemoryMonitor
 
-HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_train_start", "on_train_end")
+STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end")
+FIT_HOOKS = ("setup", "on_train_start", "on_train_end")
 
 
 class MLP(L.LightningModule):
@@ -68,59 +72,65 @@ class StepClock(Callback):
         self.starts.append(time.perf_counter())
 
 
-def timed_hooks(callback: Callback, spent: list[float]) -> Callback:
-    """Wrap the callback's hooks so that the seconds they take add up in ``spent[0]``."""
+def on_odd_batches_timed(callback: Callback, spent: list[float]) -> Callback:
+    """Per-step hooks run on odd batches only; their seconds add to ``spent[0]``, per-fit ones to ``[1]``."""
 
-    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(method: Callable[..., Any], per_step: bool) -> Callable[..., Any]:
         @functools.wraps(method)
-        def timed(*args: Any, **kwargs: Any) -> Any:
+        def hook(*args: Any, **kwargs: Any) -> Any:
+            if per_step and args[-1] % 2 == 0:  # batch_idx is the last argument
+                return None
             start = time.perf_counter()
             try:
                 return method(*args, **kwargs)
             finally:
-                spent[0] += time.perf_counter() - start
+                spent[0 if per_step else 1] += time.perf_counter() - start
 
-        return timed
+        return hook
 
-    for hook in HOOKS:
-        setattr(callback, hook, wrap(getattr(callback, hook)))
+    for hooks, per_step in ((STEP_HOOKS, True), (FIT_HOOKS, False)):
+        for name in hooks:
+            setattr(callback, name, wrap(getattr(callback, name), per_step))
     return callback
 
 
-def one_run(
-    config: str, args: argparse.Namespace, loader: DataLoader, log_dir: str
-) -> tuple[list[float], float]:
-    clock, spent = StepClock(), [0.0]
-    callbacks: list[Callback] = [clock]
-    if config == "DeviceMemoryMonitor":
-        callbacks.append(timed_hooks(DeviceMemoryMonitor(every_n_steps=1, print_summary=False), spent))
-    elif config == "DeviceStatsMonitor":
-        callbacks.append(timed_hooks(DeviceStatsMonitor(), spent))
-    gpu = torch.cuda.is_available()
+def one_run(config: str, args: argparse.Namespace, loader: DataLoader, log_dir: str) -> dict[str, Any]:
+    clock, spent = StepClock(), [0.0, 0.0]
+    callback = (
+        DeviceMemoryMonitor(every_n_steps=1, print_summary=False)
+        if config == "DeviceMemoryMonitor"
+        else DeviceStatsMonitor()
+    )
     trainer = L.Trainer(
-        accelerator="gpu" if gpu else "cpu",
+        accelerator="gpu" if torch.cuda.is_available() else "cpu",
         devices=args.devices,
         strategy="mgpu_ddp" if args.devices > 1 else "auto",
         max_steps=args.steps,
         logger=CSVLogger(log_dir, name=config),
         log_every_n_steps=1,
-        callbacks=callbacks,
+        callbacks=[clock, on_odd_batches_timed(callback, spent)],
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     torch.manual_seed(0)
     trainer.fit(MLP(args.width), loader)
-    steps = [b - a for a, b in zip(clock.starts, clock.starts[1:], strict=False)][args.warmup :]
-    return steps, spent[0] / max(1, len(clock.starts) - 1)
+    steps = [b - a for a, b in zip(clock.starts, clock.starts[1:], strict=False)]
+    pairs = [(steps[i - 1], steps[i]) for i in range(args.warmup | 1, len(steps), 2)]  # (without, with)
+    return {
+        "without": [a for a, _ in pairs],
+        "diffs": [b - a for a, b in pairs],
+        "hook": spent[0] / max(1, len(steps) // 2),
+        "fit": spent[1],
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--devices", type=int, default=1, help="processes (mgpu_ddp when more than 1)")
-    parser.add_argument("--steps", type=int, default=60, help="training steps per run (default: 60)")
-    parser.add_argument("--warmup", type=int, default=10, help="first steps left out of the medians")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
+    parser.add_argument("--steps", type=int, default=100, help="training steps per run (default: 100)")
+    parser.add_argument("--warmup", type=int, default=10, help="first steps left out (default: 10)")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default: 2)")
     parser.add_argument("--width", type=int, default=1024, help="hidden width of the MLP (default: 1024)")
     parser.add_argument("--batch-size", type=int, default=128)
     args = parser.parse_args()
@@ -128,35 +138,53 @@ def main() -> None:
     n = args.steps * args.batch_size * args.devices
     data = TensorDataset(torch.randn(n, 256), torch.randint(0, 10, (n,)))
     loader = DataLoader(data, batch_size=args.batch_size)
-    configs = ("none", "DeviceMemoryMonitor", "DeviceStatsMonitor")
-    steps: dict[str, list[float]] = {c: [] for c in configs}
-    hooks: dict[str, list[float]] = {c: [] for c in configs}
+    configs = ("DeviceMemoryMonitor", "DeviceStatsMonitor")
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory() as log_dir:
         for _ in range(args.rounds):
             for config in configs:
-                s, h = one_run(config, args, loader, log_dir)
-                steps[config] += s
-                hooks[config].append(h)
+                runs[config].append(one_run(config, args, loader, log_dir))
     if int(os.environ.get("LOCAL_RANK", "0")) != 0:  # rank 0 reports for mgpu_ddp
         return
 
-    base = statistics.median(steps["none"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    pairs = sum(len(r["diffs"]) for r in runs[configs[0]])
     print(
         f"memory callback overhead: {device}, {args.devices} process(es), MLP width {args.width},"
-        f" batch {args.batch_size}, {args.rounds} rounds x {args.steps - args.warmup} timed steps,"
-        " logging every step"
+        f" batch {args.batch_size}, logging every step; {pairs} step pairs per callback"
+        f" over {args.rounds} interleaved rounds"
     )
-    row = "{:<22} {:>17} {:>9} {:>14} {:>16}"
-    print(row.format("configuration", "step ms (median)", "vs none", "hooks ms/step", "hooks % of step"))
-    med = {c: statistics.median(steps[c]) for c in configs}
-    hook = {c: statistics.median(hooks[c]) for c in configs}
-    for c in configs:
-        share = f"{100 * hook[c] / base:.3f}%"
-        print(row.format(c, f"{med[c] * 1e3:.3f}", f"{med[c] / base:.4f}", f"{hook[c] * 1e3:.4f}", share))
-    ours, theirs = "DeviceMemoryMonitor", "DeviceStatsMonitor"
-    print(f"hook time {ours} / {theirs}: {hook[ours] / hook[theirs]:.3f}")
-    print(f"step time {ours} / {theirs}: {med[ours] / med[theirs]:.4f}")
+    row = "{:<20} {:>16} {:>16} {:>12} {:>14} {:>10} {:>13}"
+    print(
+        row.format(
+            "callback",
+            "step ms without",
+            "paired diff ms",
+            "step ratio",
+            "hooks ms/step",
+            "hooks %",
+            "fit hooks ms",
+        )
+    )
+    hook_ms = {}
+    for config in configs:
+        base = statistics.median(x for r in runs[config] for x in r["without"])
+        diff = statistics.median(x for r in runs[config] for x in r["diffs"])
+        hook_ms[config] = statistics.median(r["hook"] for r in runs[config])
+        fit = statistics.median(r["fit"] for r in runs[config])
+        print(
+            row.format(
+                config,
+                f"{base * 1e3:.3f}",
+                f"{diff * 1e3:+.3f}",
+                f"{(base + diff) / base:.4f}",
+                f"{hook_ms[config] * 1e3:.4f}",
+                f"{100 * hook_ms[config] / base:.3f}%",
+                f"{fit * 1e3:.2f}",
+            )
+        )
+    ours, theirs = configs
+    print(f"hook time {ours} / {theirs}: {hook_ms[ours] / hook_ms[theirs]:.3f}")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@
 - ``nvml_memory(device)`` reads used/total memory as ``nvidia-smi`` counts it
   (all processes and CUDA contexts), when NVML is installed.
 - ``process_memory()`` reads this process's RSS and peak RSS.
-- ``parse_bytes("12GiB")`` and ``format_bytes(n)`` convert memory sizes for people.
 - ``nvml_available()`` says whether NVML can be queried here at all.
+- ``parse_bytes("12GiB")`` and ``format_bytes(n)`` convert memory sizes for people.
 
 Nothing here initialises CUDA unless it has to read a CUDA device's allocator, so
 it is safe to call before Lightning forks processes. Nothing here knows about
@@ -197,30 +197,34 @@ def allocator_memory(device: torch.device, reset_peak: bool = False) -> dict[str
 
 
 @functools.lru_cache(maxsize=1)
-def _statm(pid: int) -> int | None:
-    """An open descriptor of this process's ``/proc/<pid>/statm`` (Linux), re-opened after a fork."""
+def _proc_status(pid: int) -> int | None:
+    """An open descriptor of ``/proc/<pid>/status`` (Linux), re-opened after a fork."""
     try:
-        return os.open(f"/proc/{pid}/statm", os.O_RDONLY)
+        return os.open(f"/proc/{pid}/status", os.O_RDONLY)
     except OSError:
         return None
 
 
-def _rss() -> int:
-    fd = _statm(os.getpid()) if sys.platform.startswith("linux") else None
-    if fd is not None:
-        # reading statm through a kept descriptor costs about a microsecond, psutil about 25
-        return int(os.pread(fd, 128, 0).split()[1]) * _PAGE
-    import psutil
-
-    return int(psutil.Process().memory_info().rss)
-
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+def _status_kib(data: bytes, key: bytes) -> int:
+    start = data.index(key) + len(key)
+    return int(data[start : data.index(b"kB", start)])
 
 
 def process_memory() -> dict[str, int]:
-    """This process's resident memory: ``rss`` now and ``peak_rss`` since it started, in bytes."""
-    rss = _rss()
+    """This process's resident memory: ``rss`` now and ``peak_rss`` since it started, in bytes.
+
+    On Linux both come from one read of ``/proc/self/status`` through a kept descriptor
+    (``VmRSS``, ``VmHWM``): about 10 us, where ``getrusage`` can take milliseconds in a
+    process whose other threads are busy (it sums every thread's CPU time).
+    """
+    fd = _proc_status(os.getpid()) if sys.platform.startswith("linux") else None
+    if fd is not None:
+        data = os.pread(fd, 8192, 0)
+        rss = _status_kib(data, b"VmRSS:") * 1024
+        return {"rss": rss, "peak_rss": max(rss, _status_kib(data, b"VmHWM:") * 1024)}
+    import psutil
+
+    rss = int(psutil.Process().memory_info().rss)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # ru_maxrss is KiB on Linux, bytes on macOS
     peak_bytes = peak if sys.platform == "darwin" else peak * 1024

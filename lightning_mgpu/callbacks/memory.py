@@ -97,6 +97,7 @@ class DeviceMemoryMonitor(Callback):
         self._batches = 0
         self._layouts: list[list[tuple[str, str, int, str]]] | None = None  # per rank
         self._device_plan: list[tuple[str, str, torch.device, str, int]] | None = None
+        self._pending: tuple[Any, list[torch.Tensor], int] | None = None
         self._warned = False
         self._rows: int | None = None
         self._largest_ok: int | None = None
@@ -121,6 +122,7 @@ class DeviceMemoryMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._batches = 0
         self._device_plan = None
+        self._pending = None
         local = [r.layout() for r in self._read(trainer, reset_peak=False)]
         self._layouts = _all_gather_objects(trainer, local)
 
@@ -129,6 +131,8 @@ class DeviceMemoryMonitor(Callback):
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        # the gather started at the end of the last step ran while this batch was fetched
+        self._finish_gather(trainer)
         sizes = [t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
         self._rows = int(sizes[0]) if sizes else None
 
@@ -149,6 +153,7 @@ class DeviceMemoryMonitor(Callback):
             return
         if self._batches % self._every != 0:  # include the peaks since the last log
             self._collect_and_log(trainer)
+        self._finish_gather(trainer)
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank calls it
         if not trainer.is_global_zero or not self.summary.devices:
             return
@@ -268,8 +273,47 @@ class DeviceMemoryMonitor(Callback):
         return readings
 
     def _collect_and_log(self, trainer: Trainer) -> None:
+        """Read this process's devices; under DDP, start gathering every rank's readings.
+
+        The gather runs asynchronously while Lightning logs and fetches the next batch; its
+        result is used at the next batch start and logged with the step it was read at, which
+        is also the last step Lightning's own logging has reached (so loggers that only
+        accept increasing steps, like W&B, keep it).
+        """
         local = self._read(trainer, reset_peak=True)
-        readings = self._gather(trainer, local)
+        # the step Lightning's own logging uses
+        step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
+        step = trainer.global_step if step is None else step
+        if self._layouts is None or len(self._layouts) == 1:
+            self._use(trainer, local, step)
+            return
+        self._finish_gather(trainer)
+        vec = [x for r in local for x in r.vector()]
+        width = max(sum(len(report.FIELDS[kind]) + 1 for _, kind, _, _ in layout) for layout in self._layouts)
+        mine = torch.tensor(vec + [math.nan] * (width - len(vec)), dtype=torch.float64)
+        mine = mine.to(trainer.strategy.root_device)
+        parts = [torch.empty_like(mine) for _ in self._layouts]
+        self._pending = (dist.all_gather(parts, mine, async_op=True), parts, step)
+
+    def _finish_gather(self, trainer: Trainer) -> None:
+        """Wait for the gather started at the last log (usually done by now) and use it."""
+        if self._pending is None or self._layouts is None:
+            return
+        work, parts, step = self._pending
+        self._pending = None
+        work.wait()
+        readings = []
+        for layout, part in zip(self._layouts, parts, strict=True):
+            row = part.cpu().tolist()
+            offset = 0
+            for item in layout:
+                n = len(report.FIELDS[item[1]]) + 1
+                readings.append(report.from_vector(item, row[offset : offset + n]))
+                offset += n
+        self._use(trainer, readings, step)
+
+    def _use(self, trainer: Trainer, readings: list[Reading], step: int) -> None:
+        """Summarize, check the balance of and log one reading of every device."""
         ratio, fullest = report.imbalance(readings)
         self.latest = readings
         self.summary.update(readings, ratio)
@@ -283,27 +327,8 @@ class DeviceMemoryMonitor(Callback):
         if trainer.is_global_zero and trainer.loggers:
             values = report.metrics(readings)
             values["memory/imbalance"] = ratio
-            # the step Lightning's own logging uses
-            step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
-            step = trainer.global_step if step is None else step
             for logger in trainer.loggers:
                 logger.log_metrics(values, step=step)
-
-    def _gather(self, trainer: Trainer, local: list[Reading]) -> list[Reading]:
-        if trainer.world_size == 1 or self._layouts is None:
-            return local
-        vec = [x for r in local for x in r.vector()]
-        width = max(sum(len(report.FIELDS[kind]) + 1 for _, kind, _, _ in layout) for layout in self._layouts)
-        padded = torch.tensor(vec + [math.nan] * (width - len(vec)), dtype=torch.float64)
-        gathered = trainer.strategy.all_gather(padded.to(trainer.strategy.root_device)).cpu().tolist()
-        readings = []
-        for layout, row in zip(self._layouts, gathered, strict=True):
-            offset = 0
-            for item in layout:
-                n = len(report.FIELDS[item[1]]) + 1
-                readings.append(report.from_vector(item, row[offset : offset + n]))
-                offset += n
-        return readings
 
     def _facts(self, trainer: Trainer, readings: list[Reading]) -> Facts:
         strategy = trainer.strategy

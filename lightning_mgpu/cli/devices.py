@@ -16,6 +16,7 @@ _GiB = 1024**3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``lightning-mgpu devices``."""
     parser.add_argument(
         "--num-nodes",
         type=int,
@@ -29,6 +30,7 @@ def _gib(value: int | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print the devices and the ``mgpu_auto`` decision; returns the exit code."""
     if args.num_nodes < 1:
         raise ValueError(f"--num-nodes must be at least 1, got {args.num_nodes}")
     from lightning_mgpu.devices import cpu_summary, cuda_devices, nvml_available, visible_cuda_devices

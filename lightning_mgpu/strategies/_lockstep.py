@@ -25,7 +25,20 @@ from lightning.pytorch import LightningModule
 
 from lightning_mgpu.strategies._scatter import weighted_mean
 
-__all__ = ["Lockstep", "LockstepError", "ReplicaAborted", "manual_optimization_hooks"]
+__all__ = [
+    "Lockstep",
+    "LockstepError",
+    "ReplicaAborted",
+    "manual_optimization_hooks",
+    "raise_first",
+    "record_exit",
+]
+
+
+_SAME_CALLS = (
+    "Under mgpu_dp every replica must call manual_backward, optimizer and scheduler steps the same"
+    " number of times, whatever its part of the batch holds."
+)
 
 
 class LockstepError(RuntimeError):
@@ -61,9 +74,7 @@ class Lockstep:
             if self._finished:
                 error = LockstepError(
                     f"replica {index} calls `{label}` but replica(s) {sorted(self._finished)} already"
-                    " returned"
-                    " from training_step. Under mgpu_dp every replica must call manual_backward, optimizer"
-                    " and scheduler steps the same number of times, whatever its part of the batch holds."
+                    f" returned from training_step. {_SAME_CALLS}"
                 )
                 self._fail(error)
                 raise error
@@ -107,8 +118,7 @@ class Lockstep:
                 self._fail(
                     LockstepError(
                         f"replica {index} returned from training_step while replica(s) wait in {waiting}."
-                        " Under mgpu_dp every replica must call manual_backward, optimizer and scheduler"
-                        " steps the same number of times, whatever its part of the batch holds."
+                        f" {_SAME_CALLS}"
                     )
                 )
 
@@ -127,9 +137,8 @@ class _SharedOptimizer:
     ) -> None:
         if isinstance(getattr(optimizer, "optimizer", optimizer), torch.optim.LBFGS):
             raise ValueError(
-                "mgpu_dp cannot run LBFGS with manual optimization: it re-evaluates the closure"
-                " inside step()."
-                " Use automatic optimization (the default) for LBFGS."
+                "mgpu_dp cannot run LBFGS with manual optimization: it re-evaluates the closure inside"
+                " step(). Use automatic optimization (the default) for LBFGS."
             )
         self._module = module
         self._optimizer = optimizer
@@ -262,3 +271,22 @@ def manual_optimization_hooks(
         "toggle_optimizer": toggle_optimizer,
         "untoggle_optimizer": untoggle_optimizer,
     }
+
+
+def record_exit(
+    errors: list[BaseException | None], index: int, lockstep: Lockstep | None, error: BaseException | None
+) -> None:
+    """Note how replica ``index`` ended, and tell the other replicas of the step."""
+    errors[index] = error
+    if lockstep is not None:
+        lockstep.exit(index, error)
+
+
+def raise_first(errors: list[BaseException | None]) -> None:
+    """Raise the error that stopped the step: a replica's own error before those it caused in the others."""
+    real = [e for e in errors if e is not None and not isinstance(e, ReplicaAborted)]
+    if real:
+        raise real[0]
+    aborted = [e for e in errors if e is not None]
+    if aborted:
+        raise aborted[0]

@@ -1,13 +1,15 @@
 """Replicas of a LightningModule, the call that runs one step inside a replica, and its logs.
 
-- ``replicate`` copies the module tree once per device. On CUDA it is
+- ``replicate`` copies the module tree once per device. Across GPUs it is
   ``torch.nn.parallel.replicate`` (parameters broadcast in a differentiable way, buffers
-  copied). On CPU every replica shares the module's parameters, the first replica shares
-  its buffers and the others get copies of them: the same semantics without the copies
-  that one device does not need.
+  copied). When every replica is on one device (CPU replicas) every replica shares the
+  module's parameters, the first replica shares its buffers and the others get copies of
+  them: the same semantics without the copies that one device does not need.
 - ``ReplicaCall`` runs ``training_step`` (or another step) of one replica in its thread with
   the caller's grad / inference mode and the precision plugin's autocast, which are all
   thread-local, and can count the bytes the replica saves for backward.
+- ``refresh_parameters`` copies weights updated in the middle of a step into replicas
+  that hold copies of them (manual optimization across GPUs).
 - ``LogCapture`` records the ``self.log`` calls of one replica; ``replay_logs`` combines them
   into one call on the module.
 """
@@ -27,10 +29,10 @@ from torchmetrics import Metric
 
 from lightning_mgpu.strategies._scatter import weighted_mean
 
-__all__ = ["LogCapture", "ReplicaCall", "prepare_replica", "replay_logs", "replicate"]
+__all__ = ["LogCapture", "ReplicaCall", "prepare_replica", "refresh_parameters", "replay_logs", "replicate"]
 
 
-def _replicate_on_cpu(module: nn.Module, count: int) -> list[nn.Module]:
+def _replicate_on_one_device(module: nn.Module, count: int) -> list[nn.Module]:
     modules: list[nn.Module] = []
     index: dict[int, int] = {}
     pending = [module]
@@ -57,8 +59,8 @@ def _replicate_on_cpu(module: nn.Module, count: int) -> list[nn.Module]:
 
 def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
     """One replica of ``module`` per device; gradients of every replica flow into ``module``'s parameters."""
-    if all(d.type == "cpu" for d in devices):
-        return _replicate_on_cpu(module, len(devices))
+    if len(set(devices)) == 1:
+        return _replicate_on_one_device(module, len(devices))
     from torch.nn.parallel import replicate as torch_replicate
 
     replicas = torch_replicate(module, list(devices), detach=not torch.is_grad_enabled())
@@ -224,3 +226,24 @@ class ReplicaCall:
                 self.saved_bytes = counter.total
             if self._on_exit is not None:
                 self._on_exit(error)
+
+
+@torch.no_grad()
+def refresh_parameters(module: torch.nn.Module, replicas: Sequence[torch.nn.Module]) -> None:
+    """After an optimizer step inside a step, copy the new weights into replicas on other devices."""
+    originals = list(module.named_parameters())
+    for replica in replicas:
+        for name, param in originals:
+            copy = _replica_tensor(replica, name)
+            if copy is not None and copy.data_ptr() != param.data_ptr():
+                copy.copy_(param)
+
+
+def _replica_tensor(replica: torch.nn.Module, name: str) -> Tensor | None:
+    owner_path, _, leaf = name.rpartition(".")
+    try:
+        owner = replica.get_submodule(owner_path) if owner_path else replica
+    except AttributeError:
+        return None
+    value = owner.__dict__.get(leaf, owner._parameters.get(leaf))
+    return value if isinstance(value, Tensor) else None

@@ -9,8 +9,8 @@
   every replica unchanged.
 - ``combine_outputs`` turns the replicas' step outputs into one output on the first device.
 
-On CUDA the chunks move with ``torch.nn.parallel``'s ``Scatter``/``Gather`` functions;
-on CPU they are views of the batch.
+Across GPUs the chunks move with ``torch.nn.parallel``'s ``Scatter``/``Gather`` functions;
+when every replica shares one device (CPU replicas) they are views of the batch.
 """
 
 from __future__ import annotations
@@ -65,18 +65,15 @@ def split_sizes(rows: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(used)]
 
 
-def _on_cuda(devices: Sequence[torch.device]) -> bool:
-    return any(d.type == "cuda" for d in devices)
-
-
 def _split_tensor(tensor: Tensor, sizes: list[int], devices: Sequence[torch.device]) -> Sequence[Tensor]:
     if tensor.dim() == 0:
         return [tensor.to(d) for d in devices]
-    if _on_cuda(devices):
+    if len(set(devices)) > 1:
         from torch.nn.parallel._functions import Scatter
 
         return Scatter.apply([d.index for d in devices], sizes, 0, tensor)
-    return tensor.split(sizes)
+    # every replica on one device (CPU replicas, or several on one GPU): views of the batch
+    return tensor.to(devices[0]).split(sizes)
 
 
 def scatter_batch(batch: Any, sizes: list[int], devices: Sequence[torch.device]) -> list[Any]:
@@ -107,11 +104,11 @@ def weighted_mean(values: Sequence[Tensor], weights: Sequence[float], device: to
 def _combine_tensors(values: list[Tensor], sizes: list[int], device: torch.device) -> Tensor:
     per_sample = all(v.dim() > 0 and v.shape[0] == n for v, n in zip(values, sizes, strict=True))
     if per_sample:
-        if _on_cuda([v.device for v in values]) and device.type == "cuda":
+        if any(v.device != device for v in values):
             from torch.nn.parallel._functions import Gather
 
             return Gather.apply(device.index, 0, *values)
-        return torch.cat([v.to(device) for v in values])
+        return torch.cat(values)
     if any(v.shape != values[0].shape for v in values):
         raise ValueError(
             "mgpu_dp cannot combine a step output whose shape differs between replicas"

@@ -16,6 +16,8 @@ the facts of the environment, in this order:
 - several devices in an interactive session otherwise: Lightning's ``ddp_notebook``.
 
 On CUDA without NCCL (Windows builds) the DDP choices use the ``gloo`` backend.
+``devices="auto"`` means every GPU in a script but one GPU in an interactive session,
+because that is how Lightning resolves it there: pass ``devices=N`` in a notebook.
 
 The ``mgpu_auto`` strategy applies the decision inside the Trainer. A registered strategy
 is built before the Trainer has resolved ``devices`` and ``num_nodes``, so ``mgpu_auto``
@@ -42,7 +44,7 @@ from lightning.pytorch.strategies import ParallelStrategy, SingleDeviceStrategy,
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-__all__ = ["EnvironmentFacts", "MGPUAutoStrategy", "StrategyChoice", "choose_strategy"]
+__all__ = ["EnvironmentFacts", "MGPUAutoStrategy", "StrategyChoice", "choose_strategy", "decide"]
 
 
 def _interactive() -> bool:
@@ -131,7 +133,16 @@ class StrategyChoice:
 
 
 def decide(devices: int, num_nodes: int, device_type: str, facts: EnvironmentFacts) -> StrategyChoice:
-    """The decision for ``devices`` resolved devices per node; see the module docstring for the rules."""
+    """The decision for ``devices`` devices (already resolved) of type ``device_type`` per node.
+
+    ``choose_strategy`` resolves the Trainer-style arguments and calls this; the rules are
+    listed in the module docstring.
+
+    Example::
+
+        facts = EnvironmentFacts.detect(interactive=True, cuda_initialized=True)
+        decide(4, 1, "cuda", facts).strategy  # 'mgpu_dp'
+    """
 
     def choice(strategy: str, reason: str, **options: Any) -> StrategyChoice:
         if (

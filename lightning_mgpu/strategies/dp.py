@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -19,16 +19,20 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_mgpu.strategies._lockstep import Lockstep, ReplicaAborted, manual_optimization_hooks
+from lightning_mgpu.strategies._lockstep import Lockstep, manual_optimization_hooks, raise_first, record_exit
 from lightning_mgpu.strategies._metrics import ReplicaMetrics
 from lightning_mgpu.strategies._replica import (
     LogCapture,
     ReplicaCall,
     prepare_replica,
+    refresh_parameters,
     replay_logs,
     replicate,
 )
 from lightning_mgpu.strategies._scatter import batch_rows, combine_outputs, scatter_batch, split_sizes
+
+# other backends warn when the thread count changes after parallel work started
+_OPENMP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
 class MGPUDataParallelStrategy(ParallelStrategy):
@@ -69,7 +73,8 @@ class MGPUDataParallelStrategy(ParallelStrategy):
     Attributes set directly on ``self`` inside a step are set on the replica and do not
     reach the module (as with ``nn.DataParallel``); use ``self.log``, metrics or the step's
     return value. With ``accelerator="cpu", devices=N`` the same split / replicate /
-    parallel-apply / gather path runs with N CPU replicas in threads.
+    parallel-apply / gather path runs with N CPU replicas in threads, which share the
+    intra-op threads (``torch.get_num_threads() // N`` each) instead of oversubscribing.
 
     Attributes:
         replica_devices: one ``torch.device`` per replica, the first holding the module.
@@ -274,7 +279,11 @@ class MGPUDataParallelStrategy(ParallelStrategy):
         self._metrics.install(module, replicas, devices)
         manual = method == "training_step" and not module.automatic_optimization
         lockstep = Lockstep(len(sizes)) if manual else None
-        after_step = functools.partial(_refresh_parameters, module, replicas) if manual else _nothing
+        # replicas on one device share the module's parameters; elsewhere they hold copies
+        copies = len(set(devices)) > 1
+        after_step = (
+            functools.partial(refresh_parameters, module, replicas) if manual and copies else _nothing
+        )
         captures = [LogCapture() for _ in sizes]
         errors: list[BaseException | None] = [None] * len(sizes)
         calls = []
@@ -283,7 +292,7 @@ class MGPUDataParallelStrategy(ParallelStrategy):
             if lockstep is not None:
                 hooks.update(manual_optimization_hooks(module, lockstep, index, sizes, after_step))
             prepare_replica(replica, device, hooks)
-            on_exit = functools.partial(_record_exit, errors, index, lockstep)
+            on_exit = functools.partial(record_exit, errors, index, lockstep)
             calls.append(ReplicaCall(replica, method, step_context, self.track_replica_memory, on_exit))
 
         outputs = self._parallel_apply(
@@ -316,24 +325,32 @@ class MGPUDataParallelStrategy(ParallelStrategy):
             try:
                 return parallel_apply(calls, inputs, [kwargs] * len(calls), list(devices))  # type: ignore[arg-type]
             except Exception:
-                _raise_first(errors)
+                raise_first(errors)
                 raise
         if self._pool is None:
             self._pool = ThreadPoolExecutor(
                 max_workers=len(self.replica_devices) - 1, thread_name_prefix="mgpu_dp"
             )
-        futures = [
-            self._pool.submit(call, *inp, **kwargs) for call, inp in zip(calls[1:], inputs[1:], strict=True)
-        ]
-        outputs: list[Any] = [None] * len(calls)
-        # errors are recorded in `errors`: wait for every replica, then raise the one that matters
-        with contextlib.suppress(BaseException):
-            outputs[0] = calls[0](*inputs[0], **kwargs)
-        for index, future in enumerate(futures, start=1):
-            with contextlib.suppress(BaseException):
-                outputs[index] = future.result()
-        _raise_first(errors)
-        return outputs
+        # the replicas share the cores: each runs its ops with its part of the intra-op threads
+        # (with OpenMP a thread takes the process-wide setting when it first runs a parallel op)
+        threads = torch.get_num_threads()
+        if _OPENMP:
+            torch.set_num_threads(max(1, threads // len(calls)))
+        try:
+            futures = [
+                self._pool.submit(call, *inp, **kwargs)
+                for call, inp in zip(calls[1:], inputs[1:], strict=True)
+            ]
+            # a replica's exception is recorded in `errors`: wait for all, then raise the one that matters
+            first = None
+            with contextlib.suppress(Exception):
+                first = calls[0](*inputs[0], **kwargs)
+            wait(futures)
+        finally:
+            if _OPENMP:
+                torch.set_num_threads(threads)
+        raise_first(errors)
+        return [first, *(future.result() for future in futures)]
 
     @override
     def teardown(self) -> None:
@@ -356,42 +373,3 @@ class MGPUDataParallelStrategy(ParallelStrategy):
 
 def _nothing() -> None:
     pass
-
-
-def _record_exit(
-    errors: list[BaseException | None], index: int, lockstep: Lockstep | None, error: BaseException | None
-) -> None:
-    errors[index] = error
-    if lockstep is not None:
-        lockstep.exit(index, error)
-
-
-def _raise_first(errors: list[BaseException | None]) -> None:
-    """Raise the error that stopped the step: a replica's own error before those it caused in the others."""
-    real = [e for e in errors if e is not None and not isinstance(e, ReplicaAborted)]
-    if real:
-        raise real[0]
-    aborted = [e for e in errors if e is not None]
-    if aborted:
-        raise aborted[0]
-
-
-@torch.no_grad()
-def _refresh_parameters(module: torch.nn.Module, replicas: Sequence[torch.nn.Module]) -> None:
-    """After an optimizer step inside a step, copy the new weights into replicas on other devices."""
-    originals = list(module.named_parameters())
-    for replica in replicas:
-        for name, param in originals:
-            copy = _replica_tensor(replica, name)
-            if copy is not None and copy.data_ptr() != param.data_ptr():
-                copy.copy_(param)
-
-
-def _replica_tensor(replica: torch.nn.Module, name: str) -> Tensor | None:
-    owner_path, _, leaf = name.rpartition(".")
-    try:
-        owner = replica.get_submodule(owner_path) if owner_path else replica
-    except AttributeError:
-        return None
-    value = owner.__dict__.get(leaf, owner._parameters.get(leaf))
-    return value if isinstance(value, Tensor) else None

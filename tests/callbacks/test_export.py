@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -37,19 +36,9 @@ def callbacks(folder: Path) -> list:
     return [every_epoch, PlainStateDictExport()]
 
 
-DP_AVAILABLE = importlib.util.find_spec("lightning_mgpu.strategies.dp") is not None
-
-
 @pytest.mark.parametrize(
     ("strategy", "devices"),
-    [
-        ("auto", 1),
-        pytest.param(
-            "mgpu_dp",
-            2,
-            marks=pytest.mark.skipif(not DP_AVAILABLE, reason="lightning_mgpu.strategies.dp missing"),
-        ),
-    ],
+    [("auto", 1), ("mgpu_dp", 2)],
 )
 def test_in_process_strategies(tmp_path: Path, strategy: str, devices: int) -> None:
     module = LitNet(net(seed=1))

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import DeviceMemoryMonitor
-from lightning_mgpu.callbacks._memory_report import Facts, Reading, likely_causes
+from lightning_mgpu.callbacks._memory_report import Facts, OOMContext, Reading, likely_causes, oom_guidance
 from tests.helpers import run_script
 
 MODULE = """
@@ -252,12 +252,11 @@ class WideRows(L.LightningModule):
 
 
 def test_dp_replicas_reach_the_logger_and_uneven_split_is_named(tmp_path: Path) -> None:
-    dp = pytest.importorskip("lightning_mgpu.strategies.dp")
     loader = DataLoader(TensorDataset(torch.randn(12, 4096)), batch_size=3)  # 2 replicas: 2 rows and 1 row
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=dp.MGPUDataParallelStrategy(),
+        strategy="mgpu_dp",
         max_epochs=1,
         logger=CSVLogger(tmp_path),
         callbacks=[DeviceMemoryMonitor(every_n_steps=1)],
@@ -281,6 +280,62 @@ def test_dp_replicas_reach_the_logger_and_uneven_split_is_named(tmp_path: Path) 
     assert len(messages) == 1
     assert "cpu:replica0" in messages[0]
     assert "uneven splits: the replicas got [2, 1] rows" in messages[0]
+
+
+class OutOfMemoryOnThirdBatch(WideRows):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 2:
+            raise MemoryError("replica could not allocate")
+        return super().training_step(batch, batch_idx)
+
+
+def test_dp_out_of_memory_offers_mgpu_ddp(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="mgpu_dp",
+        max_epochs=1,
+        logger=False,
+        callbacks=[DeviceMemoryMonitor(every_n_steps=1)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(MemoryError, match="replica could not allocate"):
+        trainer.fit(OutOfMemoryOnThirdBatch(), DataLoader(TensorDataset(torch.randn(32, 64)), batch_size=8))
+    err = capsys.readouterr().err
+    assert "Out of memory on cpu:rank0 (rank 0) at step 2" in err
+    assert "| cpu:replica0 | CPU replica |" in err
+    assert "4 rows per device now; the largest that finished a step so far is 4" in err
+    assert "DataLoader batch_size=4 and Trainer(accumulate_grad_batches=2)" in err  # 2 rows on each of 2
+    assert "strategy='mgpu_ddp' instead of mgpu_dp" in err
+
+
+def test_oom_guidance_for_a_gpu_dp_run() -> None:
+    ctx = OOMContext(
+        failed_device="cuda:0",
+        rank=0,
+        step=12,
+        strategy="mgpu_dp",
+        devices_used=2,
+        devices_available=4,
+        accelerator="cuda",
+        batch_per_device=32,
+        largest_ok=None,
+        accumulate=2,
+        precision="bf16-mixed",
+    )
+    card = reading("cuda:0", 0, 30 * 2**30)
+    text = oom_guidance(
+        RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has"), ctx, [card]
+    )
+    assert text.startswith("Out of memory on cuda:0 (rank 0) at step 12: RuntimeError: CUDA out of memory.")
+    assert "| cuda:0 | GPU  | 30,720 MiB" in text
+    assert "32 rows per device now; no step has finished yet; try 16 rows per device." in text
+    assert "DataLoader batch_size=32 and Trainer(accumulate_grad_batches=4) (now 2)" in text
+    assert "strategy='mgpu_ddp' instead of mgpu_dp" in text
+    assert "more devices: 2 of 4 are used; devices=4" in text
+    assert "precision: already bf16-mixed." in text
 
 
 def reading(device: str, rank: int, peak: float, rows: float = 8) -> Reading:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-from torchmetrics import CatMetric
+from torchmetrics import CatMetric, Metric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
 QUIET = {
@@ -111,6 +111,22 @@ class ManualRegressor(Regressor):
         return [opt_first, opt_last], [torch.optim.lr_scheduler.StepLR(opt_first, step_size=1, gamma=0.5)]
 
 
+class MeanTarget(Metric):
+    """A user metric as most are written: ``full_state_update`` left unset, so ``merge_state`` refuses it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("total", torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state("count", torch.tensor(0), dist_reduce_fx="sum")
+
+    def update(self, target: torch.Tensor) -> None:
+        self.total += target.float().sum()
+        self.count += target.numel()
+
+    def compute(self) -> torch.Tensor:
+        return self.total / self.count
+
+
 class Classifier(L.LightningModule):
     """Logs every kind of value and uses torchmetrics the usual ways (forward, update, logged object)."""
 
@@ -122,6 +138,7 @@ class Classifier(L.LightningModule):
         self.val_acc = MulticlassAccuracy(num_classes=3)
         self.val_f1 = MulticlassF1Score(num_classes=3, average="macro")
         self.val_preds = CatMetric()
+        self.val_target = MeanTarget()
         self.val_order: torch.Tensor | None = None
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -142,7 +159,9 @@ class Classifier(L.LightningModule):
         self.val_acc.update(logits, y)
         self.val_f1.update(logits, y)
         self.val_preds.update(logits.argmax(-1).float())
+        self.val_target.update(y)
         self.log("val_acc", self.val_acc)
+        self.log("val_target", self.val_target)
 
     def on_validation_epoch_end(self) -> None:
         self.log("val_f1", self.val_f1.compute())

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import warnings
+from collections import namedtuple
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, default_collate
@@ -56,6 +60,47 @@ def test_one_step_equals_single_device(devices: int, batch_size: int, chunks: li
     assert len(uneven) == (1 if len(set(chunks)) > 1 else 0)
 
 
+@dataclass
+class _Features:
+    x: torch.Tensor
+    fold: str
+
+
+_Target = namedtuple("_Target", ["y", "weight"])
+
+
+def _nested(rows: list[Any]) -> dict[str, Any]:
+    x, y = default_collate(rows)
+    return {
+        "features": _Features(x, "fold-1"),
+        "target": _Target(y, torch.tensor(2.0)),
+        "ids": list(range(len(x))),
+    }
+
+
+class _NestedRegressor(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[int, int, str, float]] = []  # shared by the replicas: one entry per chunk
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        features, target = batch["features"], batch["target"]
+        self.seen.append((len(features.x), len(batch["ids"]), features.fold, target.weight.item()))
+        return target.weight * F.mse_loss(self.net(features.x), target.y)
+
+
+def test_nested_batches_are_split_and_other_values_shared() -> None:
+    data = DataLoader(regression_data(rows=5), batch_size=5, collate_fn=_nested)
+    single = _NestedRegressor()
+    fit(single, "auto", 1, data, max_steps=1)
+    model = _NestedRegressor()
+    fit(model, "mgpu_dp", 2, data, max_steps=1)
+    # tensors split along dim 0 (dataclass and namedtuple fields too); the list, the string
+    # and the 0-dim tensor reach every replica whole
+    assert sorted(model.seen) == [(2, 5, "fold-1", 2.0), (3, 5, "fold-1", 2.0)]
+    assert max_difference(model, single) < ATOL
+
+
 def test_logs_metrics_callbacks_and_loops_equal_single_device(tmp_path: Path) -> None:
     data = classification_data()
 
@@ -89,7 +134,9 @@ def test_logs_metrics_callbacks_and_loops_equal_single_device(tmp_path: Path) ->
     assert set(metrics) == set(expected)
     for key, value in expected.items():
         assert metrics[key] == pytest.approx(value, abs=ATOL), key
-    assert {"train_f1_step", "train_rows_epoch", "val_acc", "val_f1", "train_max"} <= set(expected)
+    assert {"train_f1_step", "train_rows_epoch", "val_acc", "val_f1", "val_target", "train_max"} <= set(
+        expected
+    )
     assert expected["train_rows_epoch"] == 20
     assert expected["logged/train_rows_step"] == 6
     torch.testing.assert_close(model.val_order, single.val_order)  # CatMetric keeps the batch order
