@@ -193,8 +193,14 @@ class MGPUDDPStrategy(DDPStrategy):
         """
         connector = trainer._data_connector
         original = getattr(type(connector), "_prepare_dataloader", None)
-        if original is None or "_prepare_dataloader" in vars(connector):
+        if original is None:
+            rank_zero_warn(
+                f"{self.strategy_name}: this Lightning version has no `_prepare_dataloader`; the training"
+                " sampler shuffles even if the DataLoader did not"
+            )
             return
+        if "_prepare_dataloader" in vars(connector):
+            return  # installed by an earlier fit/validate/test of this trainer
 
         def prepare(dataloader: object, shuffle: bool, mode: RunningStage) -> object:
             if isinstance(dataloader, DataLoader) and mode in (RunningStage.TRAINING, trainer.state.stage):

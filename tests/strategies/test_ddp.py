@@ -253,6 +253,7 @@ def fault_run(tmp_path: Path):
         # rank 1 is a child of rank 0, whose watchdog polls it
         (1, "sigkill", "rank 1 (pid {pid}) was killed by signal 9 (SIGKILL)"),
     ],
+    ids=["rank0-killed", "rank1-killed"],
 )
 def test_a_dead_rank_stops_every_rank_and_is_named(fault_run, victim: int, fault: str, reported: str) -> None:
     run = fault_run(str(victim), fault, "300")
