@@ -86,7 +86,7 @@ class Watchdog:
         self._last_change = time.monotonic()
         self._peer_started: dict[int, str | None] = {}
         self._signals = SignalPipe()
-        self._dead_man = False
+        self._dead_man_armed_at: float | None = None
         self._rank0_done = False
 
     # ----------------------------------------------------------------- set-up
@@ -306,7 +306,7 @@ class Watchdog:
         waiting = idle >= 2 * INTERVAL and _procs.main_thread_waits()
         run.seq += 1
         run.store.set(f"beat/{self.rank}", Beat(run.seq, progress, idle, waiting, False).encode())
-        self._arm_dead_man(run)
+        self._arm_dead_man(run, now)
 
     def _exchange(self, run: _Run, now: float) -> None:
         try:
@@ -405,19 +405,23 @@ class Watchdog:
                     proc.wait(timeout=5)
         os._exit(self._exit_code)
 
-    def _arm_dead_man(self, run: _Run) -> None:
+    def _arm_dead_man(self, run: _Run, now: float) -> None:
         # if this thread cannot run (the main thread holds the GIL in C code), the
         # interpreter's own C watchdog still dumps every stack and ends the process
         if run.stall_timeout is None:
             return
+        timeout = max(60.0, 2 * run.stall_timeout + DEAD_AFTER)
+        armed = self._dead_man_armed_at
+        if armed is not None and now - armed < timeout / 6:
+            return  # re-arming starts a thread: often enough, not every beat
         with contextlib.suppress(Exception):
-            faulthandler.dump_traceback_later(max(60.0, 2 * run.stall_timeout + DEAD_AFTER), exit=True)
-            self._dead_man = True
+            faulthandler.dump_traceback_later(timeout, exit=True)
+            self._dead_man_armed_at = now
 
     def _disarm_dead_man(self) -> None:
-        if self._dead_man:
+        if self._dead_man_armed_at is not None:
             faulthandler.cancel_dump_traceback_later()
-            self._dead_man = False
+            self._dead_man_armed_at = None
 
 
 def _read_beats(run: _Run, ranks: range | list[int]) -> dict[int, Beat]:

@@ -193,8 +193,14 @@ class MGPUDDPStrategy(DDPStrategy):
         """
         connector = trainer._data_connector
         original = getattr(type(connector), "_prepare_dataloader", None)
-        if original is None or "_prepare_dataloader" in vars(connector):
+        if original is None:
+            rank_zero_warn(
+                f"{self.strategy_name}: this Lightning version has no `_prepare_dataloader`; the training"
+                " sampler shuffles even if the DataLoader did not"
+            )
             return
+        if "_prepare_dataloader" in vars(connector):
+            return  # installed by an earlier fit/validate/test of this trainer
 
         def prepare(dataloader: object, shuffle: bool, mode: RunningStage) -> object:
             if isinstance(dataloader, DataLoader) and mode in (RunningStage.TRAINING, trainer.state.stage):
@@ -206,6 +212,10 @@ class MGPUDDPStrategy(DDPStrategy):
 
         connector._prepare_dataloader = prepare  # type: ignore[method-assign]
 
+    def _trainer(self) -> pl.Trainer | None:
+        # the module's ``trainer`` property raises while it is not attached
+        return getattr(self.lightning_module, "_trainer", None)
+
     # --------------------------------------------------------- summary
     def _print_summary(self) -> None:
         if self._summary_printed or self.global_rank != 0:
@@ -214,7 +224,7 @@ class MGPUDDPStrategy(DDPStrategy):
         infos = watchdog().infos() if self._watching else {}
         if not infos:
             infos = {self.global_rank: self._rank_info()}
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self._trainer()
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         text = format_summary(
             name=self.strategy_name,
@@ -236,7 +246,7 @@ class MGPUDDPStrategy(DDPStrategy):
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self._trainer()
         if trainer is not None and trainer.state.fn == TrainerFn.VALIDATING:
             self._print_summary()
 
@@ -252,42 +262,17 @@ class MGPUDDPStrategy(DDPStrategy):
 
     # ------------------------------------------------ progress for the watchdog
     def _progress_count(self) -> int:
-        """This rank's progress: steps, backward passes and collectives through the strategy,
-        plus Lightning's own batch counters (read from the watchdog thread, never written)."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        """This rank's progress for the watchdog: Lightning's own epoch and batch counters (read
+        from the watchdog thread, never written) plus the backward passes and collectives that
+        go through the strategy, which tell a rank waiting there from one stuck before it."""
+        trainer = self._trainer()
         return self._progress + (_loop_progress(trainer) if trainer is not None else 0)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._progress += 1
-        return super().training_step(*args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._progress += 1
-        return super().validation_step(*args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._progress += 1
-        return super().test_step(*args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._progress += 1
-        return super().predict_step(*args, **kwargs)
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         # the gradient all-reduce waits inside backward
         self._progress += 1
         super().pre_backward(closure_loss)
-
-    @override
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().optimizer_step(*args, **kwargs)
-        self._progress += 1
-        return output
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
