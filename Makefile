@@ -1,4 +1,4 @@
-# make demo  -- build .venv, install the project, run the demo job
+# make demo  -- build .venv, install the project, train the digits recipe on all local devices
 # make test  -- build .venv with the test extras, lint, run the whole suite
 #
 # Torch: a CPU machine gets torch $(TORCH_VERSION) (the CPU build). A machine
@@ -42,7 +42,7 @@ $(VENV)/.stamp-test: $(VENV)/.stamp-base
 	@touch $@
 
 demo: venv
-	$(BIN)/lightning-mgpu demo
+	$(BIN)/lightning-mgpu run digits
 
 lint: test-venv
 	$(BIN)/ruff check lightning_mgpu recipes tests benchmarks

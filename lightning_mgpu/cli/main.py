@@ -22,7 +22,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plot-memory": ("lightning_mgpu.cli.plot_memory", "plot per-device memory of a run folder to a PNG"),
     "export": ("lightning_mgpu.cli.export", "export plain (or DataParallel) weights from a checkpoint"),
     "inspect": ("lightning_mgpu.cli.inspect", "show what a checkpoint or weights file holds"),
-    "demo": ("lightning_mgpu.cli.demo", "a small built-in fit with mgpu_ddp on all local devices"),
 }
 
 # Errors a user can fix; they are printed as one line, without a traceback.

@@ -1,0 +1,230 @@
+"""One run of a validated config: the run folder, the task, and the summary that ends it.
+
+The run folder (``run_dir``, by default ``runs/<recipe>-<date>-<time>``) receives:
+
+- ``config.yaml``: the resolved config;
+- ``metrics.csv`` (and ``hparams.yaml``): every logged metric (Lightning's ``CSVLogger``);
+- ``checkpoints/``: ``ModelCheckpoint``'s files and, next to each, plain ``.safetensors`` weights;
+- ``memory_summary.json`` (the memory monitor's per-device peaks) and ``memory.png`` (its plot, when
+  matplotlib is installed);
+- ``predictions.csv`` for ``task: predict``.
+
+Under DDP every process runs this; Lightning's launcher passes the run folder to the processes
+it starts through ``LIGHTNING_MGPU_RUN_DIR``, and only rank 0 writes the config and the summary.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from omegaconf import OmegaConf
+from typing_extensions import override
+
+from lightning_mgpu.config.instantiate import build_callbacks, build_data, build_module, build_trainer
+from lightning_mgpu.config.schema import RunConfig
+
+RUN_DIR_ENV = "LIGHTNING_MGPU_RUN_DIR"
+
+
+def resolve_run_dir(cfg: RunConfig) -> Path:
+    """The config's ``run_dir``, the launching process's (in a process Lightning started), or a new one."""
+    if cfg.run_dir:
+        return Path(cfg.run_dir).expanduser()
+    if os.environ.get(RUN_DIR_ENV):
+        return Path(os.environ[RUN_DIR_ENV])
+    base = Path("runs") / f"{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+class PredictionCSV(BasePredictionWriter):
+    """Writes ``predictions.csv`` (index, name, pred, prob): every rank's predictions, merged on rank 0."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(write_interval="epoch")
+        self.path = path
+
+    @override
+    def write_on_epoch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, predictions: Any, batch_indices: Any
+    ) -> None:
+        rows: dict[int, tuple[int, float]] = {}
+        indices = batch_indices[0] if batch_indices and isinstance(batch_indices[0], list) else batch_indices
+        offset = 0
+        for batch_idx, out in enumerate(predictions):
+            ids = indices[batch_idx] if indices else list(range(offset, offset + len(out["pred"])))
+            offset += len(out["pred"])
+            for i, pred, prob in zip(ids, out["pred"].tolist(), out["prob"].tolist(), strict=True):
+                rows[int(i)] = (int(pred), float(prob))
+        if trainer.world_size > 1 and torch.distributed.is_initialized():
+            gathered: list[Any] = [None] * trainer.world_size
+            torch.distributed.all_gather_object(gathered, rows)
+            rows = {k: v for part in gathered for k, v in part.items()}  # padded repeats collapse by index
+        if not trainer.is_global_zero:
+            return
+        names = getattr(getattr(trainer, "datamodule", None), "predict_names", [])
+        with self.path.open("w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["index", "name", "pred", "prob"])
+            for i in sorted(rows):
+                writer.writerow([i, names[i] if i < len(names) else "", rows[i][0], f"{rows[i][1]:.6f}"])
+
+
+def run_job(cfg: RunConfig) -> int:
+    """Build everything ``cfg`` describes, run its task, print the summary (rank 0). Returns the exit code.
+
+    Raises:
+        ValueError: settings Lightning refuses, or a global batch that does not divide over the processes.
+        FileNotFoundError: data or weights that are not where the config says.
+    """
+    from lightning_mgpu.recipes._base import per_process_batch_size
+
+    if cfg.seed is not None:
+        L.seed_everything(cfg.seed, workers=True, verbose=False)
+    run_dir = resolve_run_dir(cfg)
+    data = build_data(cfg)
+    module = build_module(cfg)
+    callbacks = build_callbacks(cfg, run_dir)
+    if cfg.task == "predict":
+        callbacks.append(PredictionCSV(run_dir / "predictions.csv"))
+    trainer = build_trainer(cfg, run_dir, callbacks)
+    per_process_batch_size(cfg.data.batch_size, trainer.world_size)  # fail before any process starts
+    if getattr(rank_zero_only, "rank", 0) == 0:
+        if isinstance(trainer.logger, CSVLogger):
+            _ = trainer.logger.experiment  # the CSV logger first: it warns about a folder that is not empty
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    launcher_env = RUN_DIR_ENV not in os.environ
+    os.environ[RUN_DIR_ENV] = str(run_dir.resolve())
+    start = time.monotonic()
+    try:
+        if cfg.task == "fit":
+            trainer.fit(module, datamodule=data)
+        elif cfg.task == "validate":
+            trainer.validate(module, datamodule=data)
+        else:
+            trainer.predict(module, datamodule=data, return_predictions=False)
+    finally:
+        if launcher_env:
+            os.environ.pop(RUN_DIR_ENV, None)
+    if trainer.is_global_zero:
+        seconds = time.monotonic() - start
+        plot_note = _plot_memory(cfg, trainer, run_dir)
+        print(summary(cfg, trainer, run_dir, seconds) + (f"\n{plot_note}" if plot_note else ""))
+    return 0
+
+
+def _plot_memory(cfg: RunConfig, trainer: L.Trainer, run_dir: Path) -> str:
+    """Draw ``memory.png`` from the logged memory metrics; returns why not when it cannot."""
+    if cfg.task != "fit" or not cfg.callbacks.memory.enabled or not (run_dir / "metrics.csv").is_file():
+        return ""
+    from lightning_mgpu.plot import plot_memory
+
+    try:
+        plot_memory(run_dir / "metrics.csv", run_dir / "memory.png", title=f"{cfg.recipe}: memory per device")
+    except ImportError as err:
+        return f"no memory.png: {err}"
+    except ValueError:  # too short a run to log memory (e.g. fewer steps than every_n_steps)
+        return ""
+    return ""
+
+
+def summary(cfg: RunConfig, trainer: L.Trainer, run_dir: Path, seconds: float) -> str:
+    """The closing report: what ran, the metric values, the files written and each device's peak memory."""
+    strategy = getattr(trainer.strategy, "strategy_name", None) or type(trainer.strategy).__name__
+    device = trainer.strategy.root_device.type
+    n = trainer.num_devices
+    where = f"{n} {device} device{'s' if n > 1 else ''}" + (
+        f" x {trainer.num_nodes} nodes" if trainer.num_nodes > 1 else ""
+    )
+    lines = [f"{cfg.recipe}: {cfg.task} done in {seconds:.1f} s with {strategy} on {where}"]
+    if cfg.task == "fit":
+        epochs, steps = trainer.current_epoch, trainer.global_step
+        lines[0] += f", {epochs} epoch{'s' * (epochs != 1)}, {steps} optimizer step{'s' * (steps != 1)}"
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    if metrics:
+        lines.append("metrics:")
+        width = max(len(k) for k in metrics)
+        lines += [
+            f"  {k:<{width}}  {v:.4f}"
+            for k, v in sorted(metrics.items(), key=lambda kv: _metric_order(kv[0]))
+        ]
+    lines.append(f"written to {run_dir}/:")
+    lines += [f"  {line}" for line in _describe_files(trainer, run_dir)]
+    lines.append("peak memory:")
+    lines += [f"  {line}" for line in _peak_memory_lines(trainer)]
+    return "\n".join(lines)
+
+
+def _metric_order(name: str) -> tuple[int, str]:
+    return (0 if name.startswith("val") else 1 if name.startswith("train") else 2, name)
+
+
+def _describe_files(trainer: L.Trainer, run_dir: Path) -> list[str]:
+    best = next(
+        (cb.best_model_path for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)), ""
+    )
+    notes = {
+        "config.yaml": "the resolved config",
+        "metrics.csv": "every logged metric",
+        "hparams.yaml": "the module's hyperparameters",
+        "predictions.csv": "index, name, predicted class, probability",
+    }
+    out = []
+    for path in sorted(p for p in run_dir.rglob("*") if p.is_file()):
+        rel = path.relative_to(run_dir).as_posix()
+        note = notes.get(rel, "")
+        if path.suffix == ".ckpt":
+            note = "best checkpoint" if best and Path(best).resolve() == path.resolve() else "checkpoint"
+        elif path.suffix in (".safetensors", ".pt") and path.parent.name == "checkpoints":
+            ckpt = path.with_suffix(".ckpt")
+            note = f"plain weights of {ckpt.name}" if ckpt.exists() else "plain weights at the end of fit"
+        elif path.name == "memory.png":
+            note = "memory of each device over the steps"
+        elif path.name == "memory_summary.json":
+            note = "each device's peak memory"
+        out.append(f"{rel}  {note}".rstrip())
+    return out
+
+
+def _peak_memory_lines(trainer: L.Trainer) -> list[str]:
+    """Each device's peak: the memory monitor's fit-wide maxima, else this process's own device."""
+    from lightning_mgpu.callbacks.memory import DeviceMemoryMonitor
+    from lightning_mgpu.devices import format_bytes, process_memory
+
+    callbacks = getattr(trainer, "callbacks", [])  # set at run time, unknown to type checkers
+    monitor = next((cb for cb in callbacks if isinstance(cb, DeviceMemoryMonitor)), None)
+    devices = monitor.summary.as_json()["devices"] if monitor is not None else []
+    lines = []
+    for d in devices:
+        label = f"{d['device']} ({d['name']})" if d.get("name") else d["device"]
+        parts = [f"{what} {format_bytes(d[key])}" for key, what in _PEAK_FIELDS if d.get(key) is not None]
+        lines.append(f"{label}: {', '.join(parts) or 'not measured'}")
+    if lines:
+        return lines
+    device = trainer.strategy.root_device  # the monitor is off, or the run was too short to read it
+    if device.type == "cuda":
+        return [f"{device}: peak allocated {format_bytes(torch.cuda.max_memory_allocated(device))}"]
+    return [f"cpu:rank{trainer.global_rank}: peak RSS {format_bytes(process_memory()['peak_rss'])}"]
+
+
+# memory_summary.json fields worth a line, as the monitor names them
+_PEAK_FIELDS = (
+    ("peak_allocated_bytes", "peak allocated"),
+    ("peak_reserved_bytes", "peak reserved"),
+    ("nvml_used_bytes", "nvidia-smi used"),
+    ("peak_rss_bytes", "peak RSS"),
+    ("saved_bytes", "saved for backward"),
+)

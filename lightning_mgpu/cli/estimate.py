@@ -1,0 +1,124 @@
+"""``lightning-mgpu estimate CONFIG [key=value ...] [--gpu-memory 12GiB] [--devices N]``: memory ahead.
+
+Usage::
+
+    lightning-mgpu estimate resnet50 --gpu-memory 12GiB --devices 4
+    lightning-mgpu estimate digits data.batch_size=512 --devices 2
+
+Builds the config's model and one small batch of its data, measures one training step with
+``lightning_mgpu.estimate_memory`` (on meta tensors where it can, so no GPU is needed) and
+prints each strategy's peak per device for the config's GLOBAL ``data.batch_size``: one device
+holds it all, ``mgpu_dp`` splits it over the devices (card 0 also receives the whole batch
+and the gathered outputs), ``mgpu_ddp`` gives each process ``batch_size / N``. With a device
+memory it also says whether each fits and the largest ``data.batch_size`` that would.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from lightning_mgpu.cli._config_args import add_config_arguments, split_overrides
+
+# The batch actually pushed through the model; the estimate scales it to data.batch_size.
+_SAMPLE = 8
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--gpu-memory",
+        metavar="SIZE",
+        help="memory of one device, e.g. 12GiB or 80GB (default: the smallest GPU here)",
+    )
+    parser.add_argument(
+        "--devices",
+        type=int,
+        metavar="N",
+        help="devices to spread the batch over (default: the config's devices)",
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, _options)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from lightning_mgpu.config import load_config
+    from lightning_mgpu.config.instantiate import build_data, resolve_devices
+    from lightning_mgpu.estimate import estimate_memory
+    from lightning_mgpu.recipes import load_recipe
+
+    config, overrides = split_overrides(args)
+    if args.devices is not None and args.devices < 1:
+        raise ValueError(f"--devices must be at least 1, got {args.devices}")
+    cfg = load_config(config, overrides)
+    devices = args.devices or _device_count(*resolve_devices(cfg.trainer.accelerator, cfg.trainer.devices))
+    module = load_recipe(cfg.recipe).module(**asdict(cfg.model), optimizer=asdict(cfg.optimizer))
+    sample = build_data(cfg).example_batch(min(_SAMPLE, cfg.data.batch_size))  # type: ignore[attr-defined]
+    est = estimate_memory(
+        module,
+        sample,
+        devices=devices,
+        device_memory=args.gpu_memory,
+        batch_size=cfg.data.batch_size,
+        precision=cfg.trainer.precision,
+        optimizer=module.make_optimizer(),  # the config's optimizer, without a Trainer's schedule
+    )
+    print(report(est, cfg.recipe, cfg.data.batch_size, devices))
+    return 0
+
+
+def _device_count(accelerator: str, devices: Any) -> int:
+    if isinstance(devices, list):
+        return len(devices)
+    if devices == -1 or devices == "auto":
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    return int(devices)
+
+
+def report(est: Any, recipe: str, batch_size: int, devices: int) -> str:
+    """The estimate in the config's terms: ``batch_size`` is the global batch of every strategy."""
+    from lightning_mgpu.devices import format_bytes
+
+    memory = f", {format_bytes(est.device_memory)} per device" if est.device_memory else ""
+    lines = [
+        f"{recipe}: {est.model}, data.batch_size={batch_size} (global), {devices} device(s){memory},"
+        f" {est.precision}, optimizer {est.optimizer}, measured on {est.measured_on}",
+        f"  parameters {format_bytes(est.parameter_bytes)}, gradients {format_bytes(est.gradient_bytes)},"
+        f" optimizer state {format_bytes(est.optimizer_state_bytes)},"
+        f" buffers {format_bytes(est.buffer_bytes)}",
+        f"  per sample: batch {format_bytes(est.batch_bytes_per_sample)},"
+        f" saved for backward {format_bytes(est.activation_bytes_per_sample)},"
+        f" outputs {format_bytes(est.output_bytes_per_sample)}",
+        "",
+        f"  {'strategy':<10} {'batch/device':>12} {'peak/device':>13}"
+        + (f" {'fits':>5} {'largest data.batch_size':>24}" if est.device_memory else ""),
+    ]
+    split = -(-batch_size // devices)  # ceil: mgpu_dp's largest chunk
+    rows = [
+        ("single", batch_size, 1),
+        ("mgpu_dp", split, devices),
+        ("mgpu_ddp", batch_size // devices, devices),
+    ]
+    for strategy, per_device, n in rows:
+        if strategy != "single" and devices == 1:
+            continue
+        peak = est.peak(strategy, per_device_batch=per_device)
+        row = f"  {strategy:<10} {per_device:>12} {format_bytes(peak):>13}"
+        if est.device_memory:
+            fits = "yes" if peak <= est.device_memory else "NO"
+            row += f" {fits:>5} {est.largest_per_device_batch(strategy) * n:>24}"
+        lines.append(row)
+    if devices > 1:
+        lines.append(
+            f"  mgpu_dp: the row is card 0, the fullest; the others peak near"
+            f" {format_bytes(est.other_device_peak(split))} each"
+        )
+        if batch_size % devices:
+            lines.append(f"  mgpu_ddp needs data.batch_size divisible by {devices}; {batch_size} is not")
+    lines += [f"  note: {note}" for note in est.notes]
+    return "\n".join(lines)

@@ -1,0 +1,172 @@
+"""Build what a validated config describes: the recipe's module and data, callbacks, logger and Trainer.
+
+- ``resolve_devices`` turns ``devices: auto`` into every visible GPU, or on a machine without
+  one into one CPU process per core, at most ``CPU_DEVICE_CAP`` (4).
+- ``build_callbacks`` adds the memory monitor (its summary is ``<run_dir>/memory_summary.json``),
+  ``ModelCheckpoint`` (to ``<run_dir>/checkpoints``), the plain weights export (the network's
+  weights next to each checkpoint and ``final.safetensors``) and early stopping as the
+  ``callbacks`` section says.
+- ``build_trainer`` gives the Trainer a ``CSVLogger`` writing ``<run_dir>/metrics.csv``.
+
+Lightning's configuration errors become ``ValueError`` so the command line prints them in one line.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, cast
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_mgpu.config.schema import CPU_DEVICE_CAP, RunConfig
+
+__all__ = [
+    "build_callbacks",
+    "build_data",
+    "build_module",
+    "build_trainer",
+    "load_weights",
+    "resolve_devices",
+]
+
+
+def resolve_devices(accelerator: str, devices: Any) -> tuple[str, Any]:
+    """``(accelerator, devices)`` with ``devices: auto`` made concrete.
+
+    - a GPU accelerator (or ``auto``) with CUDA available: every visible GPU;
+    - otherwise (``cpu``, or ``auto`` without CUDA): one CPU process per usable core, at most
+      ``CPU_DEVICE_CAP``;
+    - anything but ``auto`` is returned unchanged.
+
+    Example::
+
+        resolve_devices("auto", "auto")  # ('cpu', 2) on a two-core machine without GPU
+    """
+    if devices != "auto":
+        return accelerator, devices
+    if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
+        return ("gpu" if accelerator == "auto" else accelerator), torch.cuda.device_count()
+    if accelerator in ("auto", "cpu"):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return "cpu", max(1, min(cores, CPU_DEVICE_CAP))
+    return accelerator, devices
+
+
+def build_module(cfg: RunConfig) -> L.LightningModule:
+    """The recipe's LightningModule with the ``model`` section and the ``optimizer`` section.
+
+    Example::
+
+        model = build_module(load_config("digits"))
+    """
+    from lightning_mgpu.recipes import load_recipe
+
+    module: L.LightningModule = load_recipe(cfg.recipe).module(
+        **asdict(cfg.model), optimizer=asdict(cfg.optimizer)
+    )
+    if cfg.weights is not None:
+        load_weights(cast(torch.nn.Module, module.net), cfg.weights)
+    return module
+
+
+def build_data(cfg: RunConfig) -> L.LightningDataModule:
+    """The recipe's LightningDataModule with the ``data`` section (its files are checked here, before launch).
+
+    Example::
+
+        data = build_data(load_config("mnist", ["data.root=/data/mnist"]))
+    """
+    from lightning_mgpu.recipes import load_recipe
+
+    data: L.LightningDataModule = load_recipe(cfg.recipe).datamodule(**asdict(cfg.data))
+    return data
+
+
+def load_weights(net: torch.nn.Module, path: str | Path) -> None:
+    """Load weights into ``net`` with ``lightning_mgpu.load_state_dict``, strictly.
+
+    Takes ``.safetensors``, a ``.pt``/``.pth`` state_dict (torchvision's files) or a Lightning
+    ``.ckpt`` of the recipe (its ``net.`` prefix is removed); nothing is unpickled beyond tensors.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the keys or shapes do not fit ``net`` (each problem listed).
+
+    Example::
+
+        load_weights(module.net, "resnet18-f37072fd.pth")
+    """
+    from lightning_mgpu.checkpoint import load_state_dict
+
+    load_state_dict(net, Path(path).expanduser(), strict=True)
+
+
+def build_callbacks(cfg: RunConfig, run_dir: Path) -> list[Callback]:
+    """The callbacks the ``callbacks`` section turns on, writing under ``run_dir``.
+
+    Example::
+
+        callbacks = build_callbacks(cfg, Path("runs/digits-1"))
+    """
+    from lightning_mgpu.callbacks.memory import DeviceMemoryMonitor
+
+    section = cfg.callbacks
+    callbacks: list[Callback] = []
+    if section.memory.enabled:
+        mem = section.memory
+        # the run's summary shows each device's peak, so the callback's own table stays off
+        monitor = DeviceMemoryMonitor(mem.every_n_steps, mem.imbalance_threshold, print_summary=False)
+        callbacks.append(monitor)
+    if section.export.enabled:
+        from lightning_mgpu.callbacks.export import PlainStateDictExport
+
+        prefix = "module." if section.export.dataparallel else ""
+        callbacks.append(PlainStateDictExport(submodule="net", prefix=prefix, format=section.export.format))
+    if section.checkpoint.enabled:
+        ck = section.checkpoint
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=run_dir / "checkpoints",
+                monitor=ck.monitor,
+                mode=ck.mode,
+                save_top_k=ck.save_top_k,
+                save_last=ck.save_last,
+            )
+        )
+    if section.early_stopping.enabled:
+        es = section.early_stopping
+        callbacks.append(EarlyStopping(monitor=es.monitor, mode=es.mode, patience=es.patience))
+    return callbacks
+
+
+def build_trainer(cfg: RunConfig, run_dir: Path, callbacks: list[Callback]) -> L.Trainer:
+    """The Trainer of the ``trainer`` section, logging to ``<run_dir>/metrics.csv``.
+
+    Raises:
+        ValueError: Lightning refused the settings (e.g. ``devices=[3]`` on a machine with two GPUs).
+
+    Example::
+
+        trainer = build_trainer(cfg, run_dir, build_callbacks(cfg, run_dir))
+    """
+    t = cfg.trainer
+    accelerator, devices = resolve_devices(t.accelerator, t.devices)
+    kwargs = {k: v for k, v in asdict(t).items() if k not in ("accelerator", "devices")}
+    try:
+        return L.Trainer(
+            accelerator=accelerator,
+            devices=devices,
+            callbacks=callbacks,
+            logger=CSVLogger(run_dir, name="", version=""),
+            default_root_dir=run_dir,
+            enable_checkpointing=cfg.callbacks.checkpoint.enabled,
+            **kwargs,
+        )
+    except (MisconfigurationException, TypeError) as err:  # Lightning's words for a setting it refuses
+        raise ValueError(f"trainer: {err}") from err

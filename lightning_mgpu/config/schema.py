@@ -1,0 +1,355 @@
+"""The schema every recipe config follows: dataclasses, one docstring per field.
+
+A run config has the sections ``trainer``, ``model``, ``data``, ``optimizer`` and
+``callbacks`` plus a few top-level keys. ``model`` and the recipe-specific part of
+``data`` come from the recipe (its ``ModelConfig`` and ``DataConfig``); the rest is
+defined here. Types are checked by omegaconf; each dataclass's ``problems()`` lists
+impossible values (it never raises, so every mistake is reported at once).
+
+This module does not import torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+__all__ = [
+    "CPU_DEVICE_CAP",
+    "CallbacksConfig",
+    "CheckpointConfig",
+    "DataConfig",
+    "EarlyStoppingConfig",
+    "ExportConfig",
+    "MemoryConfig",
+    "OptimizerConfig",
+    "RunConfig",
+    "SplitDataConfig",
+    "TrainerConfig",
+    "at_least",
+    "minimums",
+]
+
+CPU_DEVICE_CAP = 4
+"""``trainer.devices: auto`` on a machine without a GPU starts one process per core, at most this many."""
+
+_ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+_PRECISIONS = (
+    "32-true",
+    "16-mixed",
+    "bf16-mixed",
+    "16-true",
+    "bf16-true",
+    "64-true",
+    "32",
+    "16",
+    "bf16",
+    "64",
+)
+_OPTIMIZERS = ("adamw", "adam", "sgd")
+_SCHEDULERS = ("none", "cosine")
+_TASKS = ("fit", "validate", "predict")
+_MODES = ("min", "max")
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> list[str]:
+    if value in allowed:
+        return []
+    return [f"{name}: {value!r} is not one of {', '.join(allowed)}"]
+
+
+def at_least(name: str, value: float | None, low: float, note: str = "") -> list[str]:
+    """``[]`` when ``value`` is ``None`` or at least ``low``, else the message naming ``name``.
+
+    Example::
+
+        at_least("num_samples", 0, 1)  # ['num_samples: must be >= 1, got 0']
+    """
+    if value is None or value >= low:
+        return []
+    return [f"{name}: must be >= {low:g}{note}, got {value:g}"]
+
+
+def minimums(section: Any, **lows: float) -> list[str]:
+    """``at_least`` for several fields of ``section`` at once.
+
+    Example::
+
+        minimums(cfg.data, num_samples=2, image_size=8)
+    """
+    return [p for name, low in lows.items() for p in at_least(name, getattr(section, name), low)]
+
+
+def _limit(name: str, value: Any) -> list[str]:
+    """``limit_*_batches``: None, a batch count (int >= 0) or a fraction in [0, 1]."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return []
+    if isinstance(value, float) and 0.0 <= value <= 1.0:
+        return []
+    return [f"{name}: expected a batch count (int >= 0) or a fraction in [0.0, 1.0], got {value!r}"]
+
+
+@dataclass
+class TrainerConfig:
+    """Arguments of ``lightning.Trainer``; names and meanings are Lightning's."""
+
+    accelerator: str = "auto"
+    """``cpu``, ``gpu`` (same as ``cuda``), ``mps``, or ``auto`` (a GPU when one is visible)."""
+    strategy: str = "mgpu_auto"
+    """A registered strategy: ``mgpu_auto`` (picks DDP, DP or one device), ``mgpu_ddp``, ``mgpu_dp``, ..."""
+    devices: Any = "auto"
+    """``auto`` (every visible GPU; without a GPU one CPU process per core, at most 4), a count such as
+    ``2``, or device indices such as ``[0, 3]``."""
+    num_nodes: int = 1
+    """Machines taking part (DDP only)."""
+    precision: str = "32-true"
+    """``32-true``, ``16-mixed``, ``bf16-mixed``, ... as Lightning spells them."""
+    max_epochs: int = 10
+    """Stop after this many epochs (-1: no limit)."""
+    max_steps: int = -1
+    """Stop after this many optimizer steps (-1: no limit)."""
+    fast_dev_run: Any = False
+    """``true`` (or a batch count): run that many batches of each loop once, as a smoke test."""
+    limit_train_batches: Any = None
+    """Use only this many training batches per epoch (an int), or this fraction of them (a float)."""
+    limit_val_batches: Any = None
+    """The same for validation batches."""
+    limit_predict_batches: Any = None
+    """The same for prediction batches."""
+    check_val_every_n_epoch: int = 1
+    """Validate every this many epochs."""
+    log_every_n_steps: int = 10
+    """Write training metrics every this many steps."""
+    accumulate_grad_batches: int = 1
+    """Sum gradients over this many batches before each optimizer step."""
+    gradient_clip_val: float | None = None
+    """Clip gradients to this norm; ``null`` does not clip."""
+    deterministic: bool = False
+    """Ask torch for deterministic algorithms (slower on GPUs)."""
+    num_sanity_val_steps: int = 0
+    """Validation batches run before training to catch bugs early (0 skips it)."""
+    enable_progress_bar: bool = True
+    """Show Lightning's progress bar."""
+    enable_model_summary: bool = True
+    """Print the table of layers and parameter counts before training."""
+
+    def problems(self) -> list[str]:
+        """Impossible values in this section, one message each."""
+        out = _one_of("accelerator", self.accelerator, _ACCELERATORS)
+        out += _one_of("precision", self.precision, _PRECISIONS)
+        out += _devices_problems(self.devices)
+        out += at_least("num_nodes", self.num_nodes, 1)
+        out += at_least("max_epochs", self.max_epochs, -1, " (-1 means no limit)")
+        out += at_least("max_steps", self.max_steps, -1, " (-1 means no limit)")
+        if self.max_epochs == 0 or self.max_steps == 0:
+            out.append("max_epochs/max_steps: 0 trains nothing; use -1 for no limit")
+        fdr = self.fast_dev_run
+        if not (isinstance(fdr, bool) or (isinstance(fdr, int) and fdr >= 1)):
+            out.append(f"fast_dev_run: expected true, false or a batch count >= 1, got {fdr!r}")
+        for name in ("limit_train_batches", "limit_val_batches", "limit_predict_batches"):
+            out += _limit(name, getattr(self, name))
+        out += at_least("check_val_every_n_epoch", self.check_val_every_n_epoch, 1)
+        out += at_least("log_every_n_steps", self.log_every_n_steps, 1)
+        out += at_least("accumulate_grad_batches", self.accumulate_grad_batches, 1)
+        out += at_least("gradient_clip_val", self.gradient_clip_val, 0.0)
+        out += at_least("num_sanity_val_steps", self.num_sanity_val_steps, -1, " (-1 runs them all)")
+        return out
+
+
+def _devices_problems(devices: Any) -> list[str]:
+    if devices == "auto":
+        return []
+    if isinstance(devices, bool):
+        return [f"devices: expected 'auto', a count or a list of indices, got {devices!r}"]
+    if isinstance(devices, int):
+        return (
+            [] if devices >= 1 or devices == -1 else [f"devices: must be >= 1 (or -1 for all), got {devices}"]
+        )
+    if isinstance(devices, list):
+        if not devices:
+            return ["devices: an empty list selects no device; give indices such as [0, 1]"]
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices):
+            return [f"devices: indices must be integers >= 0, got {devices}"]
+        if len(set(devices)) != len(devices):
+            return [f"devices: each index may appear once, got {devices}"]
+        return []
+    return [f"devices: expected 'auto', a count or a list of indices such as [0, 3], got {devices!r}"]
+
+
+@dataclass
+class DataConfig:
+    """Loader settings every recipe shares; a recipe's ``DataConfig`` adds its own fields."""
+
+    batch_size: int = 64
+    """The GLOBAL batch per optimizer step, as with ``nn.DataParallel``: ``mgpu_dp`` loads it whole and splits
+    it over the devices; under ``mgpu_ddp`` each of N processes loads ``batch_size / N``."""
+    num_workers: int = 0
+    """Loader worker processes per training process (0 loads in the main process)."""
+    shuffle: bool = True
+    """Shuffle the training set every epoch."""
+    seed: int = 0
+    """Seed of the synthetic data and of the train/validation split, independent of the run's ``seed``."""
+
+    def problems(self) -> list[str]:
+        """Impossible values in this section, one message each."""
+        return at_least("batch_size", self.batch_size, 1) + at_least("num_workers", self.num_workers, 0)
+
+
+@dataclass
+class SplitDataConfig(DataConfig):
+    """``DataConfig`` for data split once into train and validation sets."""
+
+    val_fraction: float = 0.2
+    """Share of the samples held out for validation."""
+
+    def problems(self) -> list[str]:
+        """Impossible values in this section, one message each."""
+        out = super().problems()
+        if not 0.0 < self.val_fraction < 1.0:
+            out.append(f"val_fraction: must be between 0 and 1, got {self.val_fraction:g}")
+        return out
+
+
+@dataclass
+class OptimizerConfig:
+    """The optimizer and learning-rate schedule."""
+
+    name: str = "adamw"
+    """``adamw``, ``adam`` or ``sgd`` (torch.optim's classes)."""
+    lr: float = 1e-3
+    """Learning rate."""
+    weight_decay: float = 0.0
+    """Weight decay (decoupled for ``adamw``)."""
+    momentum: float = 0.9
+    """Momentum, used by ``sgd`` only."""
+    scheduler: str = "none"
+    """``none``, or ``cosine``: decay the learning rate to 0 over the run's optimizer steps."""
+
+    def problems(self) -> list[str]:
+        """Impossible values in this section, one message each."""
+        out = _one_of("name", self.name, _OPTIMIZERS) + _one_of("scheduler", self.scheduler, _SCHEDULERS)
+        if self.lr <= 0:
+            out.append(f"lr: must be > 0, got {self.lr:g}")
+        out += at_least("weight_decay", self.weight_decay, 0.0)
+        if not 0.0 <= self.momentum < 1.0:
+            out.append(f"momentum: must be in [0, 1), got {self.momentum:g}")
+        return out
+
+
+@dataclass
+class MemoryConfig:
+    """``lightning_mgpu.DeviceMemoryMonitor``: per-device memory in the metrics, a summary JSON and a plot."""
+
+    enabled: bool = True
+    """Turn the monitor on or off."""
+    every_n_steps: int = 10
+    """Read memory every this many training steps."""
+    imbalance_threshold: float = 1.25
+    """Warn once when the fullest device's peak exceeds the mean peak by this factor."""
+
+    def problems(self) -> list[str]:
+        """Impossible values in this section, one message each."""
+        return at_least("every_n_steps", self.every_n_steps, 1) + at_least(
+            "imbalance_threshold", self.imbalance_threshold, 1.0, " (1.0 is perfectly balanced)"
+        )
+
+
+@dataclass
+class ExportConfig:
+    """``lightning_mgpu.PlainStateDictExport``: plain weights of the network next to every checkpoint."""
+
+    enabled: bool = True
+    """Turn the export on or off."""
+    format: str = "safetensors"
+    """``safetensors`` (no pickle, memory-mappable) or ``pt`` (``torch.save``)."""
+    dataparallel: bool = False
+    """Write keys with ``module.`` in front, the form ``nn.DataParallel(model).load_state_dict`` expects."""
+
+    def problems(self) -> list[str]:
+        """Impossible values in this section, one message each."""
+        return _one_of("format", self.format, ("safetensors", "pt"))
+
+
+@dataclass
+class CheckpointConfig:
+    """Lightning's ``ModelCheckpoint``, writing to ``<run_dir>/checkpoints``."""
+
+    enabled: bool = True
+    """Turn checkpointing on or off."""
+    monitor: str | None = None
+    """Metric that picks the best checkpoint (e.g. ``val/acc``); ``null`` keeps the latest."""
+    mode: str = "min"
+    """``min`` or ``max``: whether a smaller or larger ``monitor`` is better."""
+    save_top_k: int = 1
+    """How many best checkpoints to keep (-1 keeps all)."""
+    save_last: bool = True
+    """Also keep ``last.ckpt``."""
+
+    def problems(self) -> list[str]:
+        """Impossible values in this section, one message each."""
+        return _one_of("mode", self.mode, _MODES) + at_least("save_top_k", self.save_top_k, -1)
+
+
+@dataclass
+class EarlyStoppingConfig:
+    """Lightning's ``EarlyStopping``."""
+
+    enabled: bool = False
+    """Turn early stopping on or off."""
+    monitor: str = "val/loss"
+    """Metric to watch."""
+    mode: str = "min"
+    """``min`` or ``max``: whether a smaller or larger ``monitor`` is better."""
+    patience: int = 3
+    """Validation rounds without improvement before stopping."""
+
+    def problems(self) -> list[str]:
+        """Impossible values in this section, one message each."""
+        return _one_of("mode", self.mode, _MODES) + at_least("patience", self.patience, 0)
+
+
+@dataclass
+class CallbacksConfig:
+    """The callbacks a run uses; each has an ``enabled`` switch."""
+
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """Per-device memory monitor (on by default)."""
+    export: ExportConfig = field(default_factory=ExportConfig)
+    """Plain weights export (on by default)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints (on by default)."""
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    """Early stopping (off by default)."""
+
+
+@dataclass
+class RunConfig:
+    """A whole run: which recipe, what to do, and every section."""
+
+    recipe: str = MISSING
+    """The recipe to run; ``lightning-mgpu recipes`` lists them."""
+    task: str = "fit"
+    """``fit`` (train and validate), ``validate``, or ``predict`` (writes ``predictions.csv``)."""
+    seed: int | None = 0
+    """Seed of model initialisation and shuffling (``null``: not seeded)."""
+    run_dir: str | None = None
+    """Folder for this run's outputs; ``null`` makes ``runs/<recipe>-<date>-<time>`` in the current folder."""
+    weights: str | None = None
+    """Weights to load into the recipe's network before the task: ``.safetensors``, a ``.pt``/``.pth``
+    state_dict (e.g. torchvision's) or a Lightning ``.ckpt``."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Trainer settings."""
+    model: Any = field(default_factory=dict)
+    """The recipe's model settings (its ``ModelConfig``)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Data settings (the recipe's ``DataConfig``)."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer settings."""
+    callbacks: CallbacksConfig = field(default_factory=CallbacksConfig)
+    """Callback settings."""
+
+    def problems(self) -> list[str]:
+        """Impossible values and combinations at the top level, one message each."""
+        return _one_of("task", self.task, _TASKS)

@@ -1,0 +1,226 @@
+"""Check a loaded config against the schema and report every mistake at once.
+
+- Unknown keys: the error names the key and the closest valid one
+  (``trainer.max_epoch: unknown key; did you mean trainer.max_epochs?``).
+- Wrong types: omegaconf's structured configs decide, the message says what was expected
+  and what was given (``trainer.max_epochs: expected an integer, got 'ten'``).
+- Impossible values: each section's ``problems()`` (``optimizer.lr: must be > 0, got -1``),
+  the recipe name and the strategy name.
+
+All problems are collected and raised as one ``ConfigError`` (a ``ValueError``, which the
+command line prints without a traceback). Everything here runs in the launching process,
+before any training process starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from typing import Any, cast
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException, ValidationError
+
+from lightning_mgpu.config.schema import RunConfig
+
+__all__ = ["ConfigError", "run_schema", "validate"]
+
+
+class ConfigError(ValueError):
+    """A config that does not fit the schema; ``problems`` holds one message per mistake.
+
+    Example::
+
+        try:
+            validate(raw, source="digits.yaml")
+        except ConfigError as err:
+            print(err.problems)
+    """
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        noun = "problem" if len(problems) == 1 else "problems"
+        super().__init__(f"{source} has {len(problems)} {noun}:\n" + "\n".join(f"  {p}" for p in problems))
+
+
+def run_schema(recipe: str) -> type[RunConfig]:
+    """The ``RunConfig`` dataclass of one recipe: its ``ModelConfig`` and ``DataConfig`` filled in.
+
+    Example::
+
+        schema = run_schema("digits")
+        OmegaConf.structured(schema).data.batch_size  # 64
+    """
+    from lightning_mgpu.recipes import load_recipe
+
+    spec = load_recipe(recipe)
+    return dataclasses.make_dataclass(
+        f"{spec.name.title().replace('_', '')}RunConfig",
+        [
+            ("model", spec.model_config, dataclasses.field(default_factory=spec.model_config)),
+            ("data", spec.data_config, dataclasses.field(default_factory=spec.data_config)),
+        ],
+        bases=(RunConfig,),
+    )
+
+
+def validate(raw: DictConfig, source: str = "config") -> RunConfig:
+    """The config as a ``RunConfig`` with the recipe's ``model`` and ``data``,; or one error for all problems.
+
+    Raises:
+        ConfigError: unknown keys (with the closest valid key), wrong types, impossible values.
+
+    Example::
+
+        from lightning_mgpu.config import parse
+
+        cfg = validate(parse.load("digits", ["trainer.max_epochs=3"]), source="digits")
+        cfg.trainer.max_epochs  # 3
+    """
+    try:
+        data = cast(dict, OmegaConf.to_container(raw, resolve=True))
+    except OmegaConfBaseException as err:
+        raise ConfigError(source, [f"cannot resolve an interpolation: {str(err).splitlines()[0]}"]) from err
+
+    problems: list[str] = []
+    schema, skip = _schema_or_problem(data.get("recipe"), problems)
+    typed = OmegaConf.structured(schema)
+    _merge(typed, schema, {k: v for k, v in data.items() if k not in skip}, "", _all_keys(schema), problems)
+    if "recipe" in skip:
+        typed.recipe = ""  # reported above; the other sections are still checked
+    # A refused key keeps its (valid) default, so value checks still cover every other key.
+    cfg = cast(RunConfig, OmegaConf.to_object(typed))
+    problems += _value_problems(cfg, "")
+    problems += _strategy_problems(cfg.trainer.strategy)
+    if not problems:  # cross-section checks assume each section is sound
+        problems += _recipe_problems(cfg)
+    if problems:
+        raise ConfigError(source, problems)
+    return cfg
+
+
+def _schema_or_problem(recipe: Any, problems: list[str]) -> tuple[type[RunConfig], set[str]]:
+    """The recipe's schema; for a missing or unknown recipe, the common schema without model/data checks."""
+    from lightning_mgpu.recipes import RECIPES
+
+    if recipe is None:
+        problems.append(f"recipe: missing; set it to one of {', '.join(RECIPES)}")
+    elif recipe not in RECIPES:
+        hint = difflib.get_close_matches(str(recipe), list(RECIPES), n=1)
+        suggestion = f"did you mean {hint[0]}? " if hint else ""
+        problems.append(
+            f"recipe: {recipe!r} is not a recipe; {suggestion}known recipes: {', '.join(RECIPES)}"
+        )
+    else:
+        return run_schema(recipe), set()
+    return RunConfig, {"recipe", "model", "data"}
+
+
+def _merge(
+    node: DictConfig, schema: type, data: dict, prefix: str, valid: list[str], problems: list[str]
+) -> None:
+    """Assign ``data`` into the typed ``node`` key by key, collecting a message for each refused key."""
+    hints = typing.get_type_hints(schema)
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in hints:
+            problems.append(_unknown_key(str(path), valid))
+            continue
+        section = hints[key]
+        if dataclasses.is_dataclass(section):
+            if not isinstance(value, dict):
+                problems.append(_not_a_section(path, value))
+            else:
+                _merge(node[key], cast(type, section), value, f"{path}.", valid, problems)
+            continue
+        value = _coerce(hints[key], value)
+        try:
+            if type(value) is bool and str in (hints[key], *typing.get_args(hints[key])):
+                raise ValidationError("omegaconf would store true as 'True'")
+            node[key] = value
+        except OmegaConfBaseException:
+            problems.append(f"{path}: expected {_kind(hints[key])}, got {value!r}")
+
+
+def _coerce(hint: Any, value: Any) -> Any:
+    """The conversions YAML makes necessary: ``1`` for a float field, ``16`` for a string field."""
+    types = (hint, *typing.get_args(hint))
+    if float in types and type(value) is int:
+        return float(value)
+    if str in types and type(value) in (int, float):
+        return str(value)
+    return value
+
+
+def _not_a_section(path: str, value: Any) -> str:
+    fix = (
+        f"; to turn it off write {path}.enabled=false" if path.startswith("callbacks.") and not value else ""
+    )
+    return f"{path}: expected a section of keys, got {value!r}{fix}"
+
+
+def _all_keys(schema: type, prefix: str = "") -> list[str]:
+    keys = []
+    for name, hint in typing.get_type_hints(schema).items():
+        keys.append(f"{prefix}{name}")
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            keys += _all_keys(hint, f"{prefix}{name}.")
+    return keys
+
+
+def _unknown_key(path: str, valid: list[str]) -> str:
+    """The message for an unknown key: the closest key of its section, else that name in another section."""
+    parent, _, leaf = path.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in valid if k.rpartition(".")[0] == parent}
+    close = [siblings[name] for name in difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.6)]
+    if not close:  # e.g. trainer.lr -> optimizer.lr, trainer.batch_size -> data.batch_size
+        leaves = {k.rpartition(".")[2]: k for k in reversed(valid)}  # first key of each name wins
+        close = [leaves[name] for name in difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.8)]
+    if close:
+        return f"{path}: unknown key; did you mean {close[0]}?"
+    where = f"in {parent}" if parent else "at the top level"
+    return f"{path}: unknown key; valid keys {where}: {', '.join(siblings)}"
+
+
+def _kind(hint: Any) -> str:
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    args = typing.get_args(hint)
+    if type(None) in args:
+        inner = next(a for a in args if a is not type(None))
+        return f"{names.get(inner, str(inner))} or null"
+    return names.get(hint, str(hint))
+
+
+def _value_problems(obj: Any, prefix: str) -> list[str]:
+    """Every dataclass section's ``problems()``, prefixed with its path."""
+    out = [f"{prefix}{p}" for p in obj.problems()] if hasattr(obj, "problems") else []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out += _value_problems(value, f"{prefix}{f.name}.")
+    return out
+
+
+def _recipe_problems(cfg: RunConfig) -> list[str]:
+    from lightning_mgpu.recipes import load_recipe
+
+    spec = load_recipe(cfg.recipe)
+    if cfg.task not in spec.tasks:
+        return [f"task: recipe {spec.name} cannot {cfg.task}; it supports {', '.join(spec.tasks)}"]
+    return list(spec.check(cfg))
+
+
+def _strategy_problems(strategy: str) -> list[str]:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_mgpu  # noqa: F401  registers the mgpu_* names
+
+    names = ["auto", *StrategyRegistry.available_strategies()]
+    if strategy in names:
+        return []
+    close = difflib.get_close_matches(strategy, names, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    mgpu = ", ".join(n for n in names if n.startswith("mgpu_"))
+    return [f"trainer.strategy: {strategy!r} is not a registered strategy; {hint}e.g. {mgpu}"]

@@ -1,0 +1,90 @@
+"""Error messages that say what went wrong in a DDP run and how to fix it.
+
+- ``unused_parameters_message``: DDP's "Expected to have finished reduction in the prior
+  iteration" names no parameter (only reducer indices, unless ``TORCH_DISTRIBUTED_DEBUG``
+  is set); this maps the indices back to parameter names and gives both fixes.
+- ``is_communication_error``: whether an exception came from a collective losing a peer
+  (gloo's "Connection reset by peer", NCCL errors, store timeouts), as opposed to an error
+  of this rank's own code.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+__all__ = ["UNUSED_PATTERN", "add_to_message", "is_communication_error", "unused_parameters_message"]
+
+UNUSED_PATTERN = "Expected to have finished reduction in the prior iteration"
+_DETAIL_NAMES = re.compile(r"Parameters which did not receive grad for rank \d+: ([^\n]+)")
+_INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
+_COMMUNICATION_WORDS = ("gloo", "nccl", "connection", "peer", "timed out", "timeout", "broken pipe", "socket")
+
+
+def _reducer_parameter_names(ddp: nn.parallel.DistributedDataParallel) -> list[str]:
+    """Parameter names in the order DDP's reducer numbers them (``_build_params_for_reducer``)."""
+    ignore: set[str] = set(getattr(ddp, "parameters_to_ignore", ()))
+    seen: set[int] = set()
+    names = []
+    for module_name, module in ddp.module.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad or f"{module_name}.{param_name}" in ignore or id(param) in seen:
+                continue
+            seen.add(id(param))
+            names.append(f"{module_name}.{param_name}" if module_name else param_name)
+    return names
+
+
+def unused_parameter_names(text: str, model: nn.Module | None) -> list[str]:
+    """Names of the parameters that got no gradient, read from DDP's message and the model."""
+    detail = _DETAIL_NAMES.search(text)
+    if detail:
+        return [name.strip() for name in detail.group(1).split(",") if name.strip()]
+    indices = _INDICES.search(text)
+    if indices and isinstance(model, nn.parallel.DistributedDataParallel):
+        names = _reducer_parameter_names(model)
+        return [names[int(i)] for i in indices.group(1).split() if int(i) < len(names)]
+    if model is None:
+        return []
+    module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    return [name for name, p in module.named_parameters() if p.requires_grad and p.grad is None]
+
+
+def unused_parameters_message(text: str, model: nn.Module | None, strategy_name: str) -> str:
+    """The replacement for DDP's unused-parameter error."""
+    names = unused_parameter_names(text, model)
+    listed = ", ".join(names) if names else "(DDP did not say which)"
+    return (
+        f"These parameters received no gradient in the previous training step: {listed}.\n"
+        "DDP all-reduces every parameter's gradient after each backward, so each parameter must take part"
+        " in the loss of every step unless DDP is told to look for unused ones. Fix it one of two ways:\n"
+        f"  1. let DDP find them (costs an extra pass over the autograd graph per step):"
+        f' Trainer(strategy="{strategy_name}_find_unused_parameters_true")'
+        f" or {type_name(strategy_name)}(find_unused_parameters=True);\n"
+        "  2. change the model: use these parameters in the loss that training_step returns,"
+        " or remove them, or freeze them with param.requires_grad_(False) before fit."
+    )
+
+
+def type_name(strategy_name: str) -> str:
+    return "MGPUDDPStrategy" if strategy_name.startswith("mgpu_ddp") else "DDPStrategy"
+
+
+def is_communication_error(exception: BaseException) -> bool:
+    """Whether ``exception`` is a collective or store failing because a peer went away."""
+    dist_error = getattr(torch.distributed, "DistError", None)
+    if dist_error is not None and isinstance(exception, dist_error):
+        return True
+    text = str(exception).lower()
+    return isinstance(exception, RuntimeError) and any(word in text for word in _COMMUNICATION_WORDS)
+
+
+def add_to_message(exception: BaseException, text: str, replace: bool = False) -> None:
+    """Put ``text`` in front of the exception's message (or in its place), keeping its type."""
+    if exception.args and isinstance(exception.args[0], str):
+        first = text if replace else f"{text}\n(the original error follows) {exception.args[0]}"
+        exception.args = (first, *exception.args[1:])
+    else:
+        exception.args = (text, *exception.args)

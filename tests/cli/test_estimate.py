@@ -1,0 +1,55 @@
+"""``lightning-mgpu estimate``: the config's model and data measured, reported for its global batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_mgpu.cli.main import main
+from lightning_mgpu.config import load_config
+from lightning_mgpu.config.instantiate import build_data, build_module
+from lightning_mgpu.devices import format_bytes
+from lightning_mgpu.estimate import estimate_memory
+
+
+def rows(out: str) -> dict[str, list[str]]:
+    """The strategy table: strategy -> the other columns."""
+    lines = [line.split() for line in out.splitlines()]
+    return {cols[0]: cols[1:] for cols in lines if cols and cols[0] in ("single", "mgpu_dp", "mgpu_ddp")}
+
+
+def test_estimate_reports_each_strategy_for_the_global_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "linear", "data.batch_size=64", "--devices", "2", "--gpu-memory", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("linear: LinearRegression, data.batch_size=64 (global), 2 device(s), 1.00 GiB per")
+    assert "  parameters 44 B, gradients 44 B," in out  # nn.Linear(10, 1): 11 float32 values
+
+    cfg = load_config("linear", ["data.batch_size=64"])
+    module = build_module(cfg)
+    sample = build_data(cfg).example_batch(8)  # type: ignore[attr-defined]
+    est = estimate_memory(
+        module, sample, devices=2, device_memory="1GiB", batch_size=64, optimizer=module.make_optimizer()
+    )
+    table = rows(out)
+    assert table["single"][:2] == ["64", *format_bytes(est.peak("single", per_device_batch=64)).split()[:1]]
+    assert table["mgpu_ddp"][0] == "32"  # each of 2 processes loads half the global batch
+    assert " ".join(table["mgpu_ddp"][1:3]) == format_bytes(est.peak("mgpu_ddp", per_device_batch=32))
+    assert table["mgpu_dp"][0] == "32"
+    assert table["mgpu_ddp"][3] == "yes"
+    assert int(table["mgpu_ddp"][4]) == est.largest_per_device_batch("mgpu_ddp") * 2
+
+
+def test_options_may_follow_the_overrides(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "digits", "--devices", "4", "data.batch_size=30"]) == 0
+    out = capsys.readouterr().out
+    assert "data.batch_size=30 (global), 4 device(s)" in out
+    assert "mgpu_ddp needs data.batch_size divisible by 4; 30 is not" in out
+    assert rows(out)["mgpu_dp"][0] == "8"  # ceil(30 / 4) on card 0
+
+
+def test_estimate_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "digits", "--devices", "0"]) == 1
+    assert "lightning-mgpu estimate: error: --devices must be at least 1, got 0" in capsys.readouterr().err
+    assert main(["estimate", "digits", "--gpu-memory", "lots"]) == 1
+    assert "lightning-mgpu estimate: error:" in capsys.readouterr().err
+    assert main(["estimate", "digits", "--gpus", "2"]) == 1
+    assert "unknown option --gpus; see lightning-mgpu estimate --help" in capsys.readouterr().err

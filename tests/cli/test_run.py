@@ -1,0 +1,163 @@
+"""``lightning-mgpu run`` and ``recipes``: the run folder, the summary, errors without tracebacks."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from lightning_mgpu.cli.main import main
+from lightning_mgpu.devices import format_bytes
+from lightning_mgpu.recipes import RECIPES
+from lightning_mgpu.recipes.digits import ConvClassifier
+from tests.helpers import run_command
+
+SHORT = [
+    "trainer.max_epochs=2",
+    "trainer.limit_train_batches=3",
+    "trainer.log_every_n_steps=2",
+    "trainer.limit_val_batches=2",
+    "trainer.devices=1",
+    "trainer.accelerator=cpu",
+    "trainer.enable_progress_bar=false",
+    "callbacks.memory.every_n_steps=2",
+]
+
+
+def test_run_folder_and_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "my_run"
+    assert main(["run", "digits", *SHORT, f"run_dir={run_dir}"]) == 0
+    out = capsys.readouterr().out
+
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["recipe"] == "digits"
+    assert config["trainer"]["limit_train_batches"] == 3
+    assert config["run_dir"] == str(run_dir)
+    with (run_dir / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows if r.get("train/loss")] == ["1", "3", "5"]
+    assert any(r.get("val/acc") for r in rows)
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt"))
+    weights = sorted(p.name for p in (run_dir / "checkpoints").glob("*.safetensors"))
+    assert weights == sorted([c.replace(".ckpt", ".safetensors") for c in ckpts] + ["final.safetensors"])
+    assert "last.ckpt" in ckpts
+    assert len(ckpts) == 2
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    plain = load_file(run_dir / "checkpoints" / "last.safetensors")
+    ConvClassifier().net.load_state_dict(plain, strict=True)  # loads into the bare network
+    torch.testing.assert_close(plain, {k.removeprefix("net."): v for k, v in state.items()}, rtol=0, atol=0)
+
+    memory = json.loads((run_dir / "memory_summary.json").read_text())
+    assert [d["device"] for d in memory["devices"]] == ["cpu:rank0"]
+    assert memory["devices"][0]["peak_rss_bytes"] > 0
+    assert (run_dir / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    summary = out[out.index("digits: fit done in") :]
+    assert "with single_device on 1 cpu device" in summary.splitlines()[0]
+    assert "optimizer steps" in summary.splitlines()[0]
+    assert "  val/acc " in summary
+    assert "  train/loss " in summary
+    assert f"written to {run_dir}/:" in summary
+    for name in ("config.yaml", "metrics.csv", "checkpoints/last.ckpt", "memory.png", "memory_summary.json"):
+        assert f"  {name}  " in summary
+    assert "  checkpoints/last.safetensors  plain weights of last.ckpt" in summary
+    assert "  checkpoints/final.safetensors  plain weights at the end of fit" in summary
+    peak = memory["devices"][0]["peak_rss_bytes"]
+    assert summary.endswith(f"peak memory:\n  cpu:rank0 (CPU process): peak RSS {format_bytes(peak)}\n")
+
+
+def test_default_run_folder_is_under_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert (
+        main(["run", "linear", "trainer.fast_dev_run=true", "trainer.devices=1", "trainer.accelerator=cpu"])
+        == 0
+    )
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert run_dir.name.startswith("linear-")
+    assert (run_dir / "config.yaml").is_file()
+
+
+def test_print_config_shows_the_resolved_config_and_runs_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "linear", "model.in_features=3", "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["recipe"] == "linear"
+    assert printed["data"]["in_features"] == 3  # ${model.in_features} resolved
+    assert printed["trainer"]["max_epochs"] == 10
+    assert main(["run", "model.hidden=32", "--print-config"]) == 0  # without CONFIG: digits
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert (printed["recipe"], printed["model"]["hidden"]) == ("digits", 32)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_global_batch_must_divide_over_processes(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["run", "digits", "trainer.strategy=mgpu_ddp", "trainer.devices=2", "trainer.accelerator=cpu"]
+    assert main([*args, "data.batch_size=63"]) == 1
+    assert (
+        "lightning-mgpu run: error: data.batch_size=63 is the global batch and must divide evenly over the 2 "
+        "training processes; use data.batch_size=62 or data.batch_size=64"
+    ) in capsys.readouterr().err.splitlines()
+
+
+def test_missing_data_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(["run", "mnist", f"data.root={tmp_path}", "trainer.devices=1", "trainer.accelerator=cpu"]) == 1
+    )
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
+    assert line.startswith(f"lightning-mgpu run: error: MNIST files not found: looked in {tmp_path} and ")
+
+
+def test_config_errors_print_every_problem_and_no_traceback(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "lightning_mgpu", "run", "digits", "trainer.max_epoch=3", "optimizer.lr=-1"]
+    result = run_command(cmd, cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr == (
+        "lightning-mgpu run: error: digits has 2 problems:\n"
+        "  trainer.max_epoch: unknown key; did you mean trainer.max_epochs?\n"
+        "  optimizer.lr: must be > 0, got -1\n"
+    )
+    assert result.stdout == ""
+    assert not (tmp_path / "runs").exists()
+
+
+def test_recipes_lists_one_line_per_recipe(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["recipes"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == list(RECIPES)
+    assert "(default)" in lines[list(RECIPES).index("digits")]
+    assert lines[-1].endswith("[configs: resnet18, resnet18_predict, resnet50]")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["recipes"]], ids=" ".join)
+def test_light_commands_do_not_import_torch(argv: list[str]) -> None:
+    code = (
+        "import sys\n"
+        "from lightning_mgpu.cli.main import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('torch imported' if 'torch' in sys.modules else 'torch not imported')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "torch not imported"
+    if argv == ["--help"]:
+        assert "run" in out
+        assert "recipes" in out
+        assert "estimate" in out
+
+
+def test_options_may_come_after_the_overrides(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "linear", "--print-config", "trainer.devices=2"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["trainer"]["devices"] == 2
+    assert main(["run", "linear", "trainer.devices=2", "--print-confg"]) == 1
+    assert "unknown option --print-confg; see lightning-mgpu run --help" in capsys.readouterr().err

@@ -1,0 +1,135 @@
+"""Config validation: every mistake reported at once, with the key, the expected type and a suggestion."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from lightning_mgpu.config import ConfigError, load_config
+from lightning_mgpu.config.parse import load
+from lightning_mgpu.config.schema import CPU_DEVICE_CAP, RunConfig
+from lightning_mgpu.config.validate import validate
+
+
+def problems(overrides: list[str], config: str = "digits") -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(config, overrides)
+    return info.value.problems
+
+
+def test_typo_names_the_key_and_the_closest_valid_one() -> None:
+    assert problems(["trainer.max_epoch=3"]) == [
+        "trainer.max_epoch: unknown key; did you mean trainer.max_epochs?"
+    ]
+    assert problems(["model.hiden=3"]) == ["model.hiden: unknown key; did you mean model.hidden?"]
+    assert problems(["trainr.devices=2"]) == ["trainr: unknown key; did you mean trainer?"]
+
+
+def test_unknown_key_without_a_close_match_lists_the_section() -> None:
+    (message,) = problems(["optimizer.zzzz=1"])
+    assert message == (
+        "optimizer.zzzz: unknown key; valid keys in optimizer: name, lr, weight_decay, momentum, scheduler"
+    )
+
+
+def test_wrong_types_say_what_was_expected_and_given() -> None:
+    assert problems(["trainer.max_epochs=ten", "data.batch_size=3.5", "data.shuffle=maybe"]) == [
+        "trainer.max_epochs: expected an integer, got 'ten'",
+        "data.batch_size: expected an integer, got 3.5",
+        "data.shuffle: expected true or false, got 'maybe'",
+    ]
+    assert problems(["callbacks.memory=null"]) == [
+        "callbacks.memory: expected a section of keys, got None;"
+        " to turn it off write callbacks.memory.enabled=false"
+    ]
+
+
+def test_impossible_values_are_rejected() -> None:
+    assert problems(
+        [
+            "optimizer.lr=-0.1",
+            "trainer.devices=[0,0]",
+            "data.batch_size=0",
+            "optimizer.name=adan",
+            "task=train",
+        ]
+    ) == [
+        "task: 'train' is not one of fit, validate, predict",
+        "trainer.devices: each index may appear once, got [0, 0]",
+        "data.batch_size: must be >= 1, got 0",
+        "optimizer.name: 'adan' is not one of adamw, adam, sgd",
+        "optimizer.lr: must be > 0, got -0.1",
+    ]
+    assert problems(["trainer.devices=0", "trainer.fast_dev_run=-2", "trainer.limit_train_batches=1.5"]) == [
+        "trainer.devices: must be >= 1 (or -1 for all), got 0",
+        "trainer.fast_dev_run: expected true, false or a batch count >= 1, got -2",
+        "trainer.limit_train_batches: expected a batch count (int >= 0) or a fraction in [0.0, 1.0], got 1.5",
+    ]
+
+
+def test_every_kind_of_mistake_in_one_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            "digits", ["trainer.max_epoch=3", "trainer.precision=17", "model.dropout=x", "optimizer.lr=0"]
+        )
+    assert str(info.value) == (
+        "digits has 4 problems:\n"
+        "  trainer.max_epoch: unknown key; did you mean trainer.max_epochs?\n"
+        "  model.dropout: expected a number, got 'x'\n"
+        "  trainer.precision: '17' is not one of 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true, 64-true,"
+        " 32, 16, bf16, 64\n"
+        "  optimizer.lr: must be > 0, got 0"
+    )
+
+
+def test_recipe_and_strategy_names_get_suggestions() -> None:
+    raw = OmegaConf.create({"recipe": "digts", "trainer": {"strategy": "mgpu_atuo"}})
+    with pytest.raises(ConfigError) as info:
+        validate(raw, source="my.yaml")
+    first, second = info.value.problems
+    assert first.startswith("recipe: 'digts' is not a recipe; did you mean digits? known recipes: linear,")
+    assert second.startswith(
+        "trainer.strategy: 'mgpu_atuo' is not a registered strategy; did you mean mgpu_auto? e.g. mgpu_ddp, "
+    )
+    assert {"mgpu_dp", "mgpu_auto"} <= set(second.partition("e.g. ")[2].split(", "))
+    assert problems(["recipe=null"])[0].startswith("recipe: missing; set it to one of linear, seq_linear")
+
+
+def test_cross_section_and_task_checks() -> None:
+    assert problems(["data.num_classes=3"], "resnet18") == [
+        "model.num_classes=10 but data.num_classes=3; set model.num_classes=3"
+    ]
+    assert problems(["task=predict"], "linear") == [
+        "task: recipe linear cannot predict; it supports fit, validate"
+    ]
+
+
+def test_valid_config_is_typed_and_overrides_apply() -> None:
+    cfg = load_config("resnet18", ["trainer.devices=[0,3]", "model.num_classes=4", "optimizer.lr=1"])
+    assert isinstance(cfg, RunConfig)
+    assert cfg.trainer.devices == [0, 3]
+    assert cfg.data.num_classes == 4  # follows ${model.num_classes}
+    assert cfg.optimizer.lr == 1.0
+    assert isinstance(cfg.optimizer.lr, float)
+    assert CPU_DEVICE_CAP >= 2
+
+
+def test_broken_interpolation_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="cannot resolve an interpolation"):
+        validate(load("linear", ["data.in_features=${model.nope}"]))
+
+
+def test_key_in_the_wrong_section_points_to_the_right_one() -> None:
+    assert problems(["trainer.lr=0.1", "trainer.batch_size=8"]) == [
+        "trainer.lr: unknown key; did you mean optimizer.lr?",
+        "trainer.batch_size: unknown key; did you mean data.batch_size?",
+    ]
+
+
+def test_yaml_numbers_fill_string_and_float_fields_but_booleans_do_not() -> None:
+    cfg = load_config("digits", ["trainer.precision=16", "optimizer.weight_decay=0"])
+    assert cfg.trainer.precision == "16"
+    assert cfg.optimizer.weight_decay == 0.0
+    assert problems(["callbacks.checkpoint.monitor=true"]) == [
+        "callbacks.checkpoint.monitor: expected a string or null, got True"
+    ]

@@ -1,0 +1,138 @@
+"""The watchdog's parts on their own: how rank 0 judges heartbeats, how a process ended, signals.
+
+The whole watchdog runs in real multi-process runs in ``test_ddp.py``; these tests pin the
+decisions those runs only reach one way each.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from lightning_mgpu.strategies._judge import Beat, Judge, RankInfo
+from lightning_mgpu.strategies._procs import describe_exit, pid_status, start_time
+from lightning_mgpu.strategies._signals import SignalPipe
+
+INFOS = {r: RankInfo(r, 1000 + r, 1, "node-a", 0, r, f"cuda:{r}", "GPU") for r in range(3)}
+
+
+def beat(seq: int, progress: int, idle: float, waiting: bool = False, done: bool = False) -> Beat:
+    return Beat(seq, progress, idle, waiting, done)
+
+
+def never_finished(rank: int) -> bool:
+    return False
+
+
+def test_a_rank_that_stops_beating_is_gone_after_dead_after() -> None:
+    judge = Judge([1, 2], now=0.0, dead_after=10.0, stall_timeout=None)
+    beats = {1: beat(1, 5, 0.0), 2: beat(1, 5, 0.0)}
+    assert judge.look(beats, 0.0, INFOS, never_finished) is None
+    beats = {1: beat(9, 9, 0.0), 2: beat(1, 5, 0.0)}  # rank 2's sequence number stays at 1
+    assert judge.look(beats, 9.0, INFOS, never_finished) is None
+    verdict = judge.look(beats, 10.5, INFOS, never_finished)
+    assert verdict is not None
+    assert verdict.message.startswith("rank 2 (pid 1002 on node-a) sent no heartbeat for 10 s")
+    assert verdict.dead == (2,)
+
+
+def test_a_rank_that_never_beats_is_gone_and_finished_ranks_are_not() -> None:
+    judge = Judge([1, 2], now=0.0, dead_after=10.0, stall_timeout=None)
+    verdict = judge.look({2: beat(1, 0, 0.0, done=True)}, 11.0, INFOS, never_finished)
+    assert verdict is not None
+    assert "rank 1 (pid 1001 on node-a) never sent a heartbeat" in verdict.message
+    assert judge.look({2: beat(1, 0, 0.0, done=True)}, 11.0, INFOS, lambda rank: rank == 1) is None
+
+
+@pytest.mark.parametrize(
+    ("beats", "stuck"),
+    [
+        # rank 1 is behind the others, which moved on into a collective
+        ({0: beat(1, 12, 31), 1: beat(1, 11, 31), 2: beat(1, 12, 31)}, (1,)),
+        # all at the same count, but rank 2 alone does not wait in a collective
+        ({0: beat(1, 12, 31, True), 1: beat(1, 12, 31, True), 2: beat(1, 12, 31)}, (2,)),
+        # every rank waits in a collective: all are named
+        ({0: beat(1, 12, 31, True), 1: beat(1, 12, 31, True), 2: beat(1, 12, 31, True)}, (0, 1, 2)),
+    ],
+)
+def test_a_stall_names_the_ranks_that_hold_the_others(beats: dict[int, Beat], stuck: tuple[int, ...]) -> None:
+    judge = Judge([1, 2], now=0.0, dead_after=100.0, stall_timeout=30.0)
+    verdict = judge.look(beats, 1.0, INFOS, never_finished)
+    assert verdict is not None
+    assert verdict.stuck == stuck
+    assert "stall_timeout=30" in verdict.message
+
+
+@pytest.mark.parametrize(
+    "beats",
+    [
+        # one rank still moves
+        {0: beat(1, 12, 31), 1: beat(1, 11, 29), 2: beat(1, 12, 31)},
+        # everyone busy at the same point (a long first step, compilation): not a stall
+        {0: beat(1, 12, 31), 1: beat(1, 12, 31), 2: beat(1, 12, 31)},
+    ],
+)
+def test_no_stall_while_a_rank_moves_or_all_are_busy(beats: dict[int, Beat]) -> None:
+    judge = Judge([1, 2], now=0.0, dead_after=100.0, stall_timeout=30.0)
+    assert judge.look(beats, 1.0, INFOS, never_finished) is None
+
+
+def test_beats_and_infos_survive_the_store() -> None:
+    assert Beat.decode(beat(3, 7, 1.25, True, False).encode().encode()) == beat(3, 7, 1.2, True, False)
+    assert RankInfo.from_json(INFOS[1].to_json()) == INFOS[1]
+
+
+def test_exit_status_of_a_zombie_is_read_from_proc() -> None:
+    exited = subprocess.Popen([sys.executable, "-c", "import os; os._exit(7)"])
+    sleeping = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    started = start_time(sleeping.pid)
+    assert pid_status(sleeping.pid, started).alive
+    sleeping.kill()
+    try:
+        deadline = time.monotonic() + 30
+        while pid_status(exited.pid).alive or pid_status(sleeping.pid).alive:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        # not reaped yet: both are zombies whose status /proc still holds
+        assert pid_status(exited.pid).returncode == 7
+        assert pid_status(sleeping.pid, started).returncode == -signal.SIGKILL
+    finally:
+        exited.wait()
+        sleeping.wait()
+    assert not pid_status(sleeping.pid, started).alive
+
+
+def test_describe_exit() -> None:
+    assert describe_exit(-9) == "was killed by signal 9 (SIGKILL)"
+    assert describe_exit(3) == "exited with code 3"
+    assert "already collected" in describe_exit(None)
+
+
+@pytest.fixture
+def no_op_sigterm() -> Iterator[None]:
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.usefixtures("no_op_sigterm")
+def test_a_thread_sees_sigterm_through_the_wakeup_pipe() -> None:
+    pipe = SignalPipe()
+    pipe.install()
+    try:
+        seen: list[int | None] = []
+        waiter = threading.Thread(target=lambda: seen.append(pipe.wait(10.0, threading.Event())))
+        waiter.start()
+        os.kill(os.getpid(), signal.SIGTERM)
+        waiter.join(timeout=10)
+        assert seen == [signal.SIGTERM]
+    finally:
+        pipe.restore()
+    assert signal.set_wakeup_fd(-1) == -1  # restore() gave the previous (none) back
