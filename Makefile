@@ -45,13 +45,13 @@ demo: venv
 	$(BIN)/lightning-mgpu run digits
 
 lint: test-venv
-	$(BIN)/ruff check lightning_mgpu recipes tests benchmarks
-	$(BIN)/ruff format --check lightning_mgpu recipes tests benchmarks
+	$(BIN)/ruff check lightning_mgpu recipes tests benchmarks notebooks
+	$(BIN)/ruff format --check lightning_mgpu recipes tests benchmarks notebooks
 	$(BIN)/mypy
 
 format: test-venv
-	$(BIN)/ruff format lightning_mgpu recipes tests benchmarks
-	$(BIN)/ruff check --fix lightning_mgpu recipes tests benchmarks
+	$(BIN)/ruff format lightning_mgpu recipes tests benchmarks notebooks
+	$(BIN)/ruff check --fix lightning_mgpu recipes tests benchmarks notebooks
 
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -46,6 +46,7 @@ def test_committed_without_outputs(path: Path) -> None:
             assert cell.execution_count is None, f"{path.name}: clear the execution counts before committing"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path: Path, tmp_path: Path, this_python_kernel: str) -> None:
     nb = nbformat.read(path, as_version=4)
