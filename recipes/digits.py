@@ -27,7 +27,12 @@ from ._base import ClassifierModule, Recipe, RecipeData, split
 
 @dataclass
 class ModelConfig:
-    """The conv classifier."""
+    """The conv classifier.
+
+    Example::
+
+        lightning-mgpu run digits model.hidden=256 model.dropout=0
+    """
 
     channels: int = 32
     """Filters of the first conv layer (the second has twice as many)."""
@@ -48,7 +53,12 @@ class ModelConfig:
 
 @dataclass
 class DataConfig(schema.SplitDataConfig):
-    """scikit-learn's digits, split once into train and validation."""
+    """scikit-learn's digits, split once into train and validation.
+
+    Example::
+
+        lightning-mgpu run digits data.val_fraction=0.3
+    """
 
 
 class ConvClassifier(ClassifierModule):

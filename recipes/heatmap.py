@@ -29,7 +29,12 @@ from ._base import Recipe, RecipeData, RegressionModule, same_in_model_and_data,
 
 @dataclass
 class ModelConfig:
-    """The heatmap network."""
+    """The heatmap network.
+
+    Example::
+
+        lightning-mgpu run heatmap model.channels=64
+    """
 
     keypoints: int = 2
     """Heatmaps predicted per image; must equal ``data.keypoints``."""
@@ -43,7 +48,12 @@ class ModelConfig:
 
 @dataclass
 class DataConfig(schema.SplitDataConfig):
-    """Synthetic images with Gaussian blobs."""
+    """Synthetic images with Gaussian blobs.
+
+    Example::
+
+        lightning-mgpu run heatmap data.image_size=64 data.sigma=3
+    """
 
     num_samples: int = 2048
     """Images in the train and validation sets together."""

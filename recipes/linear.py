@@ -26,7 +26,12 @@ from ._base import Recipe, RecipeData, RegressionModule, same_in_model_and_data,
 
 @dataclass
 class ModelConfig:
-    """The regression model."""
+    """The regression model.
+
+    Example::
+
+        lightning-mgpu run linear model.in_features=20
+    """
 
     in_features: int = 10
     """Inputs per sample (the tutorials use 10)."""
@@ -38,7 +43,12 @@ class ModelConfig:
 
 @dataclass
 class DataConfig(schema.SplitDataConfig):
-    """Synthetic ``y = x @ w + b + noise`` with ``w`` and ``b`` drawn from ``seed``."""
+    """Synthetic ``y = x @ w + b + noise`` with ``w`` and ``b`` drawn from ``seed``.
+
+    Example::
+
+        lightning-mgpu run linear data.noise=0.1 data.num_samples=10000
+    """
 
     num_samples: int = 4096
     """Samples in the train and validation sets together."""

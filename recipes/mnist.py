@@ -111,7 +111,12 @@ def find_mnist_files(root: str | Path) -> dict[str, Path]:
 
 @dataclass
 class DataConfig(schema.DataConfig):
-    """MNIST from IDX files."""
+    """MNIST from IDX files.
+
+    Example::
+
+        lightning-mgpu run mnist data.root=/data/mnist
+    """
 
     root: str = "data/mnist"
     """Folder of the four IDX files (or of torchvision's ``MNIST/raw``), relative to the current folder."""

@@ -130,7 +130,12 @@ def resnet50(num_classes: int = 1000) -> ResNet:
 
 @dataclass
 class ModelConfig:
-    """The network."""
+    """The network.
+
+    Example::
+
+        lightning-mgpu run resnet18 model.arch=resnet50
+    """
 
     arch: str = "resnet18"
     """``resnet18`` or ``resnet50``."""
@@ -145,7 +150,12 @@ class ModelConfig:
 
 @dataclass
 class DataConfig(schema.SplitDataConfig):
-    """Image folders, or synthetic images."""
+    """Image folders, or synthetic images.
+
+    Example::
+
+        lightning-mgpu run resnet18 data.root=/data/pets data.image_size=224 model.num_classes=37
+    """
 
     root: str | None = None
     """Class sub-folders of images, or ``train/`` and ``val/`` folders of them; ``null``: synthetic."""

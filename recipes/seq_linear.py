@@ -27,7 +27,12 @@ from ._base import Recipe, RecipeData, RegressionModule, log_input_shape, same_i
 
 @dataclass
 class ModelConfig:
-    """The per-position linear map."""
+    """The per-position linear map.
+
+    Example::
+
+        lightning-mgpu run seq_linear model.features=8
+    """
 
     features: int = 5
     """Input and output features per position (the tutorial uses 5)."""
@@ -39,7 +44,12 @@ class ModelConfig:
 
 @dataclass
 class DataConfig(schema.SplitDataConfig):
-    """Synthetic sequences ``x`` of shape ``[seq_len, features]`` and targets ``x @ A.T + b``."""
+    """Synthetic sequences ``x`` of shape ``[seq_len, features]`` and targets ``x @ A.T + b``.
+
+    Example::
+
+        lightning-mgpu run seq_linear data.seq_len=32
+    """
 
     num_samples: int = 1024
     """Sequences in the train and validation sets together."""

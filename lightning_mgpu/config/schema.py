@@ -93,7 +93,12 @@ def _limit(name: str, value: Any) -> list[str]:
 
 @dataclass
 class TrainerConfig:
-    """Arguments of ``lightning.Trainer``; names and meanings are Lightning's."""
+    """Arguments of ``lightning.Trainer``; names and meanings are Lightning's.
+
+    Example::
+
+        lightning-mgpu run digits trainer.devices=[0,3] trainer.precision=bf16-mixed
+    """
 
     accelerator: str = "auto"
     """``cpu``, ``gpu`` (same as ``cuda``), ``mps``, or ``auto`` (a GPU when one is visible)."""
@@ -180,7 +185,12 @@ def _devices_problems(devices: Any) -> list[str]:
 
 @dataclass
 class DataConfig:
-    """Loader settings every recipe shares; a recipe's ``DataConfig`` adds its own fields."""
+    """Loader settings every recipe shares; a recipe's ``DataConfig`` adds its own fields.
+
+    Example::
+
+        lightning-mgpu run digits data.batch_size=256 data.num_workers=4
+    """
 
     batch_size: int = 64
     """The GLOBAL batch per optimizer step, as with ``nn.DataParallel``: ``mgpu_dp`` loads it whole and splits
@@ -199,7 +209,12 @@ class DataConfig:
 
 @dataclass
 class SplitDataConfig(DataConfig):
-    """``DataConfig`` for data split once into train and validation sets."""
+    """``DataConfig`` for data split once into train and validation sets.
+
+    Example::
+
+        lightning-mgpu run digits data.val_fraction=0.1
+    """
 
     val_fraction: float = 0.2
     """Share of the samples held out for validation."""
@@ -214,7 +229,12 @@ class SplitDataConfig(DataConfig):
 
 @dataclass
 class OptimizerConfig:
-    """The optimizer and learning-rate schedule."""
+    """The optimizer and learning-rate schedule.
+
+    Example::
+
+        lightning-mgpu run digits optimizer.name=sgd optimizer.lr=0.1 optimizer.scheduler=none
+    """
 
     name: str = "adamw"
     """``adamw``, ``adam`` or ``sgd`` (torch.optim's classes)."""
@@ -240,7 +260,12 @@ class OptimizerConfig:
 
 @dataclass
 class MemoryConfig:
-    """``lightning_mgpu.DeviceMemoryMonitor``: per-device memory in the metrics, a summary JSON and a plot."""
+    """``lightning_mgpu.DeviceMemoryMonitor``: per-device memory in the metrics, a summary JSON and a plot.
+
+    Example::
+
+        lightning-mgpu run digits callbacks.memory.every_n_steps=1
+    """
 
     enabled: bool = True
     """Turn the monitor on or off."""
@@ -258,7 +283,12 @@ class MemoryConfig:
 
 @dataclass
 class ExportConfig:
-    """``lightning_mgpu.PlainStateDictExport``: plain weights of the network next to every checkpoint."""
+    """``lightning_mgpu.PlainStateDictExport``: plain weights of the network next to every checkpoint.
+
+    Example::
+
+        lightning-mgpu run digits callbacks.export.dataparallel=true
+    """
 
     enabled: bool = True
     """Turn the export on or off."""
@@ -274,7 +304,12 @@ class ExportConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Lightning's ``ModelCheckpoint``, writing to ``<run_dir>/checkpoints``."""
+    """Lightning's ``ModelCheckpoint``, writing to ``<run_dir>/checkpoints``.
+
+    Example::
+
+        lightning-mgpu run digits callbacks.checkpoint.save_top_k=3
+    """
 
     enabled: bool = True
     """Turn checkpointing on or off."""
@@ -294,7 +329,12 @@ class CheckpointConfig:
 
 @dataclass
 class EarlyStoppingConfig:
-    """Lightning's ``EarlyStopping``."""
+    """Lightning's ``EarlyStopping``.
+
+    Example::
+
+        lightning-mgpu run digits callbacks.early_stopping.enabled=true
+    """
 
     enabled: bool = False
     """Turn early stopping on or off."""
@@ -312,7 +352,12 @@ class EarlyStoppingConfig:
 
 @dataclass
 class CallbacksConfig:
-    """The callbacks a run uses; each has an ``enabled`` switch."""
+    """The callbacks a run uses; each has an ``enabled`` switch.
+
+    Example::
+
+        lightning-mgpu run digits callbacks.memory.enabled=false
+    """
 
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     """Per-device memory monitor (on by default)."""
@@ -326,7 +371,12 @@ class CallbacksConfig:
 
 @dataclass
 class RunConfig:
-    """A whole run: which recipe, what to do, and every section."""
+    """A whole run: which recipe, what to do, and every section.
+
+    Example::
+
+        lightning-mgpu run digits task=validate weights=runs/digits-1/checkpoints/final.safetensors
+    """
 
     recipe: str = MISSING
     """The recipe to run; ``lightning-mgpu recipes`` lists them."""
