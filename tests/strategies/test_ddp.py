@@ -19,13 +19,13 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers import free_port, group_alive, kill_group, run_command, run_script, script_env
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MGPUDDPStrategy
 from lightning_mgpu.strategies._checks import check_devices
+from tests.helpers import free_port, group_alive, kill_group, run_command, run_script, script_env
 
 # A tiny regression fit. Rank 0 saves the data, the initial and the final weights, so the
 # test can train the single-process reference on the same global batches.
