@@ -234,7 +234,12 @@ def process_memory() -> dict[str, int]:
 
 
 def cpu_name() -> str:
-    """The processor's model name (``/proc/cpuinfo`` on Linux), or ``"CPU"`` when unknown."""
+    """The processor's model name (``/proc/cpuinfo`` on Linux), or ``"CPU"`` when unknown.
+
+    Example::
+
+        cpu_name()  # 'AMD EPYC 7763 64-Core Processor'
+    """
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
