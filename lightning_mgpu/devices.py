@@ -6,6 +6,7 @@
 - ``nvml_memory(device)`` reads used/total memory as ``nvidia-smi`` counts it
   (all processes and CUDA contexts), when NVML is installed.
 - ``process_memory()`` reads this process's RSS and peak RSS.
+- ``cpu_name()`` names the processor, for CPU runs.
 - ``nvml_available()`` says whether NVML can be queried here at all.
 - ``parse_bytes("12GiB")`` and ``format_bytes(n)`` convert memory sizes for people.
 
@@ -32,6 +33,7 @@ __all__ = [
     "GPUProcess",
     "MiB",
     "allocator_memory",
+    "cpu_name",
     "cpu_summary",
     "cuda_devices",
     "format_bytes",
@@ -229,6 +231,25 @@ def process_memory() -> dict[str, int]:
     # ru_maxrss is KiB on Linux, bytes on macOS
     peak_bytes = peak if sys.platform == "darwin" else peak * 1024
     return {"rss": rss, "peak_rss": max(rss, peak_bytes)}
+
+
+def cpu_name() -> str:
+    """The processor's model name (``/proc/cpuinfo`` on Linux), or ``"CPU"`` when unknown.
+
+    Example::
+
+        cpu_name()  # 'AMD EPYC 7763 64-Core Processor'
+    """
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip() or "CPU"
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "CPU"
 
 
 def cpu_summary() -> dict[str, int]:

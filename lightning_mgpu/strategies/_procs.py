@@ -4,6 +4,8 @@
   signal 9 (SIGKILL)", "exited with code 3").
 - ``pid_status(pid, start_time)`` says whether a process on this machine still runs and,
   while it is a zombie, how it ended (``/proc/<pid>/stat`` field 52 on Linux).
+- ``DeadManSwitch`` ends the process from C (``faulthandler``) when nobody re-arms it in
+  time, for when no Python thread can run any more.
 - ``main_thread_stack()`` and ``main_thread_waits()`` look at the main thread from another
   thread: its stack, and whether it sits in a collective (``torch.distributed``, DDP's
   gradient all-reduce inside ``backward``, Lightning's per-step broadcast).
@@ -11,6 +13,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
 import signal
 import sys
@@ -19,7 +23,15 @@ import traceback
 from dataclasses import dataclass
 from types import FrameType
 
-__all__ = ["PidStatus", "describe_exit", "main_thread_stack", "main_thread_waits", "pid_status", "start_time"]
+__all__ = [
+    "DeadManSwitch",
+    "PidStatus",
+    "describe_exit",
+    "main_thread_stack",
+    "main_thread_waits",
+    "pid_status",
+    "start_time",
+]
 
 # innermost frames that mean "blocked until the other ranks arrive"
 _WAITING_PATHS = ("torch/distributed/", "torch/nn/parallel/distributed.py", "torch/autograd/")
@@ -115,3 +127,23 @@ def main_thread_waits() -> bool:
         return False
     path = frame.f_code.co_filename.replace(os.sep, "/")
     return any(p in path for p in _WAITING_PATHS) or frame.f_code.co_name in _WAITING_FUNCTIONS
+
+
+class DeadManSwitch:
+    """``faulthandler``'s timer: dumps every thread's stack and ends the process, GIL or not."""
+
+    def __init__(self) -> None:
+        self._armed_at: float | None = None
+
+    def arm(self, timeout: float, now: float, force: bool = False) -> None:
+        """(Re-)start the timer; re-arming starts a thread, so only every ``timeout / 6`` s."""
+        if not force and self._armed_at is not None and now - self._armed_at < timeout / 6:
+            return
+        with contextlib.suppress(Exception):  # no usable stderr file descriptor
+            faulthandler.dump_traceback_later(timeout, exit=True)
+            self._armed_at = now
+
+    def disarm(self) -> None:
+        if self._armed_at is not None:
+            faulthandler.cancel_dump_traceback_later()
+            self._armed_at = None

@@ -23,8 +23,8 @@ Python stack and ends at once.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
-import faulthandler
 import os
 import signal
 import subprocess
@@ -32,11 +32,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_mgpu.strategies import _procs
-from lightning_mgpu.strategies._judge import Beat, Judge, RankInfo, Verdict
+from lightning_mgpu.strategies._heartbeat import Heartbeats
+from lightning_mgpu.strategies._judge import Judge, RankInfo, Verdict
 from lightning_mgpu.strategies._signals import SignalPipe
 
 __all__ = ["GRACE", "INTERVAL", "Verdict", "Watchdog", "watchdog"]
@@ -51,21 +51,6 @@ PARENT_PID_ENV = "LIGHTNING_MGPU_LAUNCHER_PID"
 """Set by the launcher for the ranks it starts: the pid of the launching process."""
 
 
-@dataclass
-class _Run:
-    """What the watchdog knows about the current fit/validate/test/predict call."""
-
-    store: Any
-    world_size: int
-    progress: Callable[[], int]
-    stall_timeout: float | None
-    judge: Judge
-    infos: dict[int, RankInfo] = field(default_factory=dict)
-    beating: list[int] = field(default_factory=list)
-    """Ranks whose heartbeat key exists (keys are never deleted, so each is checked once)."""
-    seq: int = 0
-
-
 class Watchdog:
     """The per-process watchdog; get it with :func:`watchdog`."""
 
@@ -77,7 +62,7 @@ class Watchdog:
         self.rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
         self._children: dict[int, subprocess.Popen] = {}
         self._parent: tuple[int, int, str | None] | None = None  # rank, pid, start time
-        self._run: _Run | None = None
+        self._run: Heartbeats | None = None
         self._verdict: Verdict | None = None
         self._verdict_at = 0.0
         self._suspect: tuple[float, str, tuple[int, ...]] | None = None
@@ -86,8 +71,9 @@ class Watchdog:
         self._last_change = time.monotonic()
         self._peer_started: dict[int, str | None] = {}
         self._signals = SignalPipe()
-        self._dead_man_armed_at: float | None = None
+        self._dead_man = _procs.DeadManSwitch()
         self._rank0_done = False
+        self._exit_guarded = False
 
     # ----------------------------------------------------------------- set-up
     def watch_children(self, procs: list[subprocess.Popen], ranks: list[int], own_rank: int) -> None:
@@ -127,8 +113,13 @@ class Watchdog:
             judge = Judge([r for r in range(1, world_size)], now, DEAD_AFTER, stall_timeout)
         else:
             judge = Judge([0], now, DEAD_AFTER, None)
-        run = _Run(store, world_size, progress, stall_timeout, judge)
-        store.set(f"info/{self.rank}", info.to_json())
+        run = Heartbeats(store, self.rank, world_size, progress, stall_timeout, judge)
+        run.introduce(info)
+        if not self._exit_guarded:
+            # registered after the process group, so it runs before the atexit handler that
+            # destroys the group, which with NCCL can hang on a lost peer
+            atexit.register(self._bound_exit)
+            self._exit_guarded = True
         self._last_progress, self._last_change = None, time.monotonic()
         with self._lock:
             self._run = run
@@ -141,7 +132,7 @@ class Watchdog:
             return {}
         deadline = time.monotonic() + timeout
         while len(run.infos) < run.world_size and time.monotonic() < deadline:
-            self._read_infos(run)
+            run.read_infos()
             if len(run.infos) < run.world_size:
                 time.sleep(0.05)
         return dict(run.infos)
@@ -152,8 +143,8 @@ class Watchdog:
             run, self._run = self._run, None
         if run is not None:
             with contextlib.suppress(Exception):
-                run.store.set(f"beat/{self.rank}", Beat(run.seq + 1, 0, 0.0, False, True).encode())
-        self._disarm_dead_man()
+                run.beat(self._last_progress or 0, 0.0, waiting=False, done=True)
+        self._dead_man.disarm()
         if self._verdict is None or self._verdict.origin == self.rank:
             self._stop.set()
             self._signals.wake()
@@ -201,9 +192,7 @@ class Watchdog:
             run = self._run
         if run is not None:
             try:
-                winner = run.store.compare_set("abort", "", verdict.to_json())
-                if winner and Verdict.from_json(winner) != verdict:
-                    self._verdict = Verdict.from_json(winner)
+                self._verdict = run.publish(verdict)
             except Exception:
                 self._run = None
         self._verdict_event.set()
@@ -264,14 +253,15 @@ class Watchdog:
         what = _procs.describe_exit(status.returncode)
         message = f"rank {rank} (pid {pid}, which launched this rank) {what}"
         if rank == 0:
-            self._drop_store()  # rank 0 held the store: touching it now only prints socket errors
+            with self._lock:
+                self._run = None  # rank 0 held the store: touching it now only prints socket errors
         if status.returncode:
             return Verdict(message, dead=(rank,))
         if not (rank == 0 and self._rank0_done):
             self._suspect = (time.monotonic(), f"{message} before the run ended", (rank,))
         return None
 
-    def _check_same_host(self, run: _Run) -> Verdict | None:
+    def _check_same_host(self, run: Heartbeats) -> Verdict | None:
         me = run.infos.get(self.rank)
         if me is None:
             return None
@@ -284,36 +274,30 @@ class Watchdog:
                 continue  # launched by another rank, which reports its exact exit code
             started = self._peer_started.setdefault(rank, _procs.start_time(info.pid))
             status = _procs.pid_status(info.pid, started)
-            if not status.alive and not self._peer_done(run, rank):
+            if not status.alive and not run.finished(rank):
                 what = _procs.describe_exit(status.returncode)
                 return Verdict(f"rank {rank} (pid {info.pid} on {info.host}) {what}", dead=(rank,))
         return None
 
-    def _peer_done(self, run: _Run, rank: int) -> bool:
-        try:
-            if run.store.check([f"beat/{rank}"]):
-                return Beat.decode(run.store.get(f"beat/{rank}")).done
-        except Exception:
-            return rank == 0 and self._rank0_done
-        return False
-
     # ------------------------------------------------------------ heartbeats
-    def _beat(self, run: _Run, now: float) -> None:
+    def _beat(self, run: Heartbeats, now: float) -> None:
         progress = run.progress()
         if progress != self._last_progress:
             self._last_progress, self._last_change = progress, now
         idle = now - self._last_change
-        waiting = idle >= 2 * INTERVAL and _procs.main_thread_waits()
-        run.seq += 1
-        run.store.set(f"beat/{self.rank}", Beat(run.seq, progress, idle, waiting, False).encode())
-        self._arm_dead_man(run, now)
+        run.beat(progress, idle, waiting=idle >= 2 * INTERVAL and _procs.main_thread_waits())
+        if run.stall_timeout is not None:
+            # if this thread cannot run (the main thread holds the GIL in C code), the
+            # interpreter's C-level timer still dumps every stack and ends the process
+            self._dead_man.arm(max(60.0, 2 * run.stall_timeout + DEAD_AFTER), now)
 
-    def _exchange(self, run: _Run, now: float) -> None:
+    def _exchange(self, run: Heartbeats, now: float) -> None:
         try:
             self._beat(run, now)
-            if self._verdict is None and run.store.check(["abort"]):
-                self._adopt(Verdict.from_json(run.store.get("abort")))
-            self._read_infos(run)
+            published = run.abort() if self._verdict is None else None
+            if published is not None:
+                self._adopt(published)
+            run.read_infos()
             if self._verdict is None:
                 found = self._check_same_host(run)
                 if found is not None:
@@ -325,8 +309,8 @@ class Watchdog:
         except Exception:
             self._store_lost(run)
 
-    def _judge(self, run: _Run, now: float) -> Verdict | None:
-        beats = _read_beats(run, range(run.world_size) if self.rank == 0 else [0])
+    def _judge(self, run: Heartbeats, now: float) -> Verdict | None:
+        beats = run.read_beats(range(run.world_size) if self.rank == 0 else [0])
         if 0 in beats:
             self._rank0_done = beats[0].done
         return run.judge.look(beats, now, run.infos, self._child_finished)
@@ -335,23 +319,13 @@ class Watchdog:
         proc = self._children.get(rank)
         return proc is not None and proc.poll() == 0
 
-    def _read_infos(self, run: _Run) -> None:
-        missing = [r for r in range(run.world_size) if r not in run.infos]
-        for rank in missing:
-            if run.store.check([f"info/{rank}"]):
-                run.infos[rank] = RankInfo.from_json(run.store.get(f"info/{rank}"))
-
     def _adopt(self, verdict: Verdict) -> None:
         with self._lock:
             if self._verdict is None:
                 self._verdict, self._verdict_at = verdict, time.monotonic()
         self._verdict_event.set()
 
-    def _drop_store(self) -> None:
-        with self._lock:
-            self._run = None
-
-    def _store_lost(self, run: _Run) -> None:
+    def _store_lost(self, run: Heartbeats) -> None:
         with self._lock:
             if self._run is run:
                 self._run = None
@@ -388,12 +362,12 @@ class Watchdog:
         run = self._run
         with contextlib.suppress(Exception):
             if run is not None:
-                run.store.add("stopped", 1)
+                run.stopping()
         deadline = time.monotonic() + GRACE + 2 * INTERVAL
         while time.monotonic() < deadline:
             children_done = all(p.poll() is not None for p in self._children.values())
             expected = run.world_size - 1 - len(verdict.dead) if run is not None else 0
-            others_done = run is None or self.rank != 0 or _acks(run) >= expected
+            others_done = run is None or self.rank != 0 or run.stopped() >= expected
             if children_done and others_done:
                 break
             time.sleep(0.1)
@@ -405,44 +379,10 @@ class Watchdog:
                     proc.wait(timeout=5)
         os._exit(self._exit_code)
 
-    def _arm_dead_man(self, run: _Run, now: float) -> None:
-        # if this thread cannot run (the main thread holds the GIL in C code), the
-        # interpreter's own C watchdog still dumps every stack and ends the process
-        if run.stall_timeout is None:
-            return
-        timeout = max(60.0, 2 * run.stall_timeout + DEAD_AFTER)
-        armed = self._dead_man_armed_at
-        if armed is not None and now - armed < timeout / 6:
-            return  # re-arming starts a thread: often enough, not every beat
-        with contextlib.suppress(Exception):
-            faulthandler.dump_traceback_later(timeout, exit=True)
-            self._dead_man_armed_at = now
-
-    def _disarm_dead_man(self) -> None:
-        if self._dead_man_armed_at is not None:
-            faulthandler.cancel_dump_traceback_later()
-            self._dead_man_armed_at = None
-
-
-def _read_beats(run: _Run, ranks: range | list[int]) -> dict[int, Beat]:
-    """The latest heartbeat of each of ``ranks`` that has sent one, in one round trip."""
-    for rank in ranks:
-        if rank not in run.beating and run.store.check([f"beat/{rank}"]):
-            run.beating.append(rank)
-    present = [rank for rank in ranks if rank in run.beating]
-    if not present:
-        return {}
-    keys = [f"beat/{rank}" for rank in present]
-    multi_get = getattr(run.store, "multi_get", None)
-    values = multi_get(keys) if multi_get is not None else [run.store.get(key) for key in keys]
-    return {rank: Beat.decode(value) for rank, value in zip(present, values, strict=True)}
-
-
-def _acks(run: _Run) -> int:
-    try:
-        return int(run.store.add("stopped", 0))
-    except Exception:
-        return 0
+    def _bound_exit(self) -> None:
+        """At interpreter exit after a failed run: end the process even if clean-up hangs."""
+        if self._verdict is not None:
+            self._dead_man.arm(GRACE + DEAD_AFTER, time.monotonic(), force=True)
 
 
 def _note_signal(signum: int, frame: object) -> None:

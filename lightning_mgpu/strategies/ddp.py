@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_mgpu.devices import visible_cuda_devices
+from lightning_mgpu.devices import cpu_name, visible_cuda_devices
 from lightning_mgpu.strategies import _checks
 from lightning_mgpu.strategies._judge import RankInfo
 from lightning_mgpu.strategies._launcher import _WatchedSubprocessScriptLauncher
@@ -166,6 +166,8 @@ class MGPUDDPStrategy(DDPStrategy):
             visible = visible_cuda_devices()
             if visible is not None and index < len(visible):
                 name += f" (physical GPU {visible[index]})"
+        elif device.type == "cpu":
+            name = cpu_name()
         else:
             name = device.type.upper()
         return RankInfo(

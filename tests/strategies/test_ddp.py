@@ -19,13 +19,14 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers import free_port, group_alive, kill_group, run_command, run_script, script_env
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MGPUDDPStrategy
+from lightning_mgpu.devices import cpu_name
 from lightning_mgpu.strategies._checks import check_devices
+from tests.helpers import free_port, group_alive, kill_group, run_command, run_script, script_env
 
 # A tiny regression fit. Rank 0 saves the data, the initial and the final weights, so the
 # test can train the single-process reference on the same global batches.
@@ -107,7 +108,7 @@ def test_two_processes_match_one_and_keep_shuffle(tmp_path: Path) -> None:
     # the summary, once per fit, by rank 0 only
     assert result.output.count("mgpu_ddp: 1 node(s) x 2 process(es) per node = 2 process(es)") == 2
     assert "backend gloo, started by Lightning's launcher" in result.output
-    assert "rank 0 cpu CPU, rank 1 cpu CPU" in result.output
+    assert f"rank 0 cpu {cpu_name()}, rank 1 cpu {cpu_name()}" in result.output
     assert "batch size: 4 per device, 8 global" in result.output
 
     # shuffle=True: neither rank sees its sequential share (0, 2, 4, 6 / 1, 3, 5, 7) first
