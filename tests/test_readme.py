@@ -12,7 +12,7 @@ BLOCKS = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), fl
 
 
 def test_readme_has_python_blocks() -> None:
-    assert len(BLOCKS) >= 3
+    assert len(BLOCKS) >= 2  # the ten-line example and the checkpoint/memory one
 
 
 @pytest.mark.slow
