@@ -25,6 +25,8 @@ from typing import Any, BinaryIO, Protocol
 
 import torch
 
+from lightning_mgpu.checkpoint._atomic import start_writeback
+
 __all__ = ["ORDER_KEY", "PREFIXES_KEY", "dedupe", "read_safetensors", "write_safetensors"]
 
 ORDER_KEY = "lightning_mgpu.order"
@@ -132,6 +134,7 @@ def write_safetensors(
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         if copied < data.numel():
             file.write(data[copied:].numpy().data)
+        start_writeback(file)
     return 8 + len(raw) + offset
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from lightning_mgpu.checkpoint._atomic import atomic_write
+from lightning_mgpu.checkpoint._atomic import WritebackWriter, atomic_write
 from lightning_mgpu.checkpoint._prefixes import WRAPPERS, add_prefix
 from lightning_mgpu.checkpoint._report import human_size
 from lightning_mgpu.checkpoint._safetensors import ORDER_KEY, PREFIXES_KEY, dedupe, write_safetensors
@@ -166,7 +166,7 @@ def export_state_dict(
                     metadata[PREFIXES_KEY] = ",".join(removed)
                 size = write_safetensors(file, kept, metadata, mapped=src.mapped)
             else:
-                torch.save(state_dict, file)
+                torch.save(state_dict, WritebackWriter(file))
                 size = file.tell()
     except (OSError, RuntimeError) as err:
         # torch.save reports a failed write as a RuntimeError raised while handling the OSError
