@@ -6,7 +6,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import torch
 
@@ -146,12 +146,12 @@ def export_state_dict(
     """
     path = Path(path)
     fmt = _choose_format(path, format)
-    cast = _choose_dtype(dtype)
+    to_dtype = _choose_dtype(dtype)
     src = resolve(source, trust_pickle=trust_pickle)
     state_dict, removed = plain_state_dict(src, submodule)
-    if cast is not None:
+    if to_dtype is not None:
         floats = [k for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
-        state_dict.update((k, state_dict[k].to(cast)) for k in floats)
+        state_dict.update((k, state_dict[k].to(to_dtype)) for k in floats)
     if prefix:
         prefix = prefix if prefix.endswith(".") else prefix + "."
         state_dict = add_prefix(state_dict, prefix)
@@ -166,7 +166,7 @@ def export_state_dict(
                     metadata[PREFIXES_KEY] = ",".join(removed)
                 size = write_safetensors(file, kept, metadata, mapped=src.mapped)
             else:
-                torch.save(state_dict, WritebackWriter(file))
+                torch.save(state_dict, cast(BinaryIO, WritebackWriter(file)))  # it only needs write()
                 size = file.tell()
     except (OSError, RuntimeError) as err:
         # torch.save reports a failed write as a RuntimeError raised while handling the OSError
