@@ -121,7 +121,9 @@ def build_callbacks(cfg: RunConfig, run_dir: Path) -> list[Callback]:
     if section.memory.enabled:
         mem = section.memory
         # the run's summary shows each device's peak, so the callback's own table stays off
-        monitor = DeviceMemoryMonitor(mem.every_n_steps, mem.imbalance_threshold, print_summary=False)
+        monitor = DeviceMemoryMonitor(
+            every_n_steps=mem.every_n_steps, imbalance_threshold=mem.imbalance_threshold, print_summary=False
+        )
         callbacks.append(monitor)
     if section.export.enabled:
         from lightning_mgpu.callbacks.export import PlainStateDictExport

@@ -42,10 +42,11 @@ class Model(L.LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
-def trainer(log_dir, every):
+def trainer(log_dir, every, gather=25):
+    monitor = DeviceMemoryMonitor(every_n_steps=every, gather_every_n_steps=gather)
     return L.Trainer(
         accelerator="cpu", devices=2, strategy="mgpu_ddp", max_epochs=1, logger=CSVLogger(log_dir),
-        callbacks=[DeviceMemoryMonitor(every_n_steps=every)], enable_checkpointing=False,
+        callbacks=[monitor], log_every_n_steps=every, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )
 
@@ -105,6 +106,32 @@ print("LOG_DIR", t.log_dir)
     assert [d["device"] for d in summary["devices"]] == ["cpu:rank0", "cpu:rank1"]
     assert summary["max_imbalance"] > 1.25
     assert summary["devices"][0]["peak_rss_bytes"] > summary["devices"][1]["peak_rss_bytes"] + 300 * 2**20
+
+
+def test_ddp_readings_gathered_in_windows_keep_their_steps(tmp_path: Path) -> None:
+    code = (
+        MODULE
+        + """
+class Logging(Model):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("rank_batch", float(self.global_rank * 100 + batch_idx))
+        return loss
+
+t = trainer(sys.argv[1], every=1, gather=3)  # 8 logs: gathers after batches 3 and 6, the rest at the end
+t.fit(Logging(), data)
+"""
+    )
+    result = run_script(code, tmp_path, args=[str(tmp_path / "logs")], timeout=180)
+    assert result.returncode == 0, result.output[-3000:]
+    rows = read_csv(next((tmp_path / "logs").rglob("metrics.csv")))
+    lightning_steps = [int(r["step"]) for r in rows if r.get("rank_batch")]
+    memory = memory_rows(tmp_path / "logs")
+    # every batch's reading of both ranks, under the step Lightning logged that batch at
+    assert sorted(int(r["step"]) for r in memory) == lightning_steps == list(range(8))
+    for row in memory:
+        assert float(row["memory/cpu:rank0/rss_MiB"]) > 100
+        assert float(row["memory/cpu:rank1/rss_MiB"]) > 100
 
 
 def test_ddp_out_of_memory_on_one_rank_explains_and_both_ranks_end(tmp_path: Path) -> None:
@@ -232,6 +259,8 @@ def test_other_errors_print_no_guidance(tmp_path: Path, capsys: pytest.CaptureFi
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="every_n_steps must be a positive integer"):
         DeviceMemoryMonitor(every_n_steps=0)
+    with pytest.raises(ValueError, match="^gather_every_n_steps must be a positive integer, got 0"):
+        DeviceMemoryMonitor(gather_every_n_steps=0)
     with pytest.raises(ValueError, match="imbalance_threshold must be at least 1.0"):
         DeviceMemoryMonitor(imbalance_threshold=0.9)
 
