@@ -3,7 +3,16 @@
 Usage::
 
     python benchmarks/dp_overhead.py                      # CPU: 2 replicas in threads vs one device
-    python benchmarks/dp_overhead.py --replicas 3 --steps 30
+    python benchmarks/dp_overhead.py --model mlp --replicas 3 --steps 30
+
+Two models, each on the same global batch:
+
+- ``cnn``: the convolutional MNIST classifier of the PyTorch examples and the DataParallel
+  tutorials (two 3x3 convolutions, max-pool, 9216-128-10 head), on 1x28x28 inputs;
+- ``mlp``: a 512-2048-2048-10 MLP, 5.3M weights, almost all its time in matrix products
+  whose weight gradients are as large as the weights: data parallelism's worst case on one
+  memory system, since every replica computes a full-size gradient of every weight from
+  its part of the batch and the replicas' gradients are then summed.
 
 CPU target: ``mgpu_dp`` at most 1.10x the single-device step time. Both use the same
 cores: one device runs its ops with T intra-op threads, and mgpu_dp gives each of its N
@@ -34,6 +43,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_mgpu  # noqa: F401  registers mgpu_dp
 
 WIDTH, HIDDEN, CLASSES = 512, 2048, 10
+INPUTS = {"mlp": (WIDTH,), "cnn": (1, 28, 28)}
 
 
 class StepTimer(L.Callback):
@@ -54,8 +64,20 @@ class StepTimer(L.Callback):
             self.times.append(time.perf_counter() - self._start)
 
 
-def make_net() -> nn.Module:
+def make_net(kind: str) -> nn.Module:
     torch.manual_seed(0)
+    if kind == "cnn":
+        return nn.Sequential(
+            nn.Conv2d(1, 32, 3),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(9216, 128),
+            nn.ReLU(),
+            nn.Linear(128, CLASSES),
+        )
     return nn.Sequential(
         nn.Linear(WIDTH, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES)
     )
@@ -75,9 +97,16 @@ class Model(L.LightningModule):
 
 
 def step_ms(
-    net: nn.Module, accelerator: str, devices: Any, strategy: str, batch: int, steps: int, warmup: int
+    net: nn.Module,
+    kind: str,
+    accelerator: str,
+    devices: Any,
+    strategy: str,
+    batch: int,
+    steps: int,
+    warmup: int,
 ) -> float:
-    x = torch.randn(batch * (steps + warmup), WIDTH)
+    x = torch.randn(batch * (steps + warmup), *INPUTS[kind])
     data = DataLoader(TensorDataset(x, torch.randint(0, CLASSES, (len(x),))), batch_size=batch)
     timer = StepTimer(warmup, cuda=accelerator == "gpu")
     trainer = L.Trainer(
@@ -123,17 +152,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="timed steps per run (default: 12)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per run (default: 3)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default: 5)")
-    args = parser.parse_args()
-    common = {"batch": args.batch, "steps": args.steps, "warmup": args.warmup}
-    model = (
-        f"MLP {WIDTH}-{HIDDEN}-{HIDDEN}-{CLASSES}, global batch {args.batch}, median of {args.rounds} rounds"
+    parser.add_argument(
+        "--model", choices=("cnn", "mlp", "both"), default="both", help="model(s) to time (default: both)"
     )
+    args = parser.parse_args()
+
+    for kind in ("cnn", "mlp") if args.model == "both" else (args.model,):
+        run_model(kind, args)
+
+
+def run_model(kind: str, args: argparse.Namespace) -> None:
+    common = {"batch": args.batch, "steps": args.steps, "warmup": args.warmup}
+    model = {
+        "cnn": "CNN (MNIST example: conv 32, conv 64, pool, 9216-128-10) on 1x28x28",
+        "mlp": f"MLP {WIDTH}-{HIDDEN}-{HIDDEN}-{CLASSES}",
+    }[kind] + f", global batch {args.batch}, median of {args.rounds} rounds"
 
     n, cores = args.replicas, torch.get_num_threads()
     cpu = measure(
         {
-            "single device": lambda: step_ms(make_net(), "cpu", 1, "auto", **common),
-            f"mgpu_dp, {n} CPU replicas": lambda: step_ms(make_net(), "cpu", n, "mgpu_dp", **common),
+            "single device": lambda: step_ms(make_net(kind), kind, "cpu", 1, "auto", **common),
+            f"mgpu_dp, {n} CPU replicas": lambda: step_ms(
+                make_net(kind), kind, "cpu", n, "mgpu_dp", **common
+            ),
         },
         args.rounds,
     )
@@ -145,17 +186,17 @@ def main() -> None:
         return
     gpus = list(range(torch.cuda.device_count()))
     configs = {
-        "single device": lambda: step_ms(make_net(), "gpu", [0], "auto", **common),
+        "single device": lambda: step_ms(make_net(kind), kind, "gpu", [0], "auto", **common),
         "nn.DataParallel [0]": lambda: step_ms(
-            nn.DataParallel(make_net(), [0]), "gpu", [0], "auto", **common
+            nn.DataParallel(make_net(kind), [0]), kind, "gpu", [0], "auto", **common
         ),
-        "mgpu_dp [0]": lambda: step_ms(make_net(), "gpu", [0], "mgpu_dp", **common),
+        "mgpu_dp [0]": lambda: step_ms(make_net(kind), kind, "gpu", [0], "mgpu_dp", **common),
     }
     if len(gpus) > 1:
         configs[f"nn.DataParallel {gpus}"] = lambda: step_ms(
-            nn.DataParallel(make_net(), gpus), "gpu", [0], "auto", **common
+            nn.DataParallel(make_net(kind), gpus), kind, "gpu", [0], "auto", **common
         )
-        configs[f"mgpu_dp {gpus}"] = lambda: step_ms(make_net(), "gpu", gpus, "mgpu_dp", **common)
+        configs[f"mgpu_dp {gpus}"] = lambda: step_ms(make_net(kind), kind, "gpu", gpus, "mgpu_dp", **common)
     gpu = measure(configs, args.rounds)
     print(f"GPU ({torch.cuda.get_device_name(0)} x{len(gpus)}), {model}")
     dp_names = [name for name in configs if name.startswith("mgpu_dp")]
