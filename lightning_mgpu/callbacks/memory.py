@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -29,9 +30,12 @@ class DeviceMemoryMonitor(Callback):
     """Logs the memory of every device a run trains on, explains imbalance and out-of-memory failures.
 
     - Under ``mgpu_dp`` it reads every replica's device from the one process; under
-      ``mgpu_ddp`` (or any DDP) every rank reads its own device at each log and the
-      readings are all-gathered every ``gather_every_n_steps`` steps, so rank 0's loggers
-      hold all devices, each reading under the step it was taken at.
+      ``mgpu_ddp`` (or any DDP) every rank reads its own device and the readings are
+      all-gathered, so rank 0's loggers hold all devices.
+    - Readings are taken every ``every_n_steps`` and handed to the loggers in batches every
+      ``flush_every_n_steps`` (under DDP: one all-gather per batch), each under the step it
+      was taken at; the rest of a batch is handed over at the end of fit, or, in a single
+      process, when it fails.
     - ``memory/imbalance`` is the largest device's peak divided by the mean; above
       ``imbalance_threshold`` it warns once, naming the likely cause in this run.
     - At the end of ``fit`` rank 0 prints an ``nvidia-smi``-like table and writes the
@@ -63,14 +67,15 @@ class DeviceMemoryMonitor(Callback):
         summary_file: JSON written at the end of fit, relative to ``trainer.log_dir``;
             ``None`` writes none.
         print_summary: whether rank 0 prints the end-of-fit table.
-        gather_every_n_steps: under DDP, collect the ranks' readings at the first log at least
-            this many training batches after the previous collection. One collective then
-            carries several logs, which keeps logging every step well under 1% of step time;
-            rank 0's loggers receive the other ranks' readings up to this many steps late,
-            each with the step it was read at. 1 gathers at every log.
+        flush_every_n_steps: hand the readings taken so far to the loggers at the first log
+            at least this many training batches after the previous hand-over (under DDP after
+            one all-gather of every rank's readings). Batching keeps logging every step cheap
+            (one collective, and the logging done while the code is warm); the loggers get
+            the readings up to this many steps late, each with the step it was read at.
+            1 hands every reading over at once.
 
     Raises:
-        ValueError: if ``every_n_steps`` or ``gather_every_n_steps`` is not a positive integer, or
+        ValueError: if ``every_n_steps`` or ``flush_every_n_steps`` is not a positive integer, or
             the threshold is below 1.
 
     Example::
@@ -87,18 +92,18 @@ class DeviceMemoryMonitor(Callback):
         imbalance_threshold: float = 1.25,
         summary_file: str | None = "memory_summary.json",
         print_summary: bool = True,
-        gather_every_n_steps: int = 25,
+        flush_every_n_steps: int = 25,
     ) -> None:
         if every_n_steps is not None and (not isinstance(every_n_steps, int) or every_n_steps < 1):
             raise ValueError(f"every_n_steps must be a positive integer or None, got {every_n_steps!r}")
-        if not isinstance(gather_every_n_steps, int) or gather_every_n_steps < 1:
-            raise ValueError(f"gather_every_n_steps must be a positive integer, got {gather_every_n_steps!r}")
+        if not isinstance(flush_every_n_steps, int) or flush_every_n_steps < 1:
+            raise ValueError(f"flush_every_n_steps must be a positive integer, got {flush_every_n_steps!r}")
         if not imbalance_threshold >= 1.0:
             raise ValueError(
                 f"imbalance_threshold must be at least 1.0 (balanced), got {imbalance_threshold!r}"
             )
         self.every_n_steps = every_n_steps
-        self.gather_every_n_steps = gather_every_n_steps
+        self.flush_every_n_steps = flush_every_n_steps
         self.imbalance_threshold = float(imbalance_threshold)
         self.summary_file = summary_file
         self.print_summary = print_summary
@@ -109,8 +114,8 @@ class DeviceMemoryMonitor(Callback):
         self._layouts: list[list[tuple[str, str, int, str]]] | None = None  # per rank
         self._device_plan: list[tuple[str, str, torch.device, str, int]] | None = None
         self._pending: tuple[Any, list[torch.Tensor], list[int]] | None = None
-        self._buffer: list[tuple[int, list[float]]] = []  # DDP: (step, this rank's reading) not yet gathered
-        self._gathered_at = 0
+        self._buffer: list[tuple[int, list[Reading]]] = []  # (step, readings) not handed over yet
+        self._flushed_at = 0
         self._warned = False
         self._rows: int | None = None
         self._largest_ok: int | None = None
@@ -137,7 +142,7 @@ class DeviceMemoryMonitor(Callback):
         self._device_plan = None
         self._pending = None
         self._buffer = []
-        self._gathered_at = 0
+        self._flushed_at = 0
         local = self._read(trainer, reset_peak=False)
         everyone = _all_gather_objects(trainer, [(r.layout(), r.vector()) for r in local])
         self._layouts = [[layout for layout, _ in rank] for rank in everyone]
@@ -171,7 +176,7 @@ class DeviceMemoryMonitor(Callback):
         if self._batches % self._every != 0:  # include the peaks since the last log
             self._collect_and_log(trainer, last=True)
         elif self._buffer:
-            self._start_gather(trainer)
+            self._flush(trainer)
         self._finish_gather(trainer)
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank calls it
         if not trainer.is_global_zero or not self.summary.devices:
@@ -186,6 +191,10 @@ class DeviceMemoryMonitor(Callback):
     # ------------------------------------------------------------------ OOM
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if self._layouts is not None and len(self._layouts) == 1 and self._buffer:
+            # the readings up to the failure, for the plot; under DDP a gather could hang now
+            with contextlib.suppress(Exception):
+                self._flush(trainer)
         if not _is_oom(exception):
             return
         try:  # the original error must surface whatever happens here
@@ -292,38 +301,39 @@ class DeviceMemoryMonitor(Callback):
         return readings
 
     def _collect_and_log(self, trainer: Trainer, last: bool = False) -> None:
-        """Read this process's devices; log them, or under DDP keep them for the next gather.
+        """Read this process's devices and keep the reading; hand the kept ones over when due.
 
-        Under DDP the reading waits in a buffer until ``gather_every_n_steps`` batches have
-        passed since the last gather (or the fit ends); then one asynchronous all-gather
-        carries every buffered reading of every rank, and runs while Lightning logs and
-        fetches the next batch. Each reading is logged with the step it was read at, the
-        step Lightning's own logging used for that batch. Every rank counts the same
-        batches, so they all reach each gather together.
+        Readings wait in a buffer until ``flush_every_n_steps`` batches have passed since the
+        last hand-over (or the fit ends). Under DDP one asynchronous all-gather then carries
+        every buffered reading of every rank, and runs while Lightning logs and fetches the
+        next batch. Each reading is logged with the step it was read at, the step Lightning's
+        own logging used for that batch. Every rank counts the same batches, so they all
+        reach each gather together.
         """
         local = self._read(trainer, reset_peak=True)
         # the step Lightning's own logging uses
         step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
         step = trainer.global_step if step is None else step
-        if self._layouts is None or len(self._layouts) == 1:
-            self._use(trainer, local, step)
-            return
-        self._buffer.append((step, [x for r in local for x in r.vector()]))
-        if last or self._batches - self._gathered_at >= self.gather_every_n_steps:
-            self._start_gather(trainer)
+        self._buffer.append((step, local))
+        if last or self._batches - self._flushed_at >= self.flush_every_n_steps:
+            self._flush(trainer)
 
-    def _start_gather(self, trainer: Trainer) -> None:
-        """All-gather the buffered readings of every rank, asynchronously."""
-        if self._layouts is None:
+    def _flush(self, trainer: Trainer) -> None:
+        """Use the buffered readings: here in one process, after an asynchronous all-gather under DDP."""
+        buffered, self._buffer, self._flushed_at = self._buffer, [], self._batches
+        if self._layouts is None or len(self._layouts) == 1:
+            for step, readings in buffered:
+                self._use(trainer, readings, step)
             return
         self._finish_gather(trainer)
         width = max(sum(len(report.FIELDS[kind]) + 1 for _, kind, _, _ in layout) for layout in self._layouts)
-        rows = [vec + [math.nan] * (width - len(vec)) for _, vec in self._buffer]
+        rows = []
+        for _, readings in buffered:
+            vec = [x for r in readings for x in r.vector()]
+            rows.append(vec + [math.nan] * (width - len(vec)))
         mine = torch.tensor(rows, dtype=torch.float64).to(trainer.strategy.root_device)
         parts = [torch.empty_like(mine) for _ in self._layouts]
-        steps = [step for step, _ in self._buffer]
-        self._buffer = []
-        self._gathered_at = self._batches
+        steps = [step for step, _ in buffered]
         self._pending = (dist.all_gather(parts, mine, async_op=True), parts, steps)
 
     def _finish_gather(self, trainer: Trainer) -> None:

@@ -42,8 +42,8 @@ class Model(L.LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
-def trainer(log_dir, every, gather=25):
-    monitor = DeviceMemoryMonitor(every_n_steps=every, gather_every_n_steps=gather)
+def trainer(log_dir, every, flush=25):
+    monitor = DeviceMemoryMonitor(every_n_steps=every, flush_every_n_steps=flush)
     return L.Trainer(
         accelerator="cpu", devices=2, strategy="mgpu_ddp", max_epochs=1, logger=CSVLogger(log_dir),
         callbacks=[monitor], log_every_n_steps=every, enable_checkpointing=False,
@@ -118,7 +118,7 @@ class Logging(Model):
         self.log("rank_batch", float(self.global_rank * 100 + batch_idx))
         return loss
 
-t = trainer(sys.argv[1], every=1, gather=3)  # 8 logs: gathers after batches 3 and 6, the rest at the end
+t = trainer(sys.argv[1], every=1, flush=3)  # 8 logs: gathers after batches 3 and 6, the rest at the end
 t.fit(Logging(), data)
 """
     )
@@ -234,7 +234,15 @@ def test_out_of_memory_reports_batches_and_options_then_reraises(
     batches = [list(range(0, 2)), list(range(2, 6)), list(range(6, 14))]  # 2, 4, then 8 rows
     loader = DataLoader(dataset(16), batch_sampler=batches)
     with pytest.raises(MemoryError, match="cannot allocate memory"):
-        fit(tmp_path, DeviceMemoryMonitor(every_n_steps=1), loader, Small(fail_at_rows=8), logger=False)
+        fit(
+            tmp_path,
+            DeviceMemoryMonitor(every_n_steps=1),
+            loader,
+            Small(fail_at_rows=8),
+            logger=CSVLogger(tmp_path),
+        )
+    # the readings of the steps before the failure still reach the logger, for the plot
+    assert [int(r["step"]) for r in memory_rows(tmp_path)] == [0, 1]
     err = capsys.readouterr().err
     assert "Out of memory on cpu:rank0 (rank 0) at step 2: MemoryError: cannot allocate memory" in err
     assert "| cpu:rank0 | CPU process |" in err
@@ -259,8 +267,8 @@ def test_other_errors_print_no_guidance(tmp_path: Path, capsys: pytest.CaptureFi
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="every_n_steps must be a positive integer"):
         DeviceMemoryMonitor(every_n_steps=0)
-    with pytest.raises(ValueError, match="^gather_every_n_steps must be a positive integer, got 0"):
-        DeviceMemoryMonitor(gather_every_n_steps=0)
+    with pytest.raises(ValueError, match="^flush_every_n_steps must be a positive integer, got 0"):
+        DeviceMemoryMonitor(flush_every_n_steps=0)
     with pytest.raises(ValueError, match="imbalance_threshold must be at least 1.0"):
         DeviceMemoryMonitor(imbalance_threshold=0.9)
 
