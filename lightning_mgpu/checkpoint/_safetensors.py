@@ -30,6 +30,7 @@ from lightning_mgpu.checkpoint._atomic import start_writeback
 __all__ = ["ORDER_KEY", "PREFIXES_KEY", "dedupe", "read_safetensors", "write_safetensors"]
 
 ORDER_KEY = "lightning_mgpu.order"
+_WRITEBACK_BYTES = 16 << 20
 PREFIXES_KEY = "lightning_mgpu.removed_prefixes"
 
 _DTYPES: dict[torch.dtype, str] = {
@@ -126,6 +127,7 @@ def write_safetensors(
     raw += b" " * (-len(raw) % 8)
     file.write(struct.pack("<Q", len(raw)))
     file.write(raw)
+    unsynced = 0
     for name in names:
         tensor = tensors[name]
         if not tensor.numel():
@@ -134,7 +136,10 @@ def write_safetensors(
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         if copied < data.numel():
             file.write(data[copied:].numpy().data)
-        start_writeback(file)
+        unsynced += data.numel()
+        if unsynced >= _WRITEBACK_BYTES:  # in large steps: many small writes would not help the disk
+            start_writeback(file)
+            unsynced = 0
     return 8 + len(raw) + offset
 
 
