@@ -30,8 +30,8 @@ from lightning_mgpu.checkpoint._atomic import start_writeback
 __all__ = ["ORDER_KEY", "PREFIXES_KEY", "dedupe", "read_safetensors", "write_safetensors"]
 
 ORDER_KEY = "lightning_mgpu.order"
-_WRITEBACK_BYTES = 16 << 20
 PREFIXES_KEY = "lightning_mgpu.removed_prefixes"
+_WRITEBACK_BYTES = 16 << 20  # how much is written between two writeback hints
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",

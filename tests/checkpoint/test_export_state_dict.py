@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from torch import nn
 
 from lightning_mgpu import export_state_dict, load_state_dict
 from lightning_mgpu.checkpoint import ExportReport
+from lightning_mgpu.checkpoint._atomic import start_writeback
 from tests.checkpoint._models import LitNet, LitTwo, assert_same, net
 
 
@@ -143,3 +145,28 @@ def test_overwrites_atomically_and_leaves_no_temporary_file(tmp_path: Path) -> N
     assert out.stat().st_mode & 0o777 == 0o640
     assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]
     assert safetensors.torch.load_file(out)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_files_larger_than_the_writeback_step_keep_every_byte(tmp_path: Path, suffix: str) -> None:
+    # 80 MiB: the writers hand finished parts to the disk while they go (every 16 MiB of
+    # safetensors, every 64 MiB of torch.save output); what loads back must be what was exported
+    generator = torch.Generator().manual_seed(0)
+    state_dict = {f"module.w{i}": torch.randn(5 << 20, generator=generator) for i in range(4)}
+    export_state_dict(state_dict, tmp_path / f"w{suffix}")
+    if suffix == ".safetensors":
+        loaded = safetensors.torch.load_file(tmp_path / f"w{suffix}")
+    else:
+        loaded = torch.load(tmp_path / f"w{suffix}", weights_only=True)
+    assert list(loaded) == [k.removeprefix("module.") for k in state_dict]
+    for key, tensor in state_dict.items():
+        assert torch.equal(loaded[key.removeprefix("module.")], tensor)
+
+
+def test_writeback_hint_is_harmless_where_unsupported() -> None:
+    read, write = os.pipe()  # sync_file_range refuses pipes; the hint must not fail the write
+    with os.fdopen(write, "wb") as file:
+        file.write(b"data")
+        start_writeback(file)
+    with os.fdopen(read, "rb") as file:
+        assert file.read() == b"data"
