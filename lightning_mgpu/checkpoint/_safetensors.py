@@ -25,13 +25,12 @@ from typing import Any, BinaryIO, Protocol
 
 import torch
 
-from lightning_mgpu.checkpoint._atomic import start_writeback
+from lightning_mgpu.checkpoint._atomic import WRITEBACK_BYTES, start_writeback
 
 __all__ = ["ORDER_KEY", "PREFIXES_KEY", "dedupe", "read_safetensors", "write_safetensors"]
 
 ORDER_KEY = "lightning_mgpu.order"
 PREFIXES_KEY = "lightning_mgpu.removed_prefixes"
-_WRITEBACK_BYTES = 16 << 20  # how much is written between two writeback hints
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -137,7 +136,7 @@ def write_safetensors(
         if copied < data.numel():
             file.write(data[copied:].numpy().data)
         unsynced += data.numel()
-        if unsynced >= _WRITEBACK_BYTES:  # in large steps: many small writes would not help the disk
+        if unsynced >= WRITEBACK_BYTES:
             start_writeback(file)
             unsynced = 0
     return 8 + len(raw) + offset

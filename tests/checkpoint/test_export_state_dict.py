@@ -149,8 +149,8 @@ def test_overwrites_atomically_and_leaves_no_temporary_file(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
 def test_files_larger_than_the_writeback_step_keep_every_byte(tmp_path: Path, suffix: str) -> None:
-    # 80 MiB: the writers hand finished parts to the disk while they go (every 16 MiB of
-    # safetensors, every 64 MiB of torch.save output); what loads back must be what was exported
+    # 80 MiB: both writers hand finished parts to the disk every 16 MiB while they go;
+    # what loads back must be what was exported
     generator = torch.Generator().manual_seed(0)
     state_dict = {f"module.w{i}": torch.randn(5 << 20, generator=generator) for i in range(4)}
     export_state_dict(state_dict, tmp_path / f"w{suffix}")
