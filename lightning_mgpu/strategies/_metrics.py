@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
+from lightning_mgpu.strategies._replica import replica_path
+
 __all__ = ["ReplicaMetrics", "metric_paths"]
 
 
@@ -94,7 +96,7 @@ class ReplicaMetrics:
                 entry = (original, [])
                 self._copies[path] = entry
             copies = entry[1]
-            parent_path, _, leaf = path.rpartition(".")
+            parent_path, _, leaf = replica_path(path).rpartition(".")
             for index, (replica, device) in enumerate(zip(replicas, devices, strict=True)):
                 if index == len(copies):
                     copy = original.clone()

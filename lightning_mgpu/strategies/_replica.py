@@ -5,6 +5,8 @@
   copied). When every replica is on one device (CPU replicas) every replica shares the
   module's parameters, the first replica shares its buffers and the others get copies of
   them: the same semantics without the copies that one device does not need.
+  Submodules compiled with ``torch.compile`` run uncompiled in replicas (see
+  ``compiled_submodules``).
 - ``ReplicaCall`` runs ``training_step`` (or another step) of one replica in its thread with
   the caller's grad / inference mode and the precision plugin's autocast, which are all
   thread-local, and can count the bytes the replica saves for backward.
@@ -16,11 +18,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning.pytorch import LightningModule
@@ -29,7 +33,78 @@ from torchmetrics import Metric
 
 from lightning_mgpu.strategies._scatter import weighted_mean
 
-__all__ = ["LogCapture", "ReplicaCall", "prepare_replica", "refresh_parameters", "replay_logs", "replicate"]
+__all__ = [
+    "LogCapture",
+    "ReplicaCall",
+    "compiled_submodules",
+    "prepare_replica",
+    "refresh_parameters",
+    "replay_logs",
+    "replica_path",
+    "replicate",
+]
+
+
+def _compile_wrapper_type() -> type[nn.Module] | None:
+    # no wrapper can exist before torch.compile loaded dynamo, so there is nothing to import for it
+    frame = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(frame, "OptimizedModule", None)
+
+
+def compiled_submodules(module: nn.Module) -> list[str]:
+    """Names of the submodules compiled with ``torch.compile(m)`` or ``m.compile()``.
+
+    Compiled code is tied to the module object it was compiled for, and replicas are new
+    objects every step, so replicas run these submodules uncompiled.
+    """
+    wrapper = _compile_wrapper_type() or ()
+    return [
+        name
+        for name, sub in module.named_modules()
+        if isinstance(sub, wrapper) or sub.__dict__.get("_compiled_call_impl") is not None
+    ]
+
+
+@contextlib.contextmanager
+def _compile_wrappers_removed(module: nn.Module) -> Iterator[None]:
+    """Put each ``torch.compile`` wrapper's module in its place while replicas are made.
+
+    Replicating a wrapper (``OptimizedModule``) writes the replica's attributes through to the
+    wrapped module, which corrupts the user's module, and its compiled ``forward`` would call
+    the original module instead of the replica.
+    """
+    wrapper = _compile_wrapper_type()
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []
+    try:
+        if wrapper is not None:
+            for parent in list(module.modules()):
+                if isinstance(parent, wrapper):
+                    continue
+                for key, child in list(parent._modules.items()):
+                    inner = child
+                    while isinstance(inner, wrapper):
+                        inner = cast(nn.Module, inner._orig_mod)
+                    if child is not None and inner is not child:
+                        swapped.append((parent, key, child))
+                        parent._modules[key] = inner
+        yield
+    finally:
+        for parent, key, child in reversed(swapped):
+            parent._modules[key] = child
+
+
+def replica_path(name: str) -> str:
+    """Where the module's submodule or tensor ``name`` lies in a replica, which holds no compile wrappers."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+def _uncompiled(replicas: list[nn.Module]) -> list[nn.Module]:
+    # `m.compile()` stores code compiled for the original module; a replica must run its own
+    for replica in replicas:
+        for sub in replica.modules():
+            if sub.__dict__.get("_compiled_call_impl") is not None:
+                sub.__dict__["_compiled_call_impl"] = None
+    return replicas
 
 
 def _replicate_on_one_device(module: nn.Module, count: int) -> list[nn.Module]:
@@ -59,11 +134,12 @@ def _replicate_on_one_device(module: nn.Module, count: int) -> list[nn.Module]:
 
 def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
     """One replica of ``module`` per device; gradients of every replica flow into ``module``'s parameters."""
-    if len(set(devices)) == 1:
-        return _replicate_on_one_device(module, len(devices))
-    from torch.nn.parallel import replicate as torch_replicate
+    with _compile_wrappers_removed(module):
+        if len(set(devices)) == 1:
+            return _uncompiled(_replicate_on_one_device(module, len(devices)))
+        from torch.nn.parallel import replicate as torch_replicate
 
-    replicas = torch_replicate(module, list(devices), detach=not torch.is_grad_enabled())
+        replicas = _uncompiled(torch_replicate(module, list(devices), detach=not torch.is_grad_enabled()))
     for replica in replicas:
         for sub in replica.modules():
             former = getattr(sub, "_former_parameters", None)
@@ -240,7 +316,7 @@ def refresh_parameters(module: torch.nn.Module, replicas: Sequence[torch.nn.Modu
 
 
 def _replica_tensor(replica: torch.nn.Module, name: str) -> Tensor | None:
-    owner_path, _, leaf = name.rpartition(".")
+    owner_path, _, leaf = replica_path(name).rpartition(".")
     try:
         owner = replica.get_submodule(owner_path) if owner_path else replica
     except AttributeError:

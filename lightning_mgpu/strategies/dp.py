@@ -24,6 +24,7 @@ from lightning_mgpu.strategies._metrics import ReplicaMetrics
 from lightning_mgpu.strategies._replica import (
     LogCapture,
     ReplicaCall,
+    compiled_submodules,
     prepare_replica,
     refresh_parameters,
     replay_logs,
@@ -69,6 +70,10 @@ class MGPUDataParallelStrategy(ParallelStrategy):
       ``sch.step()``, ``clip_gradients`` and ``toggle_optimizer`` called inside the replicas
       happen once per step on the combined loss; every replica must call them in the same
       order.
+
+    Submodules compiled with ``torch.compile`` run uncompiled inside the replicas (a warning
+    says so once): compiled code is tied to the module object it was compiled for. A whole
+    LightningModule passed compiled to ``fit`` is refused by Lightning for this strategy.
 
     Attributes set directly on ``self`` inside a step are set on the replica and do not
     reach the module (as with ``nn.DataParallel``); use ``self.log``, metrics or the step's
@@ -130,6 +135,7 @@ class MGPUDataParallelStrategy(ParallelStrategy):
         self._metrics = ReplicaMetrics()
         self._pool: ThreadPoolExecutor | None = None
         self._warned_uneven = False
+        self._checked_compiled = False
 
     @property
     def replica_devices(self) -> list[torch.device]:
@@ -274,6 +280,9 @@ class MGPUDataParallelStrategy(ParallelStrategy):
             return output
 
         devices = self.replica_devices[: len(sizes)]
+        if not self._checked_compiled:
+            self._checked_compiled = True
+            self._warn_compiled(module)
         chunks = scatter_batch(args[0], sizes, devices)
         replicas = replicate(module, devices)
         self._metrics.install(module, replicas, devices)
@@ -310,6 +319,17 @@ class MGPUDataParallelStrategy(ParallelStrategy):
         if self.track_replica_memory:
             self.replica_saved_bytes = [call.saved_bytes for call in calls]
         return combine_outputs(outputs, sizes, self.root_device)
+
+    @staticmethod
+    def _warn_compiled(module: torch.nn.Module) -> None:
+        names = compiled_submodules(module)
+        if names:
+            rank_zero_warn(
+                f"mgpu_dp runs the submodules compiled with torch.compile ({', '.join(names)}) uncompiled"
+                " in its replicas: compiled code belongs to the module object it was compiled for, and"
+                " replicas are new objects every step. Results are unchanged; to train with the compiled"
+                " code use `strategy='mgpu_ddp'` (one process per device). This warning is shown once."
+            )
 
     def _parallel_apply(
         self,

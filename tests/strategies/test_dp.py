@@ -218,6 +218,38 @@ def test_batchnorm_follows_data_parallel() -> None:
     assert bn.num_batches_tracked.item() == 1
 
 
+@pytest.mark.parametrize("how", ["torch.compile(m)", "m.compile()"])
+def test_compiled_submodules_give_uncompiled_results_and_stay_intact(how: str) -> None:
+    data = regression_data(rows=12)
+    reference = _BatchNormModel()
+    fit(reference, "mgpu_dp", 2, loader(data, 6), max_steps=2)
+
+    model = _BatchNormModel()
+    if how == "m.compile()":
+        model.net.compile(backend="eager")
+    else:
+        model.net = torch.compile(model.net, backend="eager")  # type: ignore[assignment]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(model, "mgpu_dp", 2, loader(data, 6), max_steps=2)
+    compiled = [str(w.message) for w in caught if "torch.compile" in str(w.message)]
+    assert len(compiled) == 1
+    assert "(net)" in compiled[0]
+
+    # replicas ran their own (uncompiled) copies: BatchNorm statistics come from the first
+    # replica's chunk only, as without compilation, and the weights match
+    inner = model.net._orig_mod if how == "torch.compile(m)" else model.net
+    for key, value in reference.net.state_dict().items():
+        torch.testing.assert_close(inner.state_dict()[key], value, atol=ATOL, rtol=0)
+    # the user's module is still the compiled one, with its tree intact
+    if how == "torch.compile(m)":
+        assert type(model.net).__name__ == "OptimizedModule"
+        assert list(inner._modules) == ["0", "1"]
+        assert [k for k, _ in model.named_parameters()][0] == "net._orig_mod.0.weight"
+    else:
+        assert model.net._compiled_call_impl is not None
+
+
 def test_replica_devices_and_saved_bytes_for_the_memory_callback() -> None:
     data = regression_data(rows=7)
     strategy = MGPUDataParallelStrategy(track_replica_memory=True)
