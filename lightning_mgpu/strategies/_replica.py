@@ -65,9 +65,15 @@ def compiled_submodules(module: nn.Module) -> list[str]:
     ]
 
 
+def _unwrapped(module: nn.Module, wrapper: type[nn.Module] | tuple[()]) -> nn.Module:
+    while isinstance(module, wrapper):
+        module = cast(nn.Module, module._orig_mod)
+    return module
+
+
 @contextlib.contextmanager
 def _compile_wrappers_removed(module: nn.Module) -> Iterator[None]:
-    """Put each ``torch.compile`` wrapper's module in its place while replicas are made.
+    """Put each ``torch.compile`` wrapper's module in its place while ``torch.nn.parallel.replicate`` runs.
 
     Replicating a wrapper (``OptimizedModule``) writes the replica's attributes through to the
     wrapped module, which corrupts the user's module, and its compiled ``forward`` would call
@@ -81,12 +87,9 @@ def _compile_wrappers_removed(module: nn.Module) -> Iterator[None]:
                 if isinstance(parent, wrapper):
                     continue
                 for key, child in list(parent._modules.items()):
-                    inner = child
-                    while isinstance(inner, wrapper):
-                        inner = cast(nn.Module, inner._orig_mod)
-                    if child is not None and inner is not child:
+                    if child is not None and isinstance(child, wrapper):
                         swapped.append((parent, key, child))
-                        parent._modules[key] = inner
+                        parent._modules[key] = _unwrapped(child, wrapper)
         yield
     finally:
         for parent, key, child in reversed(swapped):
@@ -98,16 +101,14 @@ def replica_path(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
-def _uncompiled(replicas: list[nn.Module]) -> list[nn.Module]:
+def _run_uncompiled(replica: nn.Module) -> None:
     # `m.compile()` stores code compiled for the original module; a replica must run its own
-    for replica in replicas:
-        for sub in replica.modules():
-            if sub.__dict__.get("_compiled_call_impl") is not None:
-                sub.__dict__["_compiled_call_impl"] = None
-    return replicas
+    if replica.__dict__.get("_compiled_call_impl") is not None:
+        replica.__dict__["_compiled_call_impl"] = None
 
 
 def _replicate_on_one_device(module: nn.Module, count: int) -> list[nn.Module]:
+    wrapper = _compile_wrapper_type() or ()
     modules: list[nn.Module] = []
     index: dict[int, int] = {}
     pending = [module]
@@ -118,30 +119,36 @@ def _replicate_on_one_device(module: nn.Module, count: int) -> list[nn.Module]:
         index[id(current)] = len(modules)
         modules.append(current)
         if not isinstance(current, Metric):  # metrics get their own copies (see _metrics.py)
-            pending.extend(child for child in current._modules.values() if child is not None)
+            children = [child for child in current._modules.values() if child is not None]
+            pending.extend(_unwrapped(child, wrapper) for child in children)
     copies = [[m._replicate_for_data_parallel() for m in modules] for _ in range(count)]
     for j in range(count):
         for i, original in enumerate(modules):
             replica = copies[j][i]
-            replica._parameters = dict(original._parameters)
+            _run_uncompiled(replica)
+            # the replica's own dicts, filled in directly (Module.__setattr__ adds nothing here)
+            state = replica.__dict__
+            state["_parameters"] = dict(original._parameters)
             if j > 0:
-                replica._buffers = {k: None if b is None else b.clone() for k, b in original._buffers.items()}
+                buffers = original._buffers.items()
+                state["_buffers"] = {k: None if b is None else b.clone() for k, b in buffers}
             for key, child in original._modules.items():
-                if child is not None and id(child) in index:
-                    replica._modules[key] = copies[j][index[id(child)]]
+                if child is not None and id(inner := _unwrapped(child, wrapper)) in index:
+                    state["_modules"][key] = copies[j][index[id(inner)]]
     return [c[0] for c in copies]
 
 
 def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
     """One replica of ``module`` per device; gradients of every replica flow into ``module``'s parameters."""
-    with _compile_wrappers_removed(module):
-        if len(set(devices)) == 1:
-            return _uncompiled(_replicate_on_one_device(module, len(devices)))
-        from torch.nn.parallel import replicate as torch_replicate
+    if len(set(devices)) == 1:
+        return _replicate_on_one_device(module, len(devices))
+    from torch.nn.parallel import replicate as torch_replicate
 
-        replicas = _uncompiled(torch_replicate(module, list(devices), detach=not torch.is_grad_enabled()))
+    with _compile_wrappers_removed(module):
+        replicas = torch_replicate(module, list(devices), detach=not torch.is_grad_enabled())
     for replica in replicas:
         for sub in replica.modules():
+            _run_uncompiled(sub)
             former = getattr(sub, "_former_parameters", None)
             if former:
                 # so that ``self.parameters()`` inside a step still sees (differentiable) parameters
