@@ -73,8 +73,15 @@ class PlainStateDictExport(Callback):
         self._suffix = ".safetensors" if format == "safetensors" else ".pt"
 
     def export_path(self, checkpoint_path: str | os.PathLike[str]) -> Path:
-        """Where the plain weights of ``checkpoint_path`` go: same folder and name, new suffix."""
-        return Path(checkpoint_path).with_suffix(self._suffix)
+        """Where the plain weights of ``checkpoint_path`` go: same folder and name, new suffix.
+
+        A checkpoint that already ends in the export's suffix (``last.pt`` with ``format="pt"``)
+        keeps its file: its weights go to ``last.weights.pt``.
+        """
+        path = Path(checkpoint_path)
+        if path.suffix.lower() == self._suffix:
+            return path.with_name(f"{path.stem}.weights{self._suffix}")
+        return path.with_suffix(self._suffix)
 
     def export(self, source: Any, path: str | os.PathLike[str]) -> None:
         """Write the plain weights of ``source`` (a checkpoint dict, path or module) to ``path``."""

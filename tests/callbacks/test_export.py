@@ -118,3 +118,20 @@ def test_submodule_prefix_and_format_options(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "last.pt"]
     with pytest.raises(ValueError, match="'safetensors' or 'pt'"):
         PlainStateDictExport(format="onnx")
+
+
+class _PtCheckpoint(ModelCheckpoint):
+    FILE_EXTENSION = ".pt"
+
+
+def test_checkpoints_with_the_export_suffix_are_kept(tmp_path: Path) -> None:
+    export = PlainStateDictExport(format="pt", final_name=None)
+    callbacks = [_PtCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0), export]
+    module = LitNet(net(seed=1))
+    trainer(tmp_path, enable_checkpointing=True, callbacks=callbacks).fit(module, loader())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "last.weights.pt"]
+    assert_same(module.model.state_dict(), torch.load(tmp_path / "last.weights.pt", weights_only=True))
+    # the training checkpoint is still one: training resumes from it
+    resumed = LitNet(net(seed=2))
+    trainer(tmp_path, max_steps=4).fit(resumed, loader(), ckpt_path=tmp_path / "last.pt")
+    assert resumed.trainer.global_step == 4
