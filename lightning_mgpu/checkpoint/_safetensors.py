@@ -27,7 +27,7 @@ import torch
 
 from lightning_mgpu.checkpoint._atomic import WRITEBACK_BYTES, start_writeback
 
-__all__ = ["ORDER_KEY", "PREFIXES_KEY", "dedupe", "read_safetensors", "write_safetensors"]
+__all__ = ["ORDER_KEY", "PREFIXES_KEY", "dedupe", "read_safetensors", "view_key", "write_safetensors"]
 
 ORDER_KEY = "lightning_mgpu.order"
 PREFIXES_KEY = "lightning_mgpu.removed_prefixes"
@@ -52,6 +52,11 @@ for _name, _code in (("uint32", "U32"), ("uint64", "U64")):
         _DTYPES[getattr(torch, _name)] = _code
 
 
+def view_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """Equal for two tensors exactly when they are the same view of the same memory (tied weights)."""
+    return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+
+
 def dedupe(state_dict: Mapping[str, torch.Tensor]) -> tuple[OrderedDict[str, torch.Tensor], dict[str, str]]:
     """Keep the first name of every group of identical tensor views; map the others to it.
 
@@ -65,7 +70,7 @@ def dedupe(state_dict: Mapping[str, torch.Tensor]) -> tuple[OrderedDict[str, tor
         if tensor.numel() == 0:
             kept[name] = tensor
             continue
-        view = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        view = view_key(tensor)
         if view in seen:
             aliases[name] = seen[view]
         else:
@@ -142,6 +147,18 @@ def write_safetensors(
     return 8 + len(raw) + offset
 
 
+def _is_alias(name: str, listed: list[str] | None) -> bool:
+    """Whether a metadata entry names a tied weight rather than being other metadata.
+
+    Files written here list every name; in other files (``safetensors.torch.save_model``) tied
+    weights belong to submodules, so their names are dotted paths, unlike notes such as
+    ``{"description": "bias"}``.
+    """
+    if listed is not None:
+        return name in listed
+    return "." in name and all(part.isidentifier() or part.isdigit() for part in name.split("."))
+
+
 def read_safetensors(
     path: str | os.PathLike[str], device: str = "cpu"
 ) -> tuple[OrderedDict[str, torch.Tensor], dict[str, str]]:
@@ -161,10 +178,11 @@ def read_safetensors(
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - not a dict
     except SafetensorError as err:
         raise ValueError(f"{Path(path)} is truncated or corrupt: {err}") from None
+    listed = json.loads(metadata.get(ORDER_KEY, "null"))
     for alias, target in metadata.items():
-        if alias not in tensors and target in tensors:
+        if alias not in tensors and target in tensors and _is_alias(alias, listed):
             tensors[alias] = tensors[target]
-    order = [k for k in json.loads(metadata.get(ORDER_KEY, "[]")) if k in tensors]
+    order = [k for k in listed or () if k in tensors]
     ordered = OrderedDict((k, tensors[k]) for k in order)
     ordered.update((k, v) for k, v in tensors.items() if k not in ordered)
     return ordered, metadata

@@ -49,6 +49,31 @@ def test_tied_weights_stored_once_and_restored_under_every_name(tmp_path: Path) 
     assert_same(model.state_dict(), other.state_dict())
 
 
+def test_tied_weights_stay_tied_when_cast(tmp_path: Path) -> None:
+    model = Tied()
+    report = export_state_dict(model, tmp_path / "half.safetensors", dtype="float16")
+    assert report.aliases == {"head.weight": "embed.weight"}
+    fresh = Tied().half()
+    assert load_state_dict(fresh, tmp_path / "half.safetensors", strict=True).ok
+    assert_same({k: v.half() for k, v in model.state_dict().items()}, fresh.state_dict())
+
+
+def test_metadata_of_other_tools_is_not_taken_for_tied_weights(tmp_path: Path) -> None:
+    model = nn.Linear(2, 2)
+    notes = {"format": "pt", "description": "bias", "source_layer": "weight"}
+    safetensors.torch.save_file(model.state_dict(), tmp_path / "notes.safetensors", metadata=notes)
+    fresh = nn.Linear(2, 2)
+    assert load_state_dict(fresh, tmp_path / "notes.safetensors", strict=True).ok
+    assert_same(model.state_dict(), fresh.state_dict())
+    # tied weights saved by safetensors' own save_model still come back under every name
+    tied = Tied()
+    safetensors.torch.save_model(tied, tmp_path / "tied.safetensors")
+    other = Tied()
+    assert load_state_dict(other, tmp_path / "tied.safetensors", strict=True).ok
+    assert other.head.weight is other.embed.weight
+    assert_same(tied.state_dict(), other.state_dict())
+
+
 def test_tied_weights_in_pt_keep_sharing(tmp_path: Path) -> None:
     export_state_dict(Tied(), tmp_path / "tied.pt")
     sd = torch.load(tmp_path / "tied.pt", weights_only=True)
