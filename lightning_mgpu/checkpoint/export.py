@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, cast
@@ -13,7 +14,13 @@ import torch
 from lightning_mgpu.checkpoint._atomic import WritebackWriter, atomic_write
 from lightning_mgpu.checkpoint._prefixes import WRAPPERS, add_prefix
 from lightning_mgpu.checkpoint._report import human_size
-from lightning_mgpu.checkpoint._safetensors import ORDER_KEY, PREFIXES_KEY, dedupe, write_safetensors
+from lightning_mgpu.checkpoint._safetensors import (
+    ORDER_KEY,
+    PREFIXES_KEY,
+    dedupe,
+    view_key,
+    write_safetensors,
+)
 from lightning_mgpu.checkpoint._source import count_values, plain_state_dict, resolve
 
 __all__ = ["ExportReport", "export_state_dict"]
@@ -142,7 +149,7 @@ def export_state_dict(
 
         report = export_state_dict("epoch=3.ckpt", "model.safetensors")
         print(report.removed_prefixes)  # ['model.']
-        model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
+        safetensors.torch.load_model(model, "model.safetensors")  # restores tied weights too
     """
     path = Path(path)
     fmt = _choose_format(path, format)
@@ -150,8 +157,7 @@ def export_state_dict(
     src = resolve(source, trust_pickle=trust_pickle)
     state_dict, removed = plain_state_dict(src, submodule)
     if to_dtype is not None:
-        floats = [k for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
-        state_dict.update((k, state_dict[k].to(to_dtype)) for k in floats)
+        state_dict = _cast(state_dict, to_dtype)
     if prefix:
         prefix = prefix if prefix.endswith(".") else prefix + "."
         state_dict = add_prefix(state_dict, prefix)
@@ -180,6 +186,21 @@ def export_state_dict(
         if src.mapped is not None:
             src.mapped.close()
     return ExportReport(path, fmt, len(state_dict), values, size, removed, prefix, aliases)
+
+
+def _cast(state_dict: OrderedDict[str, Any], dtype: torch.dtype) -> OrderedDict[str, Any]:
+    """Floating-point tensors in ``dtype``; tied weights are cast once and stay tied."""
+    cast_views: dict[tuple[Any, ...], torch.Tensor] = {}
+    out: OrderedDict[str, Any] = OrderedDict()
+    for name, value in state_dict.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            if not value.numel():
+                value = value.to(dtype)
+            else:
+                key = view_key(value)
+                value = cast_views[key] = cast_views[key] if key in cast_views else value.to(dtype)
+        out[name] = value
+    return out
 
 
 def _tensors_only(state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
