@@ -118,8 +118,15 @@ def _pair_by_name(
         if _shape_mismatch(key, value, name, target[name], report):
             continue
         pairs.append((key, name))
-    report.missing = [k for k in target if k not in seen]
+    report.missing = [k for k in target if k not in seen and not _filled_in_by_torch(k, seen)]
     return pairs
+
+
+def _filled_in_by_torch(name: str, loaded: set[str]) -> bool:
+    # BatchNorm weights saved before torch 0.4.1 have no `num_batches_tracked`; BatchNorm's own
+    # loading keeps the module's count when the running statistics come without it
+    stem, _, leaf = name.rpartition("num_batches_tracked")
+    return not leaf and stem + "running_mean" in loaded
 
 
 def _pair_by_order(

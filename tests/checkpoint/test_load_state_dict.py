@@ -103,6 +103,27 @@ def test_strict_false_loads_what_matches_and_reports_the_rest() -> None:
     assert torch.equal(target.state_dict()["3.weight"], source["3.weight"])
 
 
+def test_batchnorm_weights_from_before_num_batches_tracked_load_like_torch(tmp_path: Path) -> None:
+    trained = net(seed=1)
+    trained[1].running_mean.fill_(0.5)
+    old = {k: v for k, v in trained.state_dict().items() if not k.endswith("num_batches_tracked")}
+    torch.save(old, tmp_path / "old.pth")
+    expected, model = net(seed=2), net(seed=2)
+    for m in (expected, model):
+        m[1].num_batches_tracked.fill_(7)
+    expected.load_state_dict(torch.load(tmp_path / "old.pth", weights_only=True))  # torch takes it
+
+    report = load_state_dict(model, tmp_path / "old.pth", strict=True)
+    assert report.ok
+    assert report.missing == []
+    assert_same(expected.state_dict(), model.state_dict())
+    torch.testing.assert_close(model[1].running_mean, torch.full((6,), 0.5))
+    # a missing running_mean is still missing
+    del old["1.running_mean"]
+    with pytest.raises(ValueError, match=r"1\.running_mean"):
+        load_state_dict(net(seed=2), old, strict=True)
+
+
 def test_lightning_checkpoint_ignores_other_submodules(tmp_path: Path) -> None:
     module = LitTwo()
     report = load_state_dict(net(seed=9), module)
