@@ -92,7 +92,8 @@ def load_state_dict(
         pairs = _pair_by_name(source_sd, target, mapping, report)
         report.ignored = ignored + [k for k in source_sd if not mapping.covers(k)]
     if strict and not report.ok:
-        raise ValueError(_failure(model, report, src, source_sd, target, by_order))
+        several = src.lightning and not submodule and len(split_top(source_sd)) > 1
+        raise ValueError(_failure(model, report, source_sd, target, by_order, several))
     to_load = OrderedDict((actual[t], source_sd[s]) for s, t in pairs)
     model.load_state_dict(to_load, strict=False)
     report.loaded = len(to_load)
@@ -166,16 +167,15 @@ def _submodule_hint(source: OrderedDict[str, Any]) -> str:
 def _failure(
     model: nn.Module,
     report: LoadReport,
-    src: Source,
     source: OrderedDict[str, Any],
     target: OrderedDict[str, Any],
     by_order: bool,
+    several: bool,
 ) -> str:
     lines = [
         f"cannot load {report.source} into {type(model).__name__} with strict=True:",
         *report.problem_lines(),
     ]
-    several = src.lightning and len(split_top(source)) > 1
     lines += [f"hint: {hint}" for hint in _hints(report, source, target, by_order, several)]
     lines.append("pass strict=False to load what matches and get this report back")
     return "\n".join(lines)

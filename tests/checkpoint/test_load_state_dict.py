@@ -124,6 +124,16 @@ def test_batchnorm_weights_from_before_num_batches_tracked_load_like_torch(tmp_p
         load_state_dict(net(seed=2), old, strict=True)
 
 
+def test_hints_speak_of_the_chosen_submodule_only() -> None:
+    checkpoint = {"pytorch-lightning_version": "2.4.0", "state_dict": LitTwo().state_dict()}
+    wider = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.raises(ValueError, match=r"0\.weight") as failed:
+        load_state_dict(wider, checkpoint, submodule="model")
+    assert "several top-level entries" not in str(failed.value)
+    with pytest.raises(ValueError, match="several top-level entries: model .*loss_fn"):
+        load_state_dict(wider, checkpoint)
+
+
 def test_lightning_checkpoint_ignores_other_submodules(tmp_path: Path) -> None:
     module = LitTwo()
     report = load_state_dict(net(seed=9), module)
