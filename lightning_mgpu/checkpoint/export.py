@@ -87,6 +87,12 @@ def _choose_format(path: Path, format: str | None) -> str:
     if format is not None:
         if format not in ("safetensors", "pt"):
             raise ValueError(f"format must be 'safetensors' or 'pt', got {format!r}")
+        if format == "pt" and path.suffix.lower() == ".safetensors":
+            # torch.load hands files named *.safetensors to the safetensors reader
+            raise ValueError(
+                f"{path} would hold torch.save data under a .safetensors name, which torch.load and "
+                "safetensors both misread; name it .pt, or drop format='pt' to write safetensors"
+            )
         return format
     return _FORMATS.get(path.suffix.lstrip(".").lower(), "safetensors")
 

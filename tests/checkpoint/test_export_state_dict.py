@@ -141,6 +141,9 @@ def test_format_follows_suffix_unless_given(tmp_path: Path) -> None:
     assert safetensors.torch.load_file(tmp_path / "a.bin")
     with pytest.raises(ValueError, match="format must be"):
         export_state_dict(net(), tmp_path / "a.x", format="onnx")
+    with pytest.raises(ValueError, match=r"a\.safetensors would hold torch\.save data"):
+        export_state_dict(net(), tmp_path / "a.safetensors", format="pt")
+    assert not (tmp_path / "a.safetensors").exists()
 
 
 def test_dtype_casts_floating_point_only(tmp_path: Path) -> None:
