@@ -61,8 +61,8 @@ class DeviceMemoryMonitor(Callback):
       or peak RSS (CPU ranks), divided by the mean.
 
     Args:
-        every_n_steps: log every this many training batches; ``None`` follows
-            ``Trainer(log_every_n_steps=...)``.
+        every_n_steps: log every this many optimizer steps (batches, without gradient
+            accumulation); ``None`` follows ``Trainer(log_every_n_steps=...)``.
         imbalance_threshold: warn once when ``memory/imbalance`` exceeds this.
         summary_file: JSON written at the end of fit, relative to ``trainer.log_dir``;
             ``None`` writes none.
@@ -118,6 +118,7 @@ class DeviceMemoryMonitor(Callback):
         self._flushed_at = 0
         self._warned = False
         self._rows: int | None = None
+        self._step_at_start = 0
         self._largest_ok: int | None = None
 
     # ------------------------------------------------------------------ setup
@@ -157,6 +158,7 @@ class DeviceMemoryMonitor(Callback):
         # a gather started at the end of the last step ran while this batch was fetched
         self._finish_gather(trainer)
         self._rows = _rows(batch)
+        self._step_at_start = trainer.global_step
 
     @override
     def on_train_batch_end(
@@ -165,6 +167,8 @@ class DeviceMemoryMonitor(Callback):
         per_device = self._per_device_batch(trainer)
         if per_device is not None:
             self._largest_ok = max(self._largest_ok or 0, per_device)
+        if trainer.global_step == self._step_at_start and _accumulating(trainer, pl_module):
+            return  # Lightning logs once per optimizer step, and so does the monitor
         self._batches += 1
         if self._batches % self._every == 0:
             self._collect_and_log(trainer)
@@ -314,6 +318,8 @@ class DeviceMemoryMonitor(Callback):
         # the step Lightning's own logging uses
         step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
         step = trainer.global_step if step is None else step
+        if last and step > 0:
+            step -= 1  # the fit has ended: the count already includes the last batch
         self._buffer.append((step, local))
         if last or self._batches - self._flushed_at >= self.flush_every_n_steps:
             self._flush(trainer)
@@ -425,6 +431,11 @@ def _device_label(trainer: Trainer, device: torch.device) -> str:
 @functools.lru_cache(maxsize=64)
 def _total_memory(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).total_memory)
+
+
+def _accumulating(trainer: Trainer, pl_module: LightningModule) -> bool:
+    """Whether gradients are being accumulated over several batches before an optimizer step."""
+    return pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1
 
 
 def _all_gather_objects(trainer: Trainer, obj: Any) -> list[Any]:

@@ -206,13 +206,28 @@ def test_single_process_interval_final_log_and_summary_file(
     monitor = DeviceMemoryMonitor(every_n_steps=3, summary_file="mem.json", print_summary=False)
     trainer = fit(tmp_path, monitor, DataLoader(dataset(), batch_size=4), Small(), logger=CSVLogger(tmp_path))
     rows = memory_rows(tmp_path)
-    assert [int(r["step"]) for r in rows] == [2, 5, 8]  # after batches 3 and 6, and the rest at the end
+    # after batches 3 and 6, and the rest at the end, under the steps Lightning logged them at
+    assert [int(r["step"]) for r in rows] == [2, 5, 7]
     assert all(float(r["memory/cpu:rank0/rss_MiB"]) > 50 for r in rows)
     assert all(float(r["memory/imbalance"]) == 1.0 for r in rows)
     summary = json.loads((Path(trainer.log_dir) / "mem.json").read_text())
     assert summary["devices"][0]["device"] == "cpu:rank0"
     assert summary["logs"] == 3
     assert "Device memory over the fit" not in capsys.readouterr().out
+
+
+def test_gradient_accumulation_logs_once_per_optimizer_step(tmp_path: Path) -> None:
+    monitor = DeviceMemoryMonitor(every_n_steps=1)
+    loader = DataLoader(dataset(28), batch_size=4)  # 7 batches: 3 steps of 2 and a last one alone
+    fit(tmp_path, monitor, loader, Small(), logger=CSVLogger(tmp_path), accumulate_grad_batches=2)
+    rows = read_csv(next(tmp_path.rglob("metrics.csv")))
+    memory = [int(r["step"]) for r in rows if r.get("memory/imbalance")]
+    assert memory == [0, 1, 2, 3]
+    assert summary_logs(tmp_path) == 4
+
+
+def summary_logs(root: Path) -> int:
+    return int(json.loads(next(root.rglob("memory_summary.json")).read_text())["logs"])
 
 
 def test_without_logger_warns_and_still_writes_summary(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
