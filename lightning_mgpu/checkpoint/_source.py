@@ -2,7 +2,7 @@
 
 - a path is read safely (see ``_io``); a Lightning checkpoint gives its ``"state_dict"``;
 - a training checkpoint dict gives the one entry that is a state_dict (``"model_state_dict"``, ...);
-- a module gives ``module.state_dict()``, whatever wraps it;
+- a module gives ``module.state_dict()``, whatever wraps it, and the exact prefixes of its wrappers;
 - a LightningModule, or a Lightning checkpoint, marks its keys as starting with the attribute that
   holds the model (``model.``), which export removes when there is one such attribute.
 """
@@ -21,7 +21,13 @@ import torch
 from torch import nn
 
 from lightning_mgpu.checkpoint._io import MappedFile, read_file
-from lightning_mgpu.checkpoint._prefixes import select, split_top, strip_wrappers
+from lightning_mgpu.checkpoint._prefixes import (
+    find_wrappers,
+    select,
+    split_top,
+    strip_wrappers,
+    wrapped_child,
+)
 from lightning_mgpu.checkpoint._safetensors import ORDER_KEY
 
 __all__ = [
@@ -37,12 +43,15 @@ __all__ = [
 # training-checkpoint entries that usually hold the weights, most specific first
 _WEIGHT_KEYS = ("state_dict", "model_state_dict", "model", "module", "net", "network", "weights", "params")
 _LIGHTNING_KEYS = ("pytorch-lightning_version", "lightning_version")
-_WRAPPER_ATTRS = ("module", "_orig_mod", "_forward_module")
 
 
 @dataclass
 class Source:
-    """One state_dict and where it came from."""
+    """One state_dict and where it came from.
+
+    ``wrappers`` holds the exact wrapper prefixes when the source is a module, and is None for a
+    file or a dict, whose names alone say where wrappers sat.
+    """
 
     state_dict: OrderedDict[str, Any]
     description: str
@@ -55,6 +64,7 @@ class Source:
     metadata: dict[str, str] = field(default_factory=dict)
     ordered: bool = True
     mapped: MappedFile | None = None
+    wrappers: list[str] | None = None
 
 
 def is_state_dict(obj: Any) -> bool:
@@ -76,14 +86,9 @@ def is_lightning_module(module: nn.Module) -> bool:
 
 
 def _innermost(module: nn.Module) -> nn.Module:
-    while True:
-        inner = next(
-            (getattr(module, a) for a in _WRAPPER_ATTRS if isinstance(getattr(module, a, None), nn.Module)),
-            None,
-        )
-        if inner is None or len(module._modules) != 1:
-            return module
-        module = inner
+    while (child := wrapped_child(module)) is not None:
+        module = module._modules[child]  # type: ignore[assignment]
+    return module
 
 
 def resolve(source: Any, *, map_location: Any = "cpu", trust_pickle: bool = False) -> Source:
@@ -102,7 +107,13 @@ def resolve(source: Any, *, map_location: Any = "cpu", trust_pickle: bool = Fals
         what = (
             type(inner).__name__ if inner is source else f"{type(inner).__name__} in {type(source).__name__}"
         )
-        return Source(OrderedDict(source.state_dict()), f"{kind} {what}", kind, lightning=lightning)
+        return Source(
+            OrderedDict(source.state_dict()),
+            f"{kind} {what}",
+            kind,
+            lightning=lightning,
+            wrappers=find_wrappers(source),
+        )
     if isinstance(source, Mapping):
         return _from_mapping(source, "the given dict")
     raise TypeError(
@@ -185,7 +196,8 @@ def count_under(state_dict: Mapping[str, Any], name: str) -> int:
 def plain_state_dict(src: Source, submodule: str | None = None) -> tuple[OrderedDict[str, Any], list[str]]:
     """The weights as a plain model holds them: wrappers removed, one submodule picked.
 
-    - every wrapper prefix is removed, at any depth;
+    - every wrapper prefix is removed: exactly the wrappers' for a module, for a file or a dict
+      those the names show (see ``_prefixes``);
     - ``submodule="name"`` keeps the entries under ``name.`` and removes that prefix;
       ``submodule=""`` keeps everything;
     - by default a LightningModule (or a Lightning checkpoint) that holds one submodule loses its
@@ -194,7 +206,7 @@ def plain_state_dict(src: Source, submodule: str | None = None) -> tuple[Ordered
     Returns:
         The state_dict and the prefixes removed, in the keys' spelling (``["module.", "model."]``).
     """
-    state_dict, removed = strip_wrappers(src.state_dict)
+    state_dict, removed = strip_wrappers(src.state_dict, src.wrappers)
     if submodule is None and src.lightning:
         tops = split_top(state_dict)
         (only,) = tops if len(tops) == 1 else (None,)

@@ -151,6 +151,8 @@ def inspect_checkpoint(source: Any, *, trust_pickle: bool = False) -> Checkpoint
     Reports the kind of file, the other entries of a training checkpoint, every tensor's name,
     shape and dtype grouped by prefix, the number of values, the wrappers the weights were saved
     through, and whether ``model.load_state_dict`` of a plain or a DataParallel model takes it as is.
+    A file's wrappers are read from where ``module.`` / ``_orig_mod.`` sit in its names, as
+    :func:`export_state_dict` describes: ``0.module.weight`` is a block's own attribute.
     Files are memory-mapped, so inspecting a large checkpoint reads little of it.
 
     Args:
@@ -180,7 +182,7 @@ def inspect_checkpoint(source: Any, *, trust_pickle: bool = False) -> Checkpoint
             info.tensors.append(TensorInfo(name, Shape(value.shape), dtype, value.numel()))
             info.dtypes[dtype] = info.dtypes.get(dtype, 0) + 1
     info.values = count_values(src.state_dict)
-    names, info.wrappers = plain_names(src.state_dict)
+    names, info.wrappers = plain_names(src.state_dict, src.wrappers)
     if src.lightning:
         tops = split_top(names.values())
         if len(tops) == 1:
