@@ -4,7 +4,9 @@
 - a training checkpoint dict gives the one entry that is a state_dict (``"model_state_dict"``, ...);
 - a module gives ``module.state_dict()``, whatever wraps it, and the exact prefixes of its wrappers;
 - a LightningModule, or a Lightning checkpoint, marks its keys as starting with the attribute that
-  holds the model (``model.``), which export removes when there is one such attribute.
+  holds the model (``model.``), which export removes when there is one such attribute;
+- an empty state_dict (a model without parameters or buffers) is a state_dict like any other, as
+  it is for ``torch.save`` and ``nn.Module.load_state_dict``.
 """
 
 from __future__ import annotations
@@ -138,10 +140,11 @@ def _from_file(path: Path, map_location: Any, trust_pickle: bool) -> Source:
 
 
 def _from_mapping(obj: Mapping[str, Any], where: str) -> Source:
-    if is_state_dict(obj):
+    if not obj or is_state_dict(obj):  # {}: the state_dict of a model without weights
         return Source(OrderedDict(obj), where, "state_dict")
     lightning = any(k in obj for k in _LIGHTNING_KEYS)
-    if "state_dict" in obj and is_state_dict(obj["state_dict"]):
+    weights = obj.get("state_dict")
+    if is_state_dict(weights) or (isinstance(weights, Mapping) and not weights):
         kind = "Lightning checkpoint" if lightning else "checkpoint"
         return Source(OrderedDict(obj["state_dict"]), where, kind, lightning, obj, "state_dict")
     candidates = [k for k in obj if isinstance(k, str) and is_state_dict(obj[k])]
@@ -154,8 +157,6 @@ def _from_mapping(obj: Mapping[str, Any], where: str) -> Source:
             f"{where} is a training checkpoint holding several state_dicts ({names}); "
             f"pass the one you want, e.g. checkpoint[{candidates[0]!r}]"
         )
-    if not obj:
-        raise ValueError(f"{where} is an empty dict, not a checkpoint")
     looks_like = any(k in obj for k in (*_WEIGHT_KEYS, "epoch", "optimizer_states", "optimizer"))
     what = "a training checkpoint dict" if looks_like else "a dict"
     raise ValueError(
@@ -207,7 +208,7 @@ def plain_state_dict(src: Source, submodule: str | None = None) -> tuple[Ordered
         The state_dict and the prefixes removed, in the keys' spelling (``["module.", "model."]``).
     """
     state_dict, removed = strip_wrappers(src.state_dict, src.wrappers)
-    if submodule is None and src.lightning:
+    if submodule is None and src.lightning and state_dict:
         tops = split_top(state_dict)
         (only,) = tops if len(tops) == 1 else (None,)
         if only is None:

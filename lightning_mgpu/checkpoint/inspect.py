@@ -83,7 +83,8 @@ class CheckpointInfo:
             lines.append("  also holds: " + ", ".join(self.other_entries))
         where = f" under {self.weights_key!r}" if self.weights_key else ""
         dtypes = ", ".join(f"{d} x{n}" for d, n in self.dtypes.items())
-        lines.append(f"weights{where}: {len(self.tensors)} tensors, {self.values:,} values ({dtypes})")
+        dtypes = f" ({dtypes})" if dtypes else ""
+        lines.append(f"weights{where}: {len(self.tensors)} tensors, {self.values:,} values{dtypes}")
         through = [_explain(p, self.lightning_attribute) for p in self.wrappers]
         if self.lightning_attribute:
             through.append(_explain(self.lightning_attribute, self.lightning_attribute))
@@ -189,8 +190,10 @@ def inspect_checkpoint(source: Any, *, trust_pickle: bool = False) -> Checkpoint
             info.lightning_attribute = next(iter(tops)) + "."
     if PREFIXES_KEY in src.metadata:
         info.exported_from = src.metadata[PREFIXES_KEY].split(",")
-    info.loads_into_plain = not info.wrappers and not src.lightning
-    info.loads_into_dataparallel = not src.lightning and info.wrappers == ["module."]
+    # an empty state_dict (a model without weights) loads into any model without weights
+    empty = not src.state_dict
+    info.loads_into_plain = empty or (not info.wrappers and not src.lightning)
+    info.loads_into_dataparallel = empty or (not src.lightning and info.wrappers == ["module."])
     return info
 
 

@@ -204,6 +204,8 @@ def _shape_mismatch(key: str, value: Any, name: str, expected: Any, report: Load
 
 def _submodule_hint(source: OrderedDict[str, Any]) -> str:
     tops = list(split_top(source))
+    if not tops:
+        return ""
     return f"Pass submodule={tops[0]!r} (or another of {', '.join(tops)}) to choose."
 
 
