@@ -106,11 +106,9 @@ class CheckpointInfo:
         name = Path(self.source).name if self.format else "weights"
         stem = Path(name).stem
         entry = f" (its {self.weights_key!r} entry)" if self.weights_key else ""
-        plain = (
-            f"yes{entry}"
-            if self.loads_into_plain
-            else f"no  -> lightning-mgpu export {name} {stem}.safetensors"
-        )
+        # never suggest writing over the file being described
+        out = f"{stem}.safetensors" if f"{stem}.safetensors" != name else f"{stem}_plain.safetensors"
+        plain = f"yes{entry}" if self.loads_into_plain else f"no  -> lightning-mgpu export {name} {out}"
         dp = (
             f"yes{entry}"
             if self.loads_into_dataparallel

@@ -75,3 +75,9 @@ def test_a_users_module_attribute_is_not_a_wrapper(tmp_path: Path) -> None:
     assert info.loads_into_plain
     assert "saved through: no wrapper" in str(info)
     assert "loads into a plain model:          yes" in str(info)
+
+
+def test_the_suggested_export_never_overwrites_the_input(tmp_path: Path) -> None:
+    export_state_dict(net(), tmp_path / "w.safetensors", prefix="module.")
+    text = str(inspect_checkpoint(tmp_path / "w.safetensors"))
+    assert "no  -> lightning-mgpu export w.safetensors w_plain.safetensors" in text
