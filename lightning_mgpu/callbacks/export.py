@@ -37,7 +37,7 @@ class PlainStateDictExport(Callback):
 
     Args:
         submodule: Attribute of the LightningModule to export (``"model"``); ``""`` keeps every
-            entry. Needed when the module holds several submodules: ``setup`` fails early listing them.
+            entry. Needed when the module holds several submodules: fit fails at its start listing them.
         prefix: ``"module."`` writes the form that loads into ``nn.DataParallel(model)``.
         format: ``"safetensors"`` (default) or ``"pt"``.
         final_name: File name (without suffix) for the weights at the end of fit; None skips them.
@@ -89,11 +89,15 @@ class PlainStateDictExport(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # an ambiguous LightningModule fails here, not at the first checkpoint hours later
-        plain_state_dict(resolve(pl_module), self.submodule)
         io = trainer.strategy.checkpoint_io
         if not isinstance(io, _ExportingCheckpointIO):
             trainer.strategy.checkpoint_io = _ExportingCheckpointIO(io, self)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # an ambiguous LightningModule fails here, not at the first checkpoint hours later; not in
+        # setup, which Lightning calls before configure_model builds the layers
+        plain_state_dict(resolve(pl_module), self.submodule)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -5,20 +5,45 @@
 - ``_forward_module.`` comes from older Lightning wrappers and DeepSpeed;
 - a LightningModule adds the name of the attribute that holds the model (``model.``, ``net.``, ...).
 
-A wrapper holds exactly one child and nothing else, so a component named like a wrapper is
-removed only where every key below that point goes through it. A user's own attribute that
-happens to be called ``module`` next to siblings is left alone.
+Where the module itself is at hand, the wrappers are found by type (:func:`find_wrappers`) and
+exactly their prefixes are removed: a user's own class that keeps its only child in ``self.module``
+is never a wrapper.
+
+A file or a dict does not say which classes it came from, so its names decide, by position. A
+wrapper holds exactly one child and nothing else, so a component named like a wrapper is only
+removed where every key below that point goes through it, and then:
+
+- ``_orig_mod`` anywhere (nobody names an attribute that);
+- ``module`` and ``_forward_module`` only where a wrapper plausibly sits: at the top
+  (``module.0.weight``), directly under one top-level name that is not a number, the attribute of a
+  LightningModule (``model.module.0.weight``), or directly after another removed wrapper
+  (``_orig_mod.module.``, ``model._orig_mod.module.``). Positions count in the names with the
+  outer wrappers already removed.
+
+So ``blocks.0.module.weight`` and ``0.module.weight`` (a residual block keeping its layer in
+``self.module``) stay as they are.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import TypeVar
 
+from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-__all__ = ["WRAPPERS", "add_prefix", "plain_names", "select", "split_top", "strip_wrappers"]
+__all__ = [
+    "WRAPPERS",
+    "add_prefix",
+    "find_wrappers",
+    "plain_names",
+    "select",
+    "split_top",
+    "strip_wrappers",
+    "wrapped_child",
+]
 
 T = TypeVar("T")
 
@@ -28,10 +53,63 @@ WRAPPERS: dict[str, str] = {
     "_orig_mod": "torch.compile",
     "_forward_module": "Lightning / DeepSpeed wrapper",
 }
+# a wrapper name no model uses for its own attribute: removable at any depth in a file
+_DISTINCTIVE = frozenset({"_orig_mod"})
+# packages whose single-child modules holding ``module`` / ``_forward_module`` are wrappers
+_WRAPPER_PACKAGES = frozenset({"lightning", "pytorch_lightning", "deepspeed"})
 
 
-def plain_names(keys: Iterable[str]) -> tuple[dict[str, str], list[str]]:
+def wrapped_child(module: nn.Module) -> str | None:
+    """The attribute holding the wrapped model if ``module`` is a wrapper, else None.
+
+    Wrappers are ``nn.DataParallel``, ``DistributedDataParallel``, ``torch.compile``'s
+    ``OptimizedModule`` (looked up only if dynamo is already imported) and the classes of the
+    ``lightning``, ``pytorch_lightning`` and ``deepspeed`` packages whose single child is
+    ``module`` or ``_forward_module``.
+
+    Example::
+
+        wrapped_child(nn.DataParallel(net))  # "module"
+        wrapped_child(Residual(net))         # None: a user's class is never a wrapper
+    """
+    children = module._modules
+    if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        return "module" if "module" in children else None
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(dynamo, "OptimizedModule", None)
+    if optimized is not None and isinstance(module, optimized):
+        return "_orig_mod" if "_orig_mod" in children else None
+    if type(module).__module__.split(".", 1)[0] in _WRAPPER_PACKAGES and len(children) == 1:
+        (name,) = children
+        return name if name in ("module", "_forward_module") else None
+    return None
+
+
+def find_wrappers(module: nn.Module) -> list[str]:
+    """The key prefixes of every wrapper inside ``module``, outermost first.
+
+    Example::
+
+        find_wrappers(torch.compile(nn.DataParallel(net)))  # ["_orig_mod.", "_orig_mod.module."]
+    """
+    found = []
+    for path, sub in module.named_modules(remove_duplicate=False):
+        child = wrapped_child(sub)
+        if child is not None:
+            found.append(f"{path}.{child}." if path else f"{child}.")
+    return found
+
+
+def plain_names(
+    keys: Iterable[str], wrappers: Collection[str] | None = None, kinds: Collection[str] = tuple(WRAPPERS)
+) -> tuple[dict[str, str], list[str]]:
     """Map every key to its name without wrapper components.
+
+    Args:
+        keys: The state_dict's names.
+        wrappers: The exact wrapper prefixes (:func:`find_wrappers`) when the module is known;
+            None judges by the names, as the module docstring describes.
+        kinds: The wrapper names that may be removed when judging by the names.
 
     Returns:
         ``(names, removed)``: ``names[key]`` is the plain name; ``removed`` lists each wrapper prefix
@@ -39,14 +117,39 @@ def plain_names(keys: Iterable[str]) -> tuple[dict[str, str], list[str]]:
     """
     names: dict[str, str] = {}
     removed: list[str] = []
-    _walk([(key, key.split(".")) for key in keys], "", "", names, removed)
+    if wrappers is None:
+        _walk([(key, key.split(".")) for key in keys], "", "", False, frozenset(kinds), names, removed)
+        return names, removed
+    known = set(wrappers)
+    for key in keys:
+        raw, plain = "", ""
+        parts = key.split(".")
+        for part in parts[:-1]:
+            raw += part + "."
+            if raw in known:
+                if raw not in removed:
+                    removed.append(raw)
+            else:
+                plain += part + "."
+        names[key] = plain + parts[-1]
     return names, removed
+
+
+def _removable(child: str, plain_prefix: str, after_wrapper: bool, kinds: frozenset[str]) -> bool:
+    if child not in kinds:
+        return False
+    if child in _DISTINCTIVE or after_wrapper or not plain_prefix:
+        return True
+    top = plain_prefix[:-1]
+    return "." not in top and not top.isdigit()
 
 
 def _walk(
     entries: list[tuple[str, list[str]]],
     raw_prefix: str,
     plain_prefix: str,
+    after_wrapper: bool,
+    kinds: frozenset[str],
     names: dict[str, str],
     removed: list[str],
 ) -> None:
@@ -59,18 +162,25 @@ def _walk(
             groups.setdefault(parts[0], []).append((key, parts[1:]))
     if not leaves and len(groups) == 1:
         (child,) = groups
-        if child in WRAPPERS:
+        if _removable(child, plain_prefix, after_wrapper, kinds):
             removed.append(f"{raw_prefix}{child}.")
-            _walk(groups[child], f"{raw_prefix}{child}.", plain_prefix, names, removed)
+            _walk(groups[child], f"{raw_prefix}{child}.", plain_prefix, True, kinds, names, removed)
             return
     for key, leaf in leaves:
         names[key] = plain_prefix + leaf
     for child, sub in groups.items():
-        _walk(sub, f"{raw_prefix}{child}.", f"{plain_prefix}{child}.", names, removed)
+        _walk(sub, f"{raw_prefix}{child}.", f"{plain_prefix}{child}.", False, kinds, names, removed)
 
 
-def strip_wrappers(state_dict: Mapping[str, T]) -> tuple[OrderedDict[str, T], list[str]]:
-    """Remove every wrapper prefix at any depth, keeping the order of the entries.
+def strip_wrappers(
+    state_dict: Mapping[str, T],
+    wrappers: Collection[str] | None = None,
+    kinds: Collection[str] = tuple(WRAPPERS),
+) -> tuple[OrderedDict[str, T], list[str]]:
+    """Remove the wrapper prefixes, keeping the order of the entries.
+
+    ``wrappers`` and ``kinds`` are as in :func:`plain_names`: the exact prefixes of a known module,
+    or None to judge by the names.
 
     Returns:
         The renamed state_dict and the removed prefixes (see :func:`plain_names`).
@@ -79,8 +189,10 @@ def strip_wrappers(state_dict: Mapping[str, T]) -> tuple[OrderedDict[str, T], li
 
         sd, removed = strip_wrappers({"module._orig_mod.0.weight": w})
         # sd == {"0.weight": w}; removed == ["module.", "module._orig_mod."]
+        sd, removed = strip_wrappers({"0.module.weight": w})
+        # unchanged: a wrapper does not sit under a numbered entry
     """
-    names, removed = plain_names(state_dict)
+    names, removed = plain_names(state_dict, wrappers, kinds)
     if not removed:
         return OrderedDict(state_dict), []
     # a wrapper is the only child where it sits, so the plain names stay unique

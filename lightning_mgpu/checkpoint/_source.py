@@ -2,9 +2,11 @@
 
 - a path is read safely (see ``_io``); a Lightning checkpoint gives its ``"state_dict"``;
 - a training checkpoint dict gives the one entry that is a state_dict (``"model_state_dict"``, ...);
-- a module gives ``module.state_dict()``, whatever wraps it;
+- a module gives ``module.state_dict()``, whatever wraps it, and the exact prefixes of its wrappers;
 - a LightningModule, or a Lightning checkpoint, marks its keys as starting with the attribute that
-  holds the model (``model.``), which export removes when there is one such attribute.
+  holds the model (``model.``), which export removes when there is one such attribute;
+- an empty state_dict (a model without parameters or buffers) is a state_dict like any other, as
+  it is for ``torch.save`` and ``nn.Module.load_state_dict``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ import torch
 from torch import nn
 
 from lightning_mgpu.checkpoint._io import MappedFile, read_file
-from lightning_mgpu.checkpoint._prefixes import select, split_top, strip_wrappers
+from lightning_mgpu.checkpoint._prefixes import (
+    find_wrappers,
+    select,
+    split_top,
+    strip_wrappers,
+    wrapped_child,
+)
 from lightning_mgpu.checkpoint._safetensors import ORDER_KEY
 
 __all__ = [
@@ -37,12 +45,15 @@ __all__ = [
 # training-checkpoint entries that usually hold the weights, most specific first
 _WEIGHT_KEYS = ("state_dict", "model_state_dict", "model", "module", "net", "network", "weights", "params")
 _LIGHTNING_KEYS = ("pytorch-lightning_version", "lightning_version")
-_WRAPPER_ATTRS = ("module", "_orig_mod", "_forward_module")
 
 
 @dataclass
 class Source:
-    """One state_dict and where it came from."""
+    """One state_dict and where it came from.
+
+    ``wrappers`` holds the exact wrapper prefixes when the source is a module, and is None for a
+    file or a dict, whose names alone say where wrappers sat.
+    """
 
     state_dict: OrderedDict[str, Any]
     description: str
@@ -55,6 +66,7 @@ class Source:
     metadata: dict[str, str] = field(default_factory=dict)
     ordered: bool = True
     mapped: MappedFile | None = None
+    wrappers: list[str] | None = None
 
 
 def is_state_dict(obj: Any) -> bool:
@@ -76,14 +88,9 @@ def is_lightning_module(module: nn.Module) -> bool:
 
 
 def _innermost(module: nn.Module) -> nn.Module:
-    while True:
-        inner = next(
-            (getattr(module, a) for a in _WRAPPER_ATTRS if isinstance(getattr(module, a, None), nn.Module)),
-            None,
-        )
-        if inner is None or len(module._modules) != 1:
-            return module
-        module = inner
+    while (child := wrapped_child(module)) is not None:
+        module = module._modules[child]  # type: ignore[assignment]
+    return module
 
 
 def resolve(source: Any, *, map_location: Any = "cpu", trust_pickle: bool = False) -> Source:
@@ -102,7 +109,13 @@ def resolve(source: Any, *, map_location: Any = "cpu", trust_pickle: bool = Fals
         what = (
             type(inner).__name__ if inner is source else f"{type(inner).__name__} in {type(source).__name__}"
         )
-        return Source(OrderedDict(source.state_dict()), f"{kind} {what}", kind, lightning=lightning)
+        return Source(
+            OrderedDict(source.state_dict()),
+            f"{kind} {what}",
+            kind,
+            lightning=lightning,
+            wrappers=find_wrappers(source),
+        )
     if isinstance(source, Mapping):
         return _from_mapping(source, "the given dict")
     raise TypeError(
@@ -127,10 +140,11 @@ def _from_file(path: Path, map_location: Any, trust_pickle: bool) -> Source:
 
 
 def _from_mapping(obj: Mapping[str, Any], where: str) -> Source:
-    if is_state_dict(obj):
+    if not obj or is_state_dict(obj):  # {}: the state_dict of a model without weights
         return Source(OrderedDict(obj), where, "state_dict")
     lightning = any(k in obj for k in _LIGHTNING_KEYS)
-    if "state_dict" in obj and is_state_dict(obj["state_dict"]):
+    weights = obj.get("state_dict")
+    if is_state_dict(weights) or (isinstance(weights, Mapping) and not weights):
         kind = "Lightning checkpoint" if lightning else "checkpoint"
         return Source(OrderedDict(obj["state_dict"]), where, kind, lightning, obj, "state_dict")
     candidates = [k for k in obj if isinstance(k, str) and is_state_dict(obj[k])]
@@ -143,8 +157,6 @@ def _from_mapping(obj: Mapping[str, Any], where: str) -> Source:
             f"{where} is a training checkpoint holding several state_dicts ({names}); "
             f"pass the one you want, e.g. checkpoint[{candidates[0]!r}]"
         )
-    if not obj:
-        raise ValueError(f"{where} is an empty dict, not a checkpoint")
     looks_like = any(k in obj for k in (*_WEIGHT_KEYS, "epoch", "optimizer_states", "optimizer"))
     what = "a training checkpoint dict" if looks_like else "a dict"
     raise ValueError(
@@ -185,7 +197,8 @@ def count_under(state_dict: Mapping[str, Any], name: str) -> int:
 def plain_state_dict(src: Source, submodule: str | None = None) -> tuple[OrderedDict[str, Any], list[str]]:
     """The weights as a plain model holds them: wrappers removed, one submodule picked.
 
-    - every wrapper prefix is removed, at any depth;
+    - every wrapper prefix is removed: exactly the wrappers' for a module, for a file or a dict
+      those the names show (see ``_prefixes``);
     - ``submodule="name"`` keeps the entries under ``name.`` and removes that prefix;
       ``submodule=""`` keeps everything;
     - by default a LightningModule (or a Lightning checkpoint) that holds one submodule loses its
@@ -194,8 +207,8 @@ def plain_state_dict(src: Source, submodule: str | None = None) -> tuple[Ordered
     Returns:
         The state_dict and the prefixes removed, in the keys' spelling (``["module.", "model."]``).
     """
-    state_dict, removed = strip_wrappers(src.state_dict)
-    if submodule is None and src.lightning:
+    state_dict, removed = strip_wrappers(src.state_dict, src.wrappers)
+    if submodule is None and src.lightning and state_dict:
         tops = split_top(state_dict)
         (only,) = tops if len(tops) == 1 else (None,)
         if only is None:

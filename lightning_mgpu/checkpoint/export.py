@@ -120,8 +120,13 @@ def export_state_dict(
     - ``source`` is a checkpoint path (Lightning ``.ckpt``, ``.pt``, ``.safetensors``), an
       ``nn.Module`` (wrapped in DataParallel, DDP or ``torch.compile`` in any order), a
       LightningModule, or a state_dict / training checkpoint dict;
-    - every wrapper prefix (``module.``, ``_orig_mod.``, ``_forward_module.``) is removed at any
-      depth, and a LightningModule's attribute prefix (``model.``) too when it holds one submodule;
+    - wrapper prefixes (``module.``, ``_orig_mod.``, ``_forward_module.``) are removed, and a
+      LightningModule's attribute prefix (``model.``) too when it holds one submodule. A module's
+      wrappers are found by type (DataParallel, DDP, ``torch.compile``, Lightning and DeepSpeed
+      wrappers), so a user's block that keeps its layer in ``self.module`` keeps its names. A file
+      or dict shows only names: ``_orig_mod.`` goes wherever it is the only child, ``module.`` and
+      ``_forward_module.`` only at the top, directly under one top-level name (``model.module.``)
+      or directly after another wrapper, so ``blocks.0.module.weight`` is kept;
     - the file is written to a temporary file in the same folder, fsynced, then renamed over
       ``path``: on any error ``path`` is unchanged and no temporary file is left;
     - a checkpoint file is memory-mapped and streamed, so memory stays near one tensor, not one

@@ -83,7 +83,8 @@ class CheckpointInfo:
             lines.append("  also holds: " + ", ".join(self.other_entries))
         where = f" under {self.weights_key!r}" if self.weights_key else ""
         dtypes = ", ".join(f"{d} x{n}" for d, n in self.dtypes.items())
-        lines.append(f"weights{where}: {len(self.tensors)} tensors, {self.values:,} values ({dtypes})")
+        dtypes = f" ({dtypes})" if dtypes else ""
+        lines.append(f"weights{where}: {len(self.tensors)} tensors, {self.values:,} values{dtypes}")
         through = [_explain(p, self.lightning_attribute) for p in self.wrappers]
         if self.lightning_attribute:
             through.append(_explain(self.lightning_attribute, self.lightning_attribute))
@@ -105,11 +106,9 @@ class CheckpointInfo:
         name = Path(self.source).name if self.format else "weights"
         stem = Path(name).stem
         entry = f" (its {self.weights_key!r} entry)" if self.weights_key else ""
-        plain = (
-            f"yes{entry}"
-            if self.loads_into_plain
-            else f"no  -> lightning-mgpu export {name} {stem}.safetensors"
-        )
+        # never suggest writing over the file being described
+        out = f"{stem}.safetensors" if f"{stem}.safetensors" != name else f"{stem}_plain.safetensors"
+        plain = f"yes{entry}" if self.loads_into_plain else f"no  -> lightning-mgpu export {name} {out}"
         dp = (
             f"yes{entry}"
             if self.loads_into_dataparallel
@@ -151,6 +150,8 @@ def inspect_checkpoint(source: Any, *, trust_pickle: bool = False) -> Checkpoint
     Reports the kind of file, the other entries of a training checkpoint, every tensor's name,
     shape and dtype grouped by prefix, the number of values, the wrappers the weights were saved
     through, and whether ``model.load_state_dict`` of a plain or a DataParallel model takes it as is.
+    A file's wrappers are read from where ``module.`` / ``_orig_mod.`` sit in its names, as
+    :func:`export_state_dict` describes: ``0.module.weight`` is a block's own attribute.
     Files are memory-mapped, so inspecting a large checkpoint reads little of it.
 
     Args:
@@ -180,15 +181,17 @@ def inspect_checkpoint(source: Any, *, trust_pickle: bool = False) -> Checkpoint
             info.tensors.append(TensorInfo(name, Shape(value.shape), dtype, value.numel()))
             info.dtypes[dtype] = info.dtypes.get(dtype, 0) + 1
     info.values = count_values(src.state_dict)
-    names, info.wrappers = plain_names(src.state_dict)
+    names, info.wrappers = plain_names(src.state_dict, src.wrappers)
     if src.lightning:
         tops = split_top(names.values())
         if len(tops) == 1:
             info.lightning_attribute = next(iter(tops)) + "."
     if PREFIXES_KEY in src.metadata:
         info.exported_from = src.metadata[PREFIXES_KEY].split(",")
-    info.loads_into_plain = not info.wrappers and not src.lightning
-    info.loads_into_dataparallel = not src.lightning and info.wrappers == ["module."]
+    # an empty state_dict (a model without weights) loads into any model without weights
+    empty = not src.state_dict
+    info.loads_into_plain = empty or (not info.wrappers and not src.lightning)
+    info.loads_into_dataparallel = empty or (not src.lightning and info.wrappers == ["module."])
     return info
 
 

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_mgpu.checkpoint._match import Mapping, match_names
-from lightning_mgpu.checkpoint._prefixes import WRAPPERS, plain_names, select, split_top, strip_wrappers
+from lightning_mgpu.checkpoint._prefixes import (
+    WRAPPERS,
+    find_wrappers,
+    plain_names,
+    select,
+    split_top,
+    strip_wrappers,
+)
 from lightning_mgpu.checkpoint._report import LoadReport, Shape
 from lightning_mgpu.checkpoint._source import Source, describe_tops, is_lightning_module, resolve
 
@@ -31,7 +39,9 @@ def load_state_dict(
     - ``source`` is anything :func:`export_state_dict` takes: a checkpoint path, a module, a
       LightningModule, a state_dict or a training checkpoint dict;
     - ``model`` may be plain or wrapped in DataParallel, DDP or ``torch.compile``; wrapper prefixes
-      are removed from the source and put back as the model needs;
+      are removed from the source and put back as the model needs. A module's wrappers are found by
+      type; a file's by where ``module.`` / ``_orig_mod.`` sit, and when that reading does not fit the
+      model, ``module.`` components are read as the model's own attributes (``blocks.0.module.``);
     - a top-level prefix on either side (a LightningModule's ``model.``) is removed or added when
       that makes the names meet; source entries outside the matched submodule are reported as ignored;
     - with ``strict=True`` nothing is loaded unless every model entry gets a tensor of the right shape;
@@ -65,15 +75,9 @@ def load_state_dict(
         print(report.removed_prefixes)  # ['model.']
     """
     src = resolve(source, map_location=map_location, trust_pickle=trust_pickle)
-    source_sd, removed = strip_wrappers(src.state_dict)
-    ignored: list[str] = []
-    if submodule:
-        selected = select(source_sd, submodule)
-        ignored = [k for k in source_sd if not k.startswith(submodule.rstrip(".") + ".")]
-        source_sd = selected
-        removed.append(submodule.rstrip(".") + ".")
+    source_sd, removed, ignored = _source_entries(src, submodule, WRAPPERS)
     target_sd = model.state_dict()
-    target_names, target_wrappers = plain_names(target_sd)
+    target_names, target_wrappers = plain_names(target_sd, find_wrappers(model))
     actual = {plain: key for key, plain in target_names.items()}
     target = OrderedDict((target_names[k], v) for k, v in target_sd.items())
 
@@ -81,14 +85,13 @@ def load_state_dict(
     if by_order:
         pairs = _pair_by_order(src, source_sd, target, report)
     else:
-        hint = _submodule_hint(source_sd)
-        mapping = match_names(
-            list(source_sd),
-            list(target),
-            hint,
-            source_lightning=src.lightning and not submodule,
-            target_lightning=is_lightning_module(model),
-        )
+        lightning = (src.lightning and not submodule, is_lightning_module(model))
+        mapping = _match(source_sd, target, lightning)
+        if src.wrappers is None and not _fits(source_sd, target, mapping):
+            other = _attributes_reading(src, submodule, target, lightning, removed)
+            if other is not None:
+                (source_sd, removed, ignored), mapping = other
+                report.removed_prefixes = removed
         pairs = _pair_by_name(source_sd, target, mapping, report)
         report.ignored = ignored + [k for k in source_sd if not mapping.covers(k)]
     if strict and not report.ok:
@@ -98,6 +101,54 @@ def load_state_dict(
     model.load_state_dict(to_load, strict=False)
     report.loaded = len(to_load)
     return report
+
+
+def _source_entries(
+    src: Source, submodule: str | None, kinds: Collection[str]
+) -> tuple[OrderedDict[str, Any], list[str], list[str]]:
+    """The source without its wrappers, under ``submodule``: entries, removed prefixes, ignored keys."""
+    source_sd, removed = strip_wrappers(src.state_dict, src.wrappers, kinds)
+    ignored: list[str] = []
+    if submodule:
+        selected = select(source_sd, submodule)
+        ignored = [k for k in source_sd if not k.startswith(submodule.rstrip(".") + ".")]
+        source_sd = selected
+        removed.append(submodule.rstrip(".") + ".")
+    return source_sd, removed, ignored
+
+
+def _match(
+    source: OrderedDict[str, Any], target: OrderedDict[str, Any], lightning: tuple[bool, bool]
+) -> Mapping:
+    return match_names(
+        list(source),
+        list(target),
+        _submodule_hint(source),
+        source_lightning=lightning[0],
+        target_lightning=lightning[1],
+    )
+
+
+def _attributes_reading(
+    src: Source,
+    submodule: str | None,
+    target: OrderedDict[str, Any],
+    lightning: tuple[bool, bool],
+    removed: list[str],
+) -> tuple[tuple[OrderedDict[str, Any], list[str], list[str]], Mapping] | None:
+    """A file's names misled when its ``module.`` is the model's own attribute: that reading, if it fits."""
+    try:
+        entries = _source_entries(src, submodule, ["_orig_mod"])
+        if entries[1] == removed:
+            return None
+        mapping = _match(entries[0], target, lightning)
+    except (KeyError, ValueError):
+        return None
+    return (entries, mapping) if _fits(entries[0], target, mapping) else None
+
+
+def _fits(source: OrderedDict[str, Any], target: OrderedDict[str, Any], mapping: Mapping) -> bool:
+    return {mapping.apply(k) for k in source if mapping.covers(k)} == set(target)
 
 
 def _pair_by_name(
@@ -161,6 +212,8 @@ def _shape_mismatch(key: str, value: Any, name: str, expected: Any, report: Load
 
 def _submodule_hint(source: OrderedDict[str, Any]) -> str:
     tops = list(split_top(source))
+    if not tops:
+        return ""
     return f"Pass submodule={tops[0]!r} (or another of {', '.join(tops)}) to choose."
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -11,7 +12,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_mgpu import PlainStateDictExport, load_state_dict
-from tests.checkpoint._models import LitNet, LitTwo, assert_same, loader, net, trainer
+from tests.checkpoint._models import LitNet, LitTwo, ResNet, assert_same, loader, net, trainer
 from tests.helpers import run_script
 
 
@@ -99,12 +100,39 @@ def test_mgpu_ddp_two_processes(tmp_path: Path) -> None:
     assert_same(last.state_dict(), safetensors.torch.load_file(folder / "final.safetensors"))
 
 
-def test_ambiguous_module_fails_at_setup_before_training(tmp_path: Path) -> None:
+class LitLate(LitNet):
+    """Builds its layers in ``configure_model``, after callbacks' ``setup``; ``two`` adds a weighted loss."""
+
+    def __init__(self, two: bool = False) -> None:
+        super().__init__()
+        self.model = None  # type: ignore[assignment]
+        self.two = two
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = ResNet(seed=1)
+            if self.two:
+                self.loss_fn = torch.nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("module", [LitTwo, lambda: LitLate(two=True)], ids=["built", "configure_model"])
+def test_ambiguous_module_fails_at_fit_start_before_training(tmp_path: Path, module: Any) -> None:
     fit = trainer(tmp_path, enable_checkpointing=True, callbacks=callbacks(tmp_path / "ckpt"))
     with pytest.raises(ValueError, match="several top-level entries: model .*loss_fn.*submodule='model'"):
-        fit.fit(LitTwo(), loader())
+        fit.fit(module(), loader())
     assert fit.global_step == 0
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_layers_built_in_configure_model_with_a_users_module_attribute(tmp_path: Path) -> None:
+    module = LitLate()
+    last = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
+    fit = trainer(tmp_path, enable_checkpointing=True, callbacks=[last, PlainStateDictExport()])
+    fit.fit(module, loader())
+    for name in ("last", "final"):
+        fresh = ResNet(seed=2)
+        fresh.load_state_dict(safetensors.torch.load_file(tmp_path / f"{name}.safetensors"), strict=True)
+        assert_same(module.model.state_dict(), fresh.state_dict())
 
 
 def test_submodule_prefix_and_format_options(tmp_path: Path) -> None:

@@ -20,6 +20,31 @@ def net(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2))
 
 
+class Residual(nn.Module):
+    """A user's block that keeps its only layer in ``self.module``: named like a wrapper, but not one."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.module(x)
+
+
+class ResNet(nn.Module):
+    """Residual blocks at every depth a wrapper could sit: ``stem.module.``, ``blocks.0.module.``."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.stem = Residual(nn.Linear(4, 4))
+        self.blocks = nn.Sequential(Residual(nn.Linear(4, 4)), Residual(nn.Linear(4, 4)))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)))
+
+
 class LitNet(L.LightningModule):
     """A LightningModule holding the model as ``self.model``, optionally with config hyperparameters."""
 

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from lightning_mgpu import export_state_dict, inspect_checkpoint
-from tests.checkpoint._models import lightning_checkpoint, net
+from tests.checkpoint._models import Residual, lightning_checkpoint, net
 
 
 def test_lightning_checkpoint(tmp_path: Path) -> None:
@@ -64,3 +64,20 @@ def test_long_groups_are_cut_unless_asked(tmp_path: Path) -> None:
     assert list(info.groups()) == ["body.", "(top level)"] or list(info.groups()) == ["body.", "head."]
     assert "... and 40 more (--all lists every entry)" in info.render(max_per_group=20)
     assert "body.29.bias" in info.render(max_per_group=None)
+
+
+def test_a_users_module_attribute_is_not_a_wrapper(tmp_path: Path) -> None:
+    torch.save(
+        nn.Sequential(Residual(nn.Linear(4, 4)), Residual(nn.Linear(4, 4))).state_dict(), tmp_path / "r.pt"
+    )
+    info = inspect_checkpoint(tmp_path / "r.pt")
+    assert info.wrappers == []
+    assert info.loads_into_plain
+    assert "saved through: no wrapper" in str(info)
+    assert "loads into a plain model:          yes" in str(info)
+
+
+def test_the_suggested_export_never_overwrites_the_input(tmp_path: Path) -> None:
+    export_state_dict(net(), tmp_path / "w.safetensors", prefix="module.")
+    text = str(inspect_checkpoint(tmp_path / "w.safetensors"))
+    assert "no  -> lightning-mgpu export w.safetensors w_plain.safetensors" in text

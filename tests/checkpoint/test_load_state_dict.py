@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from lightning_mgpu import LoadReport, export_state_dict, load_state_dict
-from tests.checkpoint._models import LitNet, LitTwo, assert_same, lightning_checkpoint, net
+from tests.checkpoint._models import LitNet, LitTwo, ResNet, assert_same, lightning_checkpoint, net
 
 
 class Renamed(nn.Module):
@@ -246,3 +246,17 @@ def test_by_order_from_a_module_with_several_submodules_suggests_one() -> None:
         source.model.state_dict(),
         dict(zip(source.model.state_dict(), target.state_dict().values(), strict=True)),
     )
+
+
+def test_a_file_whose_module_is_the_models_own_attribute(tmp_path: Path) -> None:
+    # the names alone read ``module.stem.module.`` as two wrappers; the model shows the inner one is its own
+    source = ResNet(seed=1)
+    torch.save(nn.DataParallel(source).state_dict(), tmp_path / "dp.pt")
+    for target, plain in (
+        (ResNet(seed=2), lambda m: m),
+        (nn.DataParallel(ResNet(seed=2)), lambda m: m.module),
+        (LitNet(ResNet(seed=2)), lambda m: m.model),
+    ):
+        report = load_state_dict(target, tmp_path / "dp.pt")
+        assert report.removed_prefixes == ["module."]
+        assert_same(source.state_dict(), plain(target).state_dict())

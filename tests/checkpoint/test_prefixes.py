@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 
-from lightning_mgpu.checkpoint._prefixes import add_prefix, select, strip_wrappers
+from lightning_mgpu import export_state_dict, load_state_dict
+from lightning_mgpu.checkpoint._prefixes import add_prefix, find_wrappers, select, strip_wrappers
+from tests.checkpoint._models import LitNet, ResNet, assert_same
 
 
 def test_nested_wrappers_in_any_order_and_depth() -> None:
@@ -44,3 +49,50 @@ def test_select_and_add_prefix() -> None:
     with pytest.raises(KeyError, match="no submodule 'decoder': the weights hold model, loss"):
         select(sd, "decoder")
     assert list(add_prefix({"w": 1}, "module")) == ["module.w"]
+
+
+def test_a_file_loses_module_only_where_a_wrapper_can_sit() -> None:
+    kept = ["blocks.0.module.weight", "0.module.weight", "model.blocks.0._forward_module.weight"]
+    for key in kept:
+        assert strip_wrappers({key: 1, "head.weight": 2}) == ({key: 1, "head.weight": 2}, [])
+        assert strip_wrappers({key: 1}) == ({key: 1}, [])
+    removed = {
+        "module.0.weight": ("0.weight", ["module."]),
+        "model.module.0.weight": ("model.0.weight", ["model.module."]),
+        "blocks.0._orig_mod.weight": ("blocks.0.weight", ["blocks.0._orig_mod."]),
+        "blocks.0._orig_mod.module.weight": (
+            "blocks.0.weight",
+            ["blocks.0._orig_mod.", "blocks.0._orig_mod.module."],
+        ),
+        "module.model._forward_module.w": ("model.w", ["module.", "module.model._forward_module."]),
+    }
+    for key, (plain, prefixes) in removed.items():
+        assert strip_wrappers({key: 1}) == ({plain: 1}, prefixes), key
+
+
+def test_a_module_loses_exactly_its_wrappers(tmp_path: Path) -> None:
+    model = ResNet(seed=1)
+    assert find_wrappers(model) == []
+    wrapped = nn.DataParallel(torch.compile(model))
+    assert find_wrappers(wrapped) == ["module.", "module._orig_mod."]
+    for source, removed in ((model, []), (wrapped, ["module.", "module._orig_mod."])):
+        report = export_state_dict(source, tmp_path / "res.safetensors")
+        assert report.removed_prefixes == removed
+        fresh = ResNet(seed=2)
+        fresh.load_state_dict(safetensors.torch.load_file(tmp_path / "res.safetensors"), strict=True)
+        assert_same(model.state_dict(), fresh.state_dict())
+
+    target = nn.DataParallel(ResNet(seed=2))
+    report = load_state_dict(target, model)
+    assert (report.removed_prefixes, report.added_prefixes) == ([], ["module."])
+    assert_same(model.state_dict(), target.module.state_dict())
+
+
+def test_lightning_wrapper_classes_are_wrappers() -> None:
+    from lightning.pytorch.plugins.precision.double import LightningDoublePrecisionModule
+
+    with pytest.warns(match="deprecated"):
+        wrapped = LightningDoublePrecisionModule(LitNet(ResNet(seed=1)))
+    assert find_wrappers(wrapped) == ["module."]
+    report = load_state_dict(ResNet(seed=2), wrapped)
+    assert report.removed_prefixes == ["module.", "model."]

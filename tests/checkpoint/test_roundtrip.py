@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import safetensors.torch
 import torch
 from torch import nn
 
-from lightning_mgpu import export_state_dict, load_state_dict
+from lightning_mgpu import export_state_dict, inspect_checkpoint, load_state_dict
 from tests.checkpoint._models import (
     WRAPS,
     LitNet,
@@ -113,3 +114,29 @@ def test_removed_prefixes_are_reported(ckpt_path: Any) -> None:
     report = load_state_dict(net(seed=2), ckpt_path[0])
     assert report.removed_prefixes == ["model."]
     assert report.added_prefixes == []
+
+
+class NoWeights(L.LightningModule):
+    """A LightningModule without parameters or buffers."""
+
+
+def test_a_model_without_weights_round_trips_as_an_empty_state_dict(tmp_path: Path) -> None:
+    # torch saves {} and nn.Module.load_state_dict takes it; so do export, inspect and load
+    lightning_ckpt = {"pytorch-lightning_version": "2.6.0", "epoch": 0, "state_dict": {}}
+    for source in (nn.ReLU(), NoWeights(), {}, lightning_ckpt):
+        for fmt in ("safetensors", "pt"):
+            out = tmp_path / f"empty.{fmt}"
+            assert export_state_dict(source, out).tensors == 0
+            raw = (
+                safetensors.torch.load_file(out)
+                if fmt == "safetensors"
+                else torch.load(out, weights_only=True)
+            )
+            assert raw == {}
+            info = inspect_checkpoint(out)
+            assert (info.loads_into_plain, info.loads_into_dataparallel) == (True, True)
+            assert "weights: 0 tensors, 0 values\n" in str(info)
+            assert load_state_dict(NoWeights(), out).loaded == 0
+        assert load_state_dict(nn.ReLU(), source).ok
+    with pytest.raises(ValueError, match=r"missing from the source \(2\): weight, bias"):
+        load_state_dict(nn.Linear(2, 2), tmp_path / "empty.pt")
