@@ -93,15 +93,23 @@ def _innermost(module: nn.Module) -> nn.Module:
     return module
 
 
-def resolve(source: Any, *, map_location: Any = "cpu", trust_pickle: bool = False) -> Source:
+def resolve(
+    source: Any, *, map_location: Any = "cpu", trust_pickle: bool = False, key: str | None = None
+) -> Source:
     """Find the state_dict in ``source``.
+
+    ``key`` names the entry of a training checkpoint that holds the weights (``"ema"``), for a
+    checkpoint holding several.
 
     Raises:
         TypeError: ``source`` is none of the supported kinds.
-        ValueError: a file or dict holds no state_dict, or several.
+        ValueError: a file or dict holds no state_dict, or several and no ``key`` says which.
+        KeyError: ``key`` is not an entry of the checkpoint; the message lists those that are.
     """
+    if key is not None and isinstance(source, nn.Module):
+        raise TypeError(f"key={key!r} picks an entry of a checkpoint file or dict; got a module")
     if isinstance(source, (str, os.PathLike)):
-        return _from_file(Path(source), map_location, trust_pickle)
+        return _from_file(Path(source), map_location, trust_pickle, key)
     if isinstance(source, nn.Module):
         inner = _innermost(source)
         lightning = is_lightning_module(inner)
@@ -117,19 +125,19 @@ def resolve(source: Any, *, map_location: Any = "cpu", trust_pickle: bool = Fals
             wrappers=find_wrappers(source),
         )
     if isinstance(source, Mapping):
-        return _from_mapping(source, "the given dict")
+        return _from_mapping(source, "the given dict", key)
     raise TypeError(
         "expected a checkpoint path, an nn.Module or a state_dict (a dict of tensors), "
         f"got {type(source).__name__}"
     )
 
 
-def _from_file(path: Path, map_location: Any, trust_pickle: bool) -> Source:
+def _from_file(path: Path, map_location: Any, trust_pickle: bool, key: str | None) -> Source:
     loaded = read_file(path, map_location=map_location, trust_pickle=trust_pickle)
     obj = loaded.obj
     if isinstance(obj, nn.Module):  # torch.save(model): only readable with trust_pickle
         obj = obj.state_dict()
-    src = _from_mapping(obj, str(path)) if isinstance(obj, Mapping) else None
+    src = _from_mapping(obj, str(path), key) if isinstance(obj, Mapping) else None
     if src is None:
         raise ValueError(
             f"{path} is not a checkpoint: it holds a {type(obj).__name__}, not a dict of tensors"
@@ -139,12 +147,17 @@ def _from_file(path: Path, map_location: Any, trust_pickle: bool) -> Source:
     return src
 
 
-def _from_mapping(obj: Mapping[str, Any], where: str) -> Source:
+def _weights_entry(value: Any) -> bool:
+    return is_state_dict(value) or (isinstance(value, Mapping) and not value)
+
+
+def _from_mapping(obj: Mapping[str, Any], where: str, key: str | None = None) -> Source:
+    if key is not None:
+        return _chosen_entry(obj, where, key)
     if not obj or is_state_dict(obj):  # {}: the state_dict of a model without weights
         return Source(OrderedDict(obj), where, "state_dict")
     lightning = any(k in obj for k in _LIGHTNING_KEYS)
-    weights = obj.get("state_dict")
-    if is_state_dict(weights) or (isinstance(weights, Mapping) and not weights):
+    if _weights_entry(obj.get("state_dict")):
         kind = "Lightning checkpoint" if lightning else "checkpoint"
         return Source(OrderedDict(obj["state_dict"]), where, kind, lightning, obj, "state_dict")
     candidates = [k for k in obj if isinstance(k, str) and is_state_dict(obj[k])]
@@ -155,7 +168,7 @@ def _from_mapping(obj: Mapping[str, Any], where: str) -> Source:
         names = ", ".join(repr(k) for k in candidates)
         raise ValueError(
             f"{where} is a training checkpoint holding several state_dicts ({names}); "
-            f"pass the one you want, e.g. checkpoint[{candidates[0]!r}]"
+            f"pass key={candidates[0]!r} (command line: --key {candidates[0]}) or another of them"
         )
     looks_like = any(k in obj for k in (*_WEIGHT_KEYS, "epoch", "optimizer_states", "optimizer"))
     what = "a training checkpoint dict" if looks_like else "a dict"
@@ -163,6 +176,21 @@ def _from_mapping(obj: Mapping[str, Any], where: str) -> Source:
         f"{where} is {what} with keys {keys}, and none of them is a state_dict (a dict of names to tensors); "
         "pass model.state_dict(), or the checkpoint entry that holds it"
     )
+
+
+def _chosen_entry(obj: Mapping[str, Any], where: str, key: str) -> Source:
+    candidates = [k for k in obj if isinstance(k, str) and _weights_entry(obj[k])]
+    if key not in obj:
+        holds = ", ".join(repr(k) for k in candidates) or "none"
+        raise KeyError(f"{where} has no entry {key!r}; the entries holding weights are: {holds}")
+    if not _weights_entry(obj[key]):
+        raise ValueError(
+            f"{where}[{key!r}] holds a {type(obj[key]).__name__}, not a state_dict; "
+            f"the entries holding weights are: {', '.join(repr(k) for k in candidates) or 'none'}"
+        )
+    lightning = key == "state_dict" and any(k in obj for k in _LIGHTNING_KEYS)
+    kind = "Lightning checkpoint" if lightning else "checkpoint"
+    return Source(OrderedDict(obj[key]), where, kind, lightning, obj, key)
 
 
 def count_values(state_dict: Mapping[str, Any]) -> int:

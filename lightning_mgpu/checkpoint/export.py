@@ -114,6 +114,7 @@ def export_state_dict(
     format: str | None = None,
     dtype: torch.dtype | str | None = None,
     trust_pickle: bool = False,
+    key: str | None = None,
 ) -> ExportReport:
     """Write the plain weights of ``source`` to ``path``, atomically.
 
@@ -143,6 +144,8 @@ def export_state_dict(
             in safetensors and come back under every name with :func:`load_state_dict`.
         dtype: Cast floating-point tensors, e.g. ``torch.bfloat16`` or ``"float16"``.
         trust_pickle: Unpickle arbitrary Python objects from a legacy file. Only for files you trust.
+        key: The entry of a training checkpoint that holds the weights, when it holds several
+            (``{"model": ..., "ema": ...}``).
 
     Returns:
         An :class:`ExportReport` of what was written and which prefixes were removed.
@@ -165,7 +168,7 @@ def export_state_dict(
     path = Path(path)
     fmt = _choose_format(path, format)
     to_dtype = _choose_dtype(dtype)
-    src = resolve(source, trust_pickle=trust_pickle)
+    src = resolve(source, trust_pickle=trust_pickle, key=key)
     state_dict, removed = plain_state_dict(src, submodule)
     if to_dtype is not None:
         state_dict = _cast(state_dict, to_dtype)

@@ -53,6 +53,7 @@ class CheckpointInfo:
     details: list[str] = field(default_factory=list)
     other_entries: list[str] = field(default_factory=list)
     weights_key: str | None = None
+    chosen_key: str | None = None
     tensors: list[TensorInfo] = field(default_factory=list)
     values: int = 0
     dtypes: dict[str, int] = field(default_factory=dict)
@@ -108,11 +109,12 @@ class CheckpointInfo:
         entry = f" (its {self.weights_key!r} entry)" if self.weights_key else ""
         # never suggest writing over the file being described
         out = f"{stem}.safetensors" if f"{stem}.safetensors" != name else f"{stem}_plain.safetensors"
-        plain = f"yes{entry}" if self.loads_into_plain else f"no  -> lightning-mgpu export {name} {out}"
+        key = f" --key {self.chosen_key}" if self.chosen_key is not None else ""
+        plain = f"yes{entry}" if self.loads_into_plain else f"no  -> lightning-mgpu export{key} {name} {out}"
         dp = (
             f"yes{entry}"
             if self.loads_into_dataparallel
-            else f"no  -> lightning-mgpu export --dataparallel {name} {stem}_dp.safetensors"
+            else f"no  -> lightning-mgpu export{key} --dataparallel {name} {stem}_dp.safetensors"
         )
         return [
             f"loads into a plain model:          {plain}",
@@ -144,7 +146,7 @@ def _label(name: str, depth: int, wrapper_prefixes: set[str]) -> str:
     return label or "(top level)"
 
 
-def inspect_checkpoint(source: Any, *, trust_pickle: bool = False) -> CheckpointInfo:
+def inspect_checkpoint(source: Any, *, trust_pickle: bool = False, key: str | None = None) -> CheckpointInfo:
     """Describe a checkpoint or weights file (or a module / state_dict) without changing anything.
 
     Reports the kind of file, the other entries of a training checkpoint, every tensor's name,
@@ -157,6 +159,7 @@ def inspect_checkpoint(source: Any, *, trust_pickle: bool = False) -> Checkpoint
     Args:
         source: A checkpoint path, a module or a state_dict.
         trust_pickle: Unpickle arbitrary Python objects from a legacy file. Only for files you trust.
+        key: The entry of a training checkpoint that holds the weights, when it holds several.
 
     Raises:
         FileNotFoundError, ValueError: as :func:`load_state_dict`.
@@ -169,8 +172,8 @@ def inspect_checkpoint(source: Any, *, trust_pickle: bool = False) -> Checkpoint
         print(info)                  # the report of ``lightning-mgpu inspect``
         info.loads_into_plain        # False: the keys start with 'model.'
     """
-    src = resolve(source, trust_pickle=trust_pickle)
-    info = CheckpointInfo(src.description, src.kind, src.format, weights_key=src.weights_key)
+    src = resolve(source, trust_pickle=trust_pickle, key=key)
+    info = CheckpointInfo(src.description, src.kind, src.format, weights_key=src.weights_key, chosen_key=key)
     if src.path is not None:
         info.size = src.path.stat().st_size
     if src.checkpoint is not None:

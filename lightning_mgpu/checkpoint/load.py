@@ -33,6 +33,7 @@ def load_state_dict(
     map_location: Any = "cpu",
     trust_pickle: bool = False,
     submodule: str | None = None,
+    key: str | None = None,
 ) -> LoadReport:
     """Load ``source`` into ``model``, whatever wraps either of them.
 
@@ -57,6 +58,8 @@ def load_state_dict(
         map_location: Where a file's tensors are read to, as in ``torch.load``.
         trust_pickle: Unpickle arbitrary Python objects from a legacy file. Only for files you trust.
         submodule: Take only the source entries under this name (``"model"``, ``"student"``).
+        key: The entry of a training checkpoint that holds the weights, when it holds several
+            (``{"model": ..., "ema": ...}``).
 
     Returns:
         A :class:`LoadReport`: prefixes removed and added, missing and unexpected entries, shape
@@ -74,7 +77,7 @@ def load_state_dict(
         report = load_state_dict(model, "lightning_logs/version_0/checkpoints/epoch=3.ckpt")
         print(report.removed_prefixes)  # ['model.']
     """
-    src = resolve(source, map_location=map_location, trust_pickle=trust_pickle)
+    src = resolve(source, map_location=map_location, trust_pickle=trust_pickle, key=key)
     source_sd, removed, ignored = _source_entries(src, submodule, WRAPPERS)
     target_sd = model.state_dict()
     target_names, target_wrappers = plain_names(target_sd, find_wrappers(model))

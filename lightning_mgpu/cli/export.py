@@ -5,6 +5,7 @@ Examples::
     lightning-mgpu export lightning_logs/version_0/checkpoints/last.ckpt model.safetensors
     lightning-mgpu export last.ckpt model_dp.pt --dataparallel --format pt
     lightning-mgpu export last.ckpt student.safetensors --submodule student
+    lightning-mgpu export train_state.pt ema.safetensors --key ema
 """
 
 from __future__ import annotations
@@ -33,7 +34,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="cast floating-point weights",
     )
+    add_key(parser)
     add_trust_pickle(parser)
+
+
+def add_key(parser: argparse.ArgumentParser) -> None:
+    """The ``--key`` option, shared with ``lightning-mgpu inspect``."""
+    parser.add_argument(
+        "--key",
+        metavar="NAME",
+        default=None,
+        help="entry of a training checkpoint holding several state_dicts to use (e.g. ema)",
+    )
 
 
 def add_trust_pickle(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         format=args.format,
         dtype=args.dtype,
         trust_pickle=args.trust_pickle,
+        key=args.key,
     )
     print(report)
     return 0

@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import argparse
 
-from lightning_mgpu.cli.export import add_trust_pickle
+from lightning_mgpu.cli.export import add_key, add_trust_pickle
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="checkpoint or weights file: .ckpt, .pt/.pth or .safetensors")
     parser.add_argument("--all", action="store_true", help="list every entry (default: 20 per group)")
+    add_key(parser)
     add_trust_pickle(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from lightning_mgpu.checkpoint import inspect_checkpoint
 
-    info = inspect_checkpoint(args.file, trust_pickle=args.trust_pickle)
+    info = inspect_checkpoint(args.file, trust_pickle=args.trust_pickle, key=args.key)
     print(info.render(max_per_group=None if args.all else 20))
     return 0

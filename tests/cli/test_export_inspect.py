@@ -12,6 +12,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from lightning_mgpu import load_state_dict
 from lightning_mgpu.cli.main import main
 from tests.checkpoint._models import LitTwo, assert_same, lightning_checkpoint, net
 from tests.helpers import run_command, script_env
@@ -61,6 +62,33 @@ def test_export_submodule_and_errors(tmp_path: Path, capsys: pytest.CaptureFixtu
 
     assert main(["export", str(tmp_path / "missing.ckpt"), str(tmp_path / "x.safetensors")]) == 1
     assert "error: no such file" in capsys.readouterr().err
+
+
+def test_key_picks_one_of_several_state_dicts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    model, ema = net(seed=1).state_dict(), net(seed=2).state_dict()
+    torch.save({"epoch": 3, "model": model, "ema": ema}, tmp_path / "train.pt")
+    file = str(tmp_path / "train.pt")
+    assert main(["inspect", file]) == 1
+    err = capsys.readouterr().err
+    assert "several state_dicts ('model', 'ema')" in err
+    assert "--key model" in err
+
+    assert main(["export", file, str(tmp_path / "ema.safetensors"), "--key", "ema"]) == 0
+    assert_same(ema, safetensors.torch.load_file(tmp_path / "ema.safetensors"))
+    assert main(["inspect", file, "--key", "ema"]) == 0
+    out = capsys.readouterr().out
+    assert "weights under 'ema': 9 tensors" in out
+    assert f"lightning-mgpu export --key ema --dataparallel {Path(file).name} train_dp.safetensors" in out
+    assert main(["export", file, str(tmp_path / "x.safetensors"), "--key", "emma"]) == 1
+    err = capsys.readouterr().err
+    assert "no entry 'emma'; the entries holding weights are: 'model', 'ema'" in err
+    assert main(["export", file, str(tmp_path / "x.safetensors"), "--key", "epoch"]) == 1
+    assert "['epoch'] holds a int, not a state_dict" in capsys.readouterr().err
+    assert not (tmp_path / "x.safetensors").exists()
+
+    target = net(seed=5)
+    assert load_state_dict(target, tmp_path / "train.pt", key="model").ok
+    assert_same(model, target.state_dict())
 
 
 def test_inspect(ckpt: tuple[Path, dict], capsys: pytest.CaptureFixture) -> None:
