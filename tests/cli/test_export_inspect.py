@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -117,3 +119,16 @@ def test_trust_pickle_flag(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert "argparse.Namespace" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "old.pth"), str(tmp_path / "w.safetensors"), "--trust-pickle"]) == 0
     assert_same(net().state_dict(), safetensors.torch.load_file(tmp_path / "w.safetensors"))
+
+
+def test_export_refuses_a_named_pipe(
+    ckpt: tuple[Path, dict], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    assert main(["export", str(ckpt[0]), str(tmp_path / "fifo")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"lightning-mgpu export: error: cannot write {tmp_path / 'fifo'}: it is a named pipe"
+    )
+    assert stat.S_ISFIFO((tmp_path / "fifo").stat().st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]
