@@ -114,17 +114,17 @@ def _torch_load(path: Path, kind: str, map_location: Any, trust_pickle: bool) ->
 
     def load(mmap: bool) -> Any:
         if trust_pickle:
-            return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
+            return _load(path, map_location, mmap, weights_only=False)
         # importing omegaconf costs ~0.2 s: only when it is loaded already, or the file needs it
         imported = "omegaconf" in sys.modules
         try:
             with _omegaconf_allowed(imported):
-                return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+                return _load(path, map_location, mmap, weights_only=True)
         except pickle.UnpicklingError as err:
             if imported or "omegaconf" not in str(err):
                 raise
         with _omegaconf_allowed(True):
-            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+            return _load(path, map_location, mmap, weights_only=True)
 
     try:
         try:
@@ -154,6 +154,14 @@ def _torch_load(path: Path, kind: str, map_location: Any, trust_pickle: bool) ->
                 f"{path} is a TorchScript archive, not a checkpoint: use torch.jit.load"
             ) from None
         raise ValueError(f"{path} is truncated or corrupt: {message or type(err).__name__}") from None
+
+
+def _load(path: Path, map_location: Any, mmap: bool, **options: Any) -> Any:
+    """``torch.load``, whatever the file's name: it hands any path named ``*.safetensors`` to safetensors."""
+    if not path.name.endswith(".safetensors"):
+        return torch.load(path, map_location=map_location, mmap=mmap, **options)
+    with open(path, "rb") as file:  # an open file cannot be memory-mapped
+        return torch.load(file, map_location=map_location, **options)
 
 
 def _all_unsafe_globals(path: Path, kind: str) -> list[str]:

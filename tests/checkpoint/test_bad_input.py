@@ -273,3 +273,19 @@ def test_a_read_only_destination(tmp_path: Path) -> None:
         assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~umask
         assert safetensors.torch.load_file(out)
     only_inputs_left(tmp_path, "w.safetensors")
+
+
+def test_files_named_against_their_content_are_read_by_content(tmp_path: Path) -> None:
+    # torch.load alone hands any *.safetensors name to safetensors, which fails on a torch file
+    model = net(seed=2)
+    torch.save(model.state_dict(), tmp_path / "zip.safetensors")
+    torch.save(model.state_dict(), tmp_path / "legacy.safetensors", _use_new_zipfile_serialization=False)
+    export_state_dict(model, tmp_path / "real_safetensors.pt", format="safetensors")
+    for name in ("zip.safetensors", "legacy.safetensors", "real_safetensors.pt"):
+        target = net(seed=9)
+        assert load_state_dict(target, tmp_path / name).ok, name
+        assert_same(model.state_dict(), target.state_dict())
+        assert "9 tensors" in str(export_state_dict(tmp_path / name, tmp_path / "out.safetensors"))
+    (tmp_path / "corrupt.safetensors").write_bytes(b"\xff" * 8 + b"{}")
+    for err in all_three(tmp_path / "corrupt.safetensors", tmp_path / "out.pt"):
+        assert "corrupt.safetensors is truncated or corrupt" in str(err)

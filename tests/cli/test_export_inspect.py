@@ -132,3 +132,11 @@ def test_export_refuses_a_named_pipe(
     )
     assert stat.S_ISFIFO((tmp_path / "fifo").stat().st_mode)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]
+
+
+def test_inspect_a_torch_file_named_safetensors(
+    ckpt: tuple[Path, dict], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    torch.save(ckpt[1], tmp_path / "torch.safetensors")  # a torch file under a safetensors name
+    assert main(["inspect", str(tmp_path / "torch.safetensors")]) == 0
+    assert "torch.safetensors: state_dict (torch zip" in capsys.readouterr().out
