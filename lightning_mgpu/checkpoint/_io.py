@@ -17,6 +17,7 @@ import pickle
 import re
 import struct
 import sys
+import types
 import typing
 import zipfile
 from collections.abc import Iterator
@@ -108,13 +109,35 @@ def _check_zip(path: Path) -> None:
         raise ValueError(f"{path} is a zip archive but not a torch checkpoint (it holds {shown})")
 
 
+class _MissingClassError(Exception):
+    """A class the file refers to cannot be imported here."""
+
+    def __init__(self, module: str, name: str, reason: Exception) -> None:
+        super().__init__(f"{module}.{name}")
+        self.module, self.name, self.reason = module, name, reason
+
+
+class _NamingUnpickler(pickle.Unpickler):
+    """Names the class that cannot be found, where pickle's own error may not."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return super().find_class(module, name)
+        except (AttributeError, ImportError) as err:
+            raise _MissingClassError(module, name, err) from None
+
+
+# what torch.load needs of a pickle_module: Unpickler to subclass, and load
+_NAMING_PICKLE = types.SimpleNamespace(__name__="pickle", Unpickler=_NamingUnpickler, load=pickle.load)
+
+
 def _torch_load(path: Path, kind: str, map_location: Any, trust_pickle: bool) -> Any:
     if kind == "torch zip":
         _check_zip(path)
 
     def load(mmap: bool) -> Any:
         if trust_pickle:
-            return _load(path, map_location, mmap, weights_only=False)
+            return _load(path, map_location, mmap, weights_only=False, pickle_module=_NAMING_PICKLE)
         # importing omegaconf costs ~0.2 s: only when it is loaded already, or the file needs it
         imported = "omegaconf" in sys.modules
         try:
@@ -134,6 +157,8 @@ def _torch_load(path: Path, kind: str, map_location: Any, trust_pickle: bool) ->
                 raise
             # some older zip checkpoints cannot be memory-mapped; read those into memory instead
             return load(mmap=False)
+    except _MissingClassError as err:
+        raise ValueError(_missing_class_message(path, err)) from None
     except pickle.UnpicklingError as err:
         message = str(err)
         unsafe = _UNSAFE_GLOBAL.findall(message) + _BLOCKED.findall(message)
@@ -162,6 +187,25 @@ def _load(path: Path, map_location: Any, mmap: bool, **options: Any) -> Any:
         return torch.load(path, map_location=map_location, mmap=mmap, **options)
     with open(path, "rb") as file:  # an open file cannot be memory-mapped
         return torch.load(file, map_location=map_location, **options)
+
+
+def _missing_class_message(path: Path, err: _MissingClassError) -> str:
+    qualified = f"{err.module}.{err.name}"
+    if err.module == "__main__":
+        return (
+            f"{path} refers to {qualified}, a class defined in the script that saved it, which is not "
+            f"importable here. In Python, define or import {err.name} in your own script (so that "
+            f"{qualified} exists) before loading; the command line cannot, so load from Python, or save "
+            "hyperparameters as plain values (dict, omegaconf) rather than classes of the script."
+        )
+    if isinstance(err.reason, ImportError):
+        how = (
+            f"make {err.module} importable (install it, or add its folder to PYTHONPATH), or in Python "
+            "import the module that defines it before loading"
+        )
+    else:
+        how = f"{err.module} has no {err.name} here: use the version of {err.module} that saved the file"
+    return f"{path} refers to {qualified}, which cannot be imported here ({err.reason}); {how}."
 
 
 def _all_unsafe_globals(path: Path, kind: str) -> list[str]:

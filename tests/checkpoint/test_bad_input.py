@@ -6,6 +6,7 @@ import os
 import pickle
 import socket
 import stat
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -289,3 +290,19 @@ def test_files_named_against_their_content_are_read_by_content(tmp_path: Path) -
     (tmp_path / "corrupt.safetensors").write_bytes(b"\xff" * 8 + b"{}")
     for err in all_three(tmp_path / "corrupt.safetensors", tmp_path / "out.pt"):
         assert "corrupt.safetensors is truncated or corrupt" in str(err)
+
+
+def test_trusted_file_whose_class_cannot_be_imported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "mytrain.py").write_text("class Cfg:\n    lr = 0.1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import mytrain  # type: ignore[import-not-found]
+
+    path = tmp_path / "fit.ckpt"
+    torch.save({"state_dict": net().state_dict(), "hyper_parameters": {"cfg": mytrain.Cfg()}}, path)
+    monkeypatch.delitem(sys.modules, "mytrain")
+    (tmp_path / "mytrain.py").unlink()
+    with pytest.raises(ValueError, match=r"refers to mytrain.Cfg, which cannot be imported here \(No module"):
+        load_state_dict(net(), path, trust_pickle=True)
+    (tmp_path / "mytrain.py").write_text("class Config:\n    pass\n")
+    with pytest.raises(ValueError, match="mytrain has no Cfg here: use the version of mytrain that saved"):
+        load_state_dict(net(), path, trust_pickle=True)
