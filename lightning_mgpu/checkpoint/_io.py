@@ -4,7 +4,8 @@
   since 1.6), a legacy ``torch.save`` pickle, or safetensors.
 - torch files are always unpickled with ``weights_only=True``, memory-mapped when the format allows,
   so a 10 GB checkpoint costs no memory until its tensors are read. The allowlist is widened only for
-  omegaconf containers, which Lightning stores when ``save_hyperparameters`` gets a ``DictConfig``.
+  what hyperparameters commonly hold, and only while loading: ``pathlib`` paths, and omegaconf
+  containers, which Lightning stores when ``save_hyperparameters`` gets a ``DictConfig``.
 - ``trust_pickle=True`` is the one way to unpickle anything else, and the refusal names it.
 """
 
@@ -22,7 +23,7 @@ import typing
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PosixPath, PurePosixPath, PureWindowsPath, WindowsPath
 from typing import Any, BinaryIO
 
 import torch
@@ -141,12 +142,12 @@ def _torch_load(path: Path, kind: str, map_location: Any, trust_pickle: bool) ->
         # importing omegaconf costs ~0.2 s: only when it is loaded already, or the file needs it
         imported = "omegaconf" in sys.modules
         try:
-            with _omegaconf_allowed(imported):
+            with _hyperparameters_allowed(imported):
                 return _load(path, map_location, mmap, weights_only=True)
         except pickle.UnpicklingError as err:
             if imported or "omegaconf" not in str(err):
                 raise
-        with _omegaconf_allowed(True):
+        with _hyperparameters_allowed(True):
             return _load(path, map_location, mmap, weights_only=True)
 
     try:
@@ -214,7 +215,7 @@ def _all_unsafe_globals(path: Path, kind: str) -> list[str]:
     if finder is None or kind != "torch zip":
         return []
     try:
-        with _omegaconf_allowed(True):
+        with _hyperparameters_allowed(True):
             return sorted(finder(path))
     except Exception:  # a best effort for the message only
         return []
@@ -230,23 +231,28 @@ def _omegaconf_types() -> list[Any]:
         from omegaconf import DictConfig, ListConfig, base, nodes
     except ImportError:
         return []
-    node_names = ("AnyNode", "StringNode", "IntegerNode", "FloatNode", "BooleanNode", "BytesNode")
+    node_names = ("AnyNode", "StringNode", "IntegerNode", "FloatNode", "BooleanNode", "BytesNode", "PathNode")
     node_types = [getattr(nodes, name) for name in node_names if hasattr(nodes, name)]
     # Metadata records ref/key/element types, hence the builtins and typing.Any
     plain = [dict, list, int, float, str, bool, collections.defaultdict, typing.Any]
     return [DictConfig, ListConfig, base.ContainerMetadata, base.Metadata, *node_types, *plain]
 
 
+# what Path(...) and PurePath(...) pickle as on either system, and Path as omegaconf's PathNode type
+_PATH_TYPES = [Path, PosixPath, WindowsPath, PurePosixPath, PureWindowsPath]
+
+
 @contextlib.contextmanager
-def _omegaconf_allowed(enabled: bool) -> Iterator[None]:
-    """Allow omegaconf containers in weights-only loads for the duration of the block only.
+def _hyperparameters_allowed(omegaconf: bool) -> Iterator[None]:
+    """Allow paths, and omegaconf containers if asked, in weights-only loads for the block only.
 
     Only types not already allowed are added, and only those are removed afterwards, so what the
     user or other libraries allowed (before or meanwhile) stays allowed.
     """
     serialization: Any = torch.serialization
     allowed = set(serialization.get_safe_globals())
-    added = [t for t in _omegaconf_types() if t not in allowed] if enabled else []
+    wanted = _PATH_TYPES + (_omegaconf_types() if omegaconf else [])
+    added = [t for t in wanted if t not in allowed]
     if hasattr(serialization, "safe_globals"):
         with serialization.safe_globals(added):
             yield

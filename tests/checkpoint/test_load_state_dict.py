@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import pickle
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import pytest
 import torch
@@ -154,6 +154,27 @@ def test_omegaconf_hyperparameters_load_safely(tmp_path: Path) -> None:
     assert not any(name.startswith("omegaconf") for name in allowed)
     with pytest.raises(pickle.UnpicklingError, match="omegaconf"):
         torch.load(path, weights_only=True)
+
+
+def test_path_hyperparameters_load_safely(tmp_path: Path) -> None:
+    from omegaconf.nodes import PathNode
+
+    hparams = {
+        "data_dir": Path("data") / "train",
+        "pure": PurePosixPath("/mnt/shared"),
+        "windows_dir": PureWindowsPath(r"C:\runs"),
+        "cfg": OmegaConf.create({"out": Path("out"), "typed": PathNode(Path("logs"))}),
+    }
+    path = tmp_path / "paths.ckpt"
+    module = lightning_checkpoint(path, cfg=hparams)
+    with pytest.raises(pickle.UnpicklingError, match="pathlib"):
+        torch.load(path, weights_only=True)
+
+    target = net(seed=7)
+    assert load_state_dict(target, path).ok
+    assert_same(module.model.state_dict(), target.state_dict())
+    allowed = {getattr(g, "__module__", "") for g in torch.serialization.get_safe_globals()}
+    assert not any(name.startswith(("pathlib", "omegaconf")) for name in allowed)
 
 
 def test_trust_pickle_is_the_explicit_way_for_legacy_objects(tmp_path: Path) -> None:
