@@ -146,6 +146,26 @@ def test_inspect_a_torch_file_named_safetensors(
     assert "torch.safetensors: state_dict (torch zip" in capsys.readouterr().out
 
 
+def test_output_into_a_pipe_closed_early(tmp_path: Path) -> None:
+    # `lightning-mgpu inspect --all big.pt | head -3`: more output than a pipe holds, reader leaves
+    torch.save({f"layer{i}.weight": torch.zeros(1) for i in range(3000)}, tmp_path / "big.pt")
+    proc = subprocess.Popen(
+        [*CONSOLE, "inspect", "--all", "big.pt"],
+        cwd=tmp_path,
+        env=script_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    head = [proc.stdout.readline() for _ in range(3)]
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141, err  # 128 + SIGPIPE, what a shell reports for `cat big | head`
+    assert head[0].startswith(b"big.pt: state_dict (torch zip")
+    assert err == b""
+
+
 # classes of a training script: pickle records them as __main__.Cfg and __main__.Mode
 @dataclasses.dataclass
 class Cfg:
