@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import stat
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -85,31 +86,75 @@ def _umask() -> int:
     return mask
 
 
-def _check_destination(path: Path) -> None:
-    if path.is_dir():
+_NOT_FILES = (
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a named pipe"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _cannot_write(path: Path, err: OSError) -> OSError:
+    error = type(err)(f"cannot write {path}: {err.strerror or err}")
+    error.errno = err.errno
+    return error
+
+
+def _destination(path: Path) -> Path:
+    """The regular file to replace: ``path``, or the file a symlink at ``path`` points to."""
+    try:
+        mode = path.stat().st_mode  # follows links, /dev/stdout's too
+    except (FileNotFoundError, NotADirectoryError):
+        mode = None
+    except OSError as err:  # a link loop, a folder we may not search
+        raise _cannot_write(path, err) from None
+    if mode is not None and stat.S_ISDIR(mode):
         raise IsADirectoryError(f"cannot write {path}: it is a folder; give a file name inside it")
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = next((name for test, name in _NOT_FILES if test(mode)), "not a regular file")
+        raise OSError(
+            f"cannot write {path}: it is {kind}, not a regular file, and an export replaces its destination "
+            "with a new file rather than writing into it; give the name of a file to create or overwrite "
+            "instead (e.g. model.safetensors)"
+        )
+    if mode is not None and not os.access(path, os.W_OK):
+        raise PermissionError(
+            f"cannot write {path}: it is read-only (mode {stat.S_IMODE(mode):o}); make it writable "
+            "(chmod u+w) or remove it first, or give another name"
+        )
+    if path.is_symlink():  # replace the target, so the link stays a link to the new file
+        path = Path(os.path.realpath(path))
     parent = path.parent
     if not parent.exists():
         raise FileNotFoundError(f"cannot write {path}: the folder {parent} does not exist")
     if not parent.is_dir():
         raise NotADirectoryError(f"cannot write {path}: {parent} is a file, not a folder")
+    return path
 
 
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     """Open a temporary file next to ``path``; on success it replaces ``path``.
 
+    - A symlink at ``path`` is followed: its target is replaced, and the link stays a link to the
+      new file.
+    - A device, named pipe or socket at ``path`` is refused before anything is written: it would
+      be replaced by an ordinary file, not written into.
+    - A file the caller may not write is refused, as ``cp`` or ``open`` would refuse it, although
+      renaming over it would work. A file the caller may write keeps its permissions (a private
+      ``0o600`` file stays private), unless it was read-only (root may replace one): the new file
+      then gets the mode a fresh file gets under the umask, not a read-only mode.
+
     Raises:
-        IsADirectoryError, FileNotFoundError, NotADirectoryError, PermissionError: the destination
-            cannot be written; the message says why.
+        IsADirectoryError, FileNotFoundError, NotADirectoryError, PermissionError, OSError: the
+            destination cannot be written; the message says why and what to give instead.
 
     Example::
 
         with atomic_write("out/model.safetensors") as f:
             f.write(data)
     """
-    path = Path(path)
-    _check_destination(path)
+    path = _destination(Path(path))
     try:
         fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except PermissionError:
@@ -117,23 +162,28 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
             f"cannot write {path}: no permission to create files in {path.parent}"
         ) from None
     except OSError as err:
-        error = OSError(f"cannot write {path}: {err.strerror or err}")
-        error.errno = err.errno
-        raise error from None
+        raise _cannot_write(path, err) from None
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as file:
             yield file
             file.flush()
             os.fsync(file.fileno())
-        mode = path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_umask()
-        os.chmod(tmp, mode)
+        os.chmod(tmp, _new_mode(path))
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
     _fsync_folder(path.parent)
+
+
+def _new_mode(path: Path) -> int:
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        mode = 0
+    return mode if mode & stat.S_IWUSR else 0o666 & ~_umask()
 
 
 def _fsync_folder(folder: Path) -> None:

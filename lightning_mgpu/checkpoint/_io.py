@@ -4,7 +4,8 @@
   since 1.6), a legacy ``torch.save`` pickle, or safetensors.
 - torch files are always unpickled with ``weights_only=True``, memory-mapped when the format allows,
   so a 10 GB checkpoint costs no memory until its tensors are read. The allowlist is widened only for
-  omegaconf containers, which Lightning stores when ``save_hyperparameters`` gets a ``DictConfig``.
+  what hyperparameters commonly hold, and only while loading: ``pathlib`` paths, and omegaconf
+  containers, which Lightning stores when ``save_hyperparameters`` gets a ``DictConfig``.
 - ``trust_pickle=True`` is the one way to unpickle anything else, and the refusal names it.
 """
 
@@ -17,11 +18,12 @@ import pickle
 import re
 import struct
 import sys
+import types
 import typing
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PosixPath, PurePosixPath, PureWindowsPath, WindowsPath
 from typing import Any, BinaryIO
 
 import torch
@@ -108,23 +110,45 @@ def _check_zip(path: Path) -> None:
         raise ValueError(f"{path} is a zip archive but not a torch checkpoint (it holds {shown})")
 
 
+class _MissingClassError(Exception):
+    """A class the file refers to cannot be imported here."""
+
+    def __init__(self, module: str, name: str, reason: Exception) -> None:
+        super().__init__(f"{module}.{name}")
+        self.module, self.name, self.reason = module, name, reason
+
+
+class _NamingUnpickler(pickle.Unpickler):
+    """Names the class that cannot be found, where pickle's own error may not."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return super().find_class(module, name)
+        except (AttributeError, ImportError) as err:
+            raise _MissingClassError(module, name, err) from None
+
+
+# what torch.load needs of a pickle_module: Unpickler to subclass, and load
+_NAMING_PICKLE = types.SimpleNamespace(__name__="pickle", Unpickler=_NamingUnpickler, load=pickle.load)
+
+
 def _torch_load(path: Path, kind: str, map_location: Any, trust_pickle: bool) -> Any:
     if kind == "torch zip":
         _check_zip(path)
 
     def load(mmap: bool) -> Any:
         if trust_pickle:
-            return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
+            return _load(path, map_location, mmap, weights_only=False, pickle_module=_NAMING_PICKLE)
         # importing omegaconf costs ~0.2 s: only when it is loaded already, or the file needs it
         imported = "omegaconf" in sys.modules
         try:
-            with _omegaconf_allowed(imported):
-                return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+            with _hyperparameters_allowed(imported):
+                return _load(path, map_location, mmap, weights_only=True)
         except pickle.UnpicklingError as err:
             if imported or "omegaconf" not in str(err):
                 raise
-        with _omegaconf_allowed(True):
-            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        with _hyperparameters_allowed(True):
+            return _load(path, map_location, mmap, weights_only=True)
 
     try:
         try:
@@ -134,6 +158,8 @@ def _torch_load(path: Path, kind: str, map_location: Any, trust_pickle: bool) ->
                 raise
             # some older zip checkpoints cannot be memory-mapped; read those into memory instead
             return load(mmap=False)
+    except _MissingClassError as err:
+        raise ValueError(_missing_class_message(path, err)) from None
     except pickle.UnpicklingError as err:
         message = str(err)
         unsafe = _UNSAFE_GLOBAL.findall(message) + _BLOCKED.findall(message)
@@ -156,13 +182,40 @@ def _torch_load(path: Path, kind: str, map_location: Any, trust_pickle: bool) ->
         raise ValueError(f"{path} is truncated or corrupt: {message or type(err).__name__}") from None
 
 
+def _load(path: Path, map_location: Any, mmap: bool, **options: Any) -> Any:
+    """``torch.load``, whatever the file's name: it hands any path named ``*.safetensors`` to safetensors."""
+    if not path.name.endswith(".safetensors"):
+        return torch.load(path, map_location=map_location, mmap=mmap, **options)
+    with open(path, "rb") as file:  # an open file cannot be memory-mapped
+        return torch.load(file, map_location=map_location, **options)
+
+
+def _missing_class_message(path: Path, err: _MissingClassError) -> str:
+    qualified = f"{err.module}.{err.name}"
+    if err.module == "__main__":
+        return (
+            f"{path} refers to {qualified}, a class defined in the script that saved it, which is not "
+            f"importable here. In Python, define or import {err.name} in your own script (so that "
+            f"{qualified} exists) before loading; the command line cannot, so load from Python, or save "
+            "hyperparameters as plain values (dict, omegaconf) rather than classes of the script."
+        )
+    if isinstance(err.reason, ImportError):
+        how = (
+            f"make {err.module} importable (install it, or add its folder to PYTHONPATH), or in Python "
+            "import the module that defines it before loading"
+        )
+    else:
+        how = f"{err.module} has no {err.name} here: use the version of {err.module} that saved the file"
+    return f"{path} refers to {qualified}, which cannot be imported here ({err.reason}); {how}."
+
+
 def _all_unsafe_globals(path: Path, kind: str) -> list[str]:
     """Every global the weights-only unpickler would refuse (torch only names the first one)."""
     finder = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)  # torch >= 2.5
     if finder is None or kind != "torch zip":
         return []
     try:
-        with _omegaconf_allowed(True):
+        with _hyperparameters_allowed(True):
             return sorted(finder(path))
     except Exception:  # a best effort for the message only
         return []
@@ -178,23 +231,28 @@ def _omegaconf_types() -> list[Any]:
         from omegaconf import DictConfig, ListConfig, base, nodes
     except ImportError:
         return []
-    node_names = ("AnyNode", "StringNode", "IntegerNode", "FloatNode", "BooleanNode", "BytesNode")
+    node_names = ("AnyNode", "StringNode", "IntegerNode", "FloatNode", "BooleanNode", "BytesNode", "PathNode")
     node_types = [getattr(nodes, name) for name in node_names if hasattr(nodes, name)]
     # Metadata records ref/key/element types, hence the builtins and typing.Any
     plain = [dict, list, int, float, str, bool, collections.defaultdict, typing.Any]
     return [DictConfig, ListConfig, base.ContainerMetadata, base.Metadata, *node_types, *plain]
 
 
+# what Path(...) and PurePath(...) pickle as on either system, and Path as omegaconf's PathNode type
+_PATH_TYPES = [Path, PosixPath, WindowsPath, PurePosixPath, PureWindowsPath]
+
+
 @contextlib.contextmanager
-def _omegaconf_allowed(enabled: bool) -> Iterator[None]:
-    """Allow omegaconf containers in weights-only loads for the duration of the block only.
+def _hyperparameters_allowed(omegaconf: bool) -> Iterator[None]:
+    """Allow paths, and omegaconf containers if asked, in weights-only loads for the block only.
 
     Only types not already allowed are added, and only those are removed afterwards, so what the
     user or other libraries allowed (before or meanwhile) stays allowed.
     """
     serialization: Any = torch.serialization
     allowed = set(serialization.get_safe_globals())
-    added = [t for t in _omegaconf_types() if t not in allowed] if enabled else []
+    wanted = _PATH_TYPES + (_omegaconf_types() if omegaconf else [])
+    added = [t for t in wanted if t not in allowed]
     if hasattr(serialization, "safe_globals"):
         with serialization.safe_globals(added):
             yield

@@ -3,6 +3,10 @@
 Subcommand modules are imported only when their subcommand runs, so
 ``lightning-mgpu --help`` answers without importing torch. Each module provides
 ``add_arguments(parser)`` and ``run(args) -> int``.
+
+Errors a user can fix are printed as one line, without a traceback. Output whose reader stops
+early (``lightning-mgpu inspect --all f | head``) ends quietly with status 141, as a process ended
+by SIGPIPE does.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import select
 import sys
 from collections.abc import Sequence
 
@@ -26,6 +31,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 # Errors a user can fix; they are printed as one line, without a traceback.
 _USER_ERRORS = (OSError, ValueError, KeyError, TypeError)
+
+# the status of a process ended by SIGPIPE, as a shell reports it
+_SIGPIPE_EXIT = 128 + 13
 
 
 def _build_parser(selected: str | None) -> argparse.ArgumentParser:
@@ -55,13 +63,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
-        return int(module.run(args) or 0)
+        code = int(module.run(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit where it would print a traceback
+        return code
+    except BrokenPipeError as err:
+        if not _stdout_reader_gone():
+            return _user_error(args.command, err)
+        # the reader stopped early (``| head``): end quietly, as other command line tools do; what
+        # is still buffered goes to devnull so that the flush at exit does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return _SIGPIPE_EXIT
     except _USER_ERRORS as err:
-        if os.environ.get("LIGHTNING_MGPU_DEBUG"):
-            raise
-        message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"lightning-mgpu {args.command}: error: {message}", file=sys.stderr)
-        return 1
+        return _user_error(args.command, err)
+
+
+def _user_error(command: str, err: Exception) -> int:
+    if os.environ.get("LIGHTNING_MGPU_DEBUG"):
+        raise err
+    message = err.args[0] if isinstance(err, KeyError) and err.args else err
+    print(f"lightning-mgpu {command}: error: {message}", file=sys.stderr)
+    return 1
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it, rather than some other pipe breaking."""
+    if not hasattr(select, "poll"):  # Windows: cannot tell; stdout is by far the likeliest
+        return True
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), 0)  # POLLERR is reported whatever is asked for
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # stdout replaced by an object without a file
+        return False
 
 
 if __name__ == "__main__":

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import pickle
+import socket
+import stat
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 
 from lightning_mgpu import export_state_dict, inspect_checkpoint, load_state_dict
-from tests.checkpoint._models import LitTwo, net
+from tests.checkpoint._models import LitTwo, assert_same, net
 from tests.helpers import run_script
 
 
@@ -107,11 +112,13 @@ class _Payload:
 def test_pickle_payload_is_refused_and_never_runs(tmp_path: Path) -> None:
     marker = tmp_path / "code_ran"
     bad = tmp_path / "innocent.ckpt"
-    torch.save({"state_dict": net().state_dict(), "extra": _Payload(marker)}, bad)
+    extra = {"payload": _Payload(marker), "args": argparse.Namespace(lr=0.1)}
+    torch.save({"state_dict": net().state_dict(), "extra": extra}, bad)
     for err in all_three(bad, tmp_path / "out.safetensors"):
         assert "could run code" in str(err)
         assert "trust_pickle=True" in str(err)
-        assert "(builtins.getattr, pathlib.Path, pathlib.PosixPath)" in str(err)
+        # every refused global is named, not only the first; paths are allowed, getattr is not
+        assert "(argparse.Namespace, builtins.getattr)" in str(err)
     assert not marker.exists()
     legacy = tmp_path / "legacy.pt"
     torch.save({"x": _Payload(marker)}, legacy, _use_new_zipfile_serialization=False)
@@ -214,3 +221,91 @@ def test_fallback_allowlist_for_torch_without_safe_globals(
         others = [g for g in torch.serialization.get_safe_globals() if g is not dict]
         torch.serialization.clear_safe_globals()
         torch.serialization.add_safe_globals(others)
+
+
+def test_devices_pipes_and_sockets_are_refused_before_writing(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(tmp_path / "sock"))
+        for name, kind in (("fifo", "a named pipe"), ("sock", "a socket")):
+            with pytest.raises(
+                OSError, match=f"cannot write .*{name}: it is {kind}.*give the name of a file"
+            ):
+                export_state_dict(net(), tmp_path / name)
+        # a link to a device is refused too, not followed into replacing the device
+        (tmp_path / "to_fifo.safetensors").symlink_to("fifo")
+        with pytest.raises(OSError, match="to_fifo.safetensors: it is a named pipe"):
+            export_state_dict(net(), tmp_path / "to_fifo.safetensors")
+        assert stat.S_ISFIFO((tmp_path / "fifo").stat().st_mode)
+        assert stat.S_ISSOCK((tmp_path / "sock").lstat().st_mode)
+        only_inputs_left(tmp_path, "fifo", "sock", "to_fifo.safetensors")
+
+
+def test_a_symlink_destination_stays_a_link_to_the_new_file(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    target = tmp_path / "real" / "w.safetensors"
+    target.write_bytes(b"previous export")
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(Path("real") / "w.safetensors")
+    model = net(seed=5)
+    report = export_state_dict(model, link)
+    assert link.is_symlink()
+    assert os.readlink(link) == os.path.join("real", "w.safetensors")
+    assert report.bytes == target.stat().st_size
+    assert_same(model.state_dict(), safetensors.torch.load_file(target))
+    only_inputs_left(tmp_path, "real", "link.safetensors")
+    only_inputs_left(tmp_path / "real", "w.safetensors")
+    # a link whose target does not exist yet: the target is created
+    (tmp_path / "new.pt").symlink_to(Path("real") / "new.pt")
+    export_state_dict(model, tmp_path / "new.pt")
+    assert (tmp_path / "new.pt").is_symlink()
+    assert_same(model.state_dict(), torch.load(tmp_path / "real" / "new.pt", weights_only=True))
+
+
+def test_a_read_only_destination(tmp_path: Path) -> None:
+    out = tmp_path / "w.safetensors"
+    out.write_bytes(b"previous export")
+    out.chmod(0o444)
+    if os.geteuid() != 0:
+        with pytest.raises(PermissionError, match=r"w.safetensors: it is read-only \(mode 444\); make it"):
+            export_state_dict(net(), out)
+        assert out.read_bytes() == b"previous export"
+    else:  # root may replace it, as cp may, but the new file is not read-only
+        export_state_dict(net(), out)
+        umask = os.umask(0)
+        os.umask(umask)
+        assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~umask
+        assert safetensors.torch.load_file(out)
+    only_inputs_left(tmp_path, "w.safetensors")
+
+
+def test_files_named_against_their_content_are_read_by_content(tmp_path: Path) -> None:
+    # torch.load alone hands any *.safetensors name to safetensors, which fails on a torch file
+    model = net(seed=2)
+    torch.save(model.state_dict(), tmp_path / "zip.safetensors")
+    torch.save(model.state_dict(), tmp_path / "legacy.safetensors", _use_new_zipfile_serialization=False)
+    export_state_dict(model, tmp_path / "real_safetensors.pt", format="safetensors")
+    for name in ("zip.safetensors", "legacy.safetensors", "real_safetensors.pt"):
+        target = net(seed=9)
+        assert load_state_dict(target, tmp_path / name).ok, name
+        assert_same(model.state_dict(), target.state_dict())
+        assert "9 tensors" in str(export_state_dict(tmp_path / name, tmp_path / "out.safetensors"))
+    (tmp_path / "corrupt.safetensors").write_bytes(b"\xff" * 8 + b"{}")
+    for err in all_three(tmp_path / "corrupt.safetensors", tmp_path / "out.pt"):
+        assert "corrupt.safetensors is truncated or corrupt" in str(err)
+
+
+def test_trusted_file_whose_class_cannot_be_imported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "mytrain.py").write_text("class Cfg:\n    lr = 0.1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import mytrain  # type: ignore[import-not-found]
+
+    path = tmp_path / "fit.ckpt"
+    torch.save({"state_dict": net().state_dict(), "hyper_parameters": {"cfg": mytrain.Cfg()}}, path)
+    monkeypatch.delitem(sys.modules, "mytrain")
+    (tmp_path / "mytrain.py").unlink()
+    with pytest.raises(ValueError, match=r"refers to mytrain.Cfg, which cannot be imported here \(No module"):
+        load_state_dict(net(), path, trust_pickle=True)
+    (tmp_path / "mytrain.py").write_text("class Config:\n    pass\n")
+    with pytest.raises(ValueError, match="mytrain has no Cfg here: use the version of mytrain that saved"):
+        load_state_dict(net(), path, trust_pickle=True)

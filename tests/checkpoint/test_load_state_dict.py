@@ -1,14 +1,15 @@
-"""load_state_dict: readable strict errors, hints, by_order, ambiguity, safe omegaconf loading."""
+"""load_state_dict: readable strict errors, hints, by_order, ambiguity, safe hyperparameter loading."""
 
 from __future__ import annotations
 
 import argparse
 import pickle
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import pytest
 import torch
 from omegaconf import OmegaConf
+from omegaconf.nodes import PathNode
 from torch import nn
 
 from lightning_mgpu import LoadReport, export_state_dict, load_state_dict
@@ -167,14 +168,25 @@ def test_lightning_to_lightning_with_another_attribute_name(tmp_path: Path) -> N
     assert_same(source.model.state_dict(), target.net.state_dict())
 
 
-def test_omegaconf_hyperparameters_load_safely(tmp_path: Path) -> None:
-    cfg = OmegaConf.create(
+HYPERPARAMETERS = {
+    "omegaconf": OmegaConf.create(
         {"lr": 0.1, "layers": [4, 6, 2], "name": "run", "opt": {"beta": None, "nesterov": True}}
-    )
-    path = tmp_path / "cfg.ckpt"
-    module = lightning_checkpoint(path, cfg=cfg)
+    ),
+    "pathlib": {
+        "data_dir": Path("data") / "train",
+        "pure": PurePosixPath("/mnt/shared"),
+        "windows_dir": PureWindowsPath(r"C:\runs"),
+        "cfg": OmegaConf.create({"out": Path("out"), "typed": PathNode(Path("logs"))}),
+    },
+}
+
+
+@pytest.mark.parametrize("kind", HYPERPARAMETERS)
+def test_common_hyperparameters_load_safely(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "fit.ckpt"
+    module = lightning_checkpoint(path, cfg=HYPERPARAMETERS[kind])
     # what Lightning's load_from_checkpoint meets: plain weights-only loading refuses the file
-    with pytest.raises(pickle.UnpicklingError, match="omegaconf"):
+    with pytest.raises(pickle.UnpicklingError, match=kind):
         torch.load(path, weights_only=True)
 
     target = net(seed=7)
@@ -182,8 +194,8 @@ def test_omegaconf_hyperparameters_load_safely(tmp_path: Path) -> None:
     assert_same(module.model.state_dict(), target.state_dict())
     # the allowlist was widened only while loading
     allowed = {getattr(g, "__module__", "") for g in torch.serialization.get_safe_globals()}
-    assert not any(name.startswith("omegaconf") for name in allowed)
-    with pytest.raises(pickle.UnpicklingError, match="omegaconf"):
+    assert not any(name.startswith(("pathlib", "omegaconf")) for name in allowed)
+    with pytest.raises(pickle.UnpicklingError, match=kind):
         torch.load(path, weights_only=True)
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +18,11 @@ from torch import nn
 
 from lightning_mgpu import load_state_dict
 from lightning_mgpu.cli.main import main
-from tests.checkpoint._models import LitTwo, assert_same, lightning_checkpoint, net
+from tests.checkpoint._models import LitNet, LitTwo, assert_same, lightning_checkpoint, loader, net, trainer
 from tests.helpers import run_command, script_env
+
+_SCRIPT = Path(sys.executable).with_name("lightning-mgpu")
+CONSOLE = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "lightning_mgpu"]
 
 
 @pytest.fixture(scope="module")
@@ -130,9 +137,7 @@ def test_console_script_and_no_torch_at_import(ckpt: tuple[Path, dict], tmp_path
     assert out.stdout.strip() == "False"
 
     # a fresh process has not imported omegaconf: the loader does so only when the file needs it
-    script = Path(sys.executable).with_name("lightning-mgpu")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "lightning_mgpu"]
-    result = run_command([*command, "export", str(ckpt[0]), "w.pt"], cwd=tmp_path)
+    result = run_command([*CONSOLE, "export", str(ckpt[0]), "w.pt"], cwd=tmp_path)
     assert result.returncode == 0, result.output
     assert torch.load(tmp_path / "w.pt", weights_only=True).keys() == ckpt[1].keys()
 
@@ -145,3 +150,88 @@ def test_trust_pickle_flag(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert "argparse.Namespace" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "old.pth"), str(tmp_path / "w.safetensors"), "--trust-pickle"]) == 0
     assert_same(net().state_dict(), safetensors.torch.load_file(tmp_path / "w.safetensors"))
+
+
+def test_export_refuses_a_named_pipe(
+    ckpt: tuple[Path, dict], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    assert main(["export", str(ckpt[0]), str(tmp_path / "fifo")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"lightning-mgpu export: error: cannot write {tmp_path / 'fifo'}: it is a named pipe"
+    )
+    assert stat.S_ISFIFO((tmp_path / "fifo").stat().st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]
+
+
+def test_inspect_a_torch_file_named_safetensors(
+    ckpt: tuple[Path, dict], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    torch.save(ckpt[1], tmp_path / "torch.safetensors")  # a torch file under a safetensors name
+    assert main(["inspect", str(tmp_path / "torch.safetensors")]) == 0
+    assert "torch.safetensors: state_dict (torch zip" in capsys.readouterr().out
+
+
+def test_output_into_a_pipe_closed_early(tmp_path: Path) -> None:
+    # `lightning-mgpu inspect --all big.pt | head -3`: more output than a pipe holds, reader leaves
+    torch.save({f"layer{i}.weight": torch.zeros(1) for i in range(3000)}, tmp_path / "big.pt")
+    proc = subprocess.Popen(
+        [*CONSOLE, "inspect", "--all", "big.pt"],
+        cwd=tmp_path,
+        env=script_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    head = [proc.stdout.readline() for _ in range(3)]
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141, err  # 128 + SIGPIPE, what a shell reports for `cat big | head`
+    assert head[0].startswith(b"big.pt: state_dict (torch zip")
+    assert err == b""
+
+
+# classes of a training script: pickle records them as __main__.Cfg and __main__.Mode
+@dataclasses.dataclass
+class Cfg:
+    __module__ = "__main__"
+    lr: float = 0.1
+
+
+class Mode(enum.Enum):
+    __module__ = "__main__"
+    FAST = "fast"
+
+
+class _Module(LitNet):
+    def __init__(self, cfg: Cfg, mode: Mode) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+
+def test_trust_pickle_with_classes_of_the_training_script(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with monkeypatch.context() as script:  # saved as the training script would save it
+        script.setattr(sys.modules["__main__"], "Cfg", Cfg, raising=False)
+        script.setattr(sys.modules["__main__"], "Mode", Mode, raising=False)
+        fit = trainer(tmp_path)
+        fit.fit(_Module(Cfg(), Mode.FAST), loader())
+        fit.save_checkpoint(tmp_path / "dataclass.ckpt")
+
+    cli = run_command(
+        [*CONSOLE, "export", "dataclass.ckpt", "dc.safetensors", "--trust-pickle"], cwd=tmp_path
+    )
+    assert cli.returncode == 1
+    lines = cli.stderr.splitlines()
+    assert len(lines) == 1, cli.stderr
+    assert lines[0].startswith("lightning-mgpu export: error: dataclass.ckpt refers to __main__.Cfg, ")
+    assert "define or import Cfg in your own script" in lines[0]
+    assert not (tmp_path / "dc.safetensors").exists()
+    with pytest.raises(ValueError, match=r"refers to __main__.Cfg, a class defined in the script that saved"):
+        load_state_dict(net(), tmp_path / "dataclass.ckpt", trust_pickle=True)
+    # the safe loader refuses it too, naming both classes and running nothing
+    with pytest.raises(ValueError, match=r"not plain weights \(__main__.Cfg, __main__.Mode"):
+        load_state_dict(net(), tmp_path / "dataclass.ckpt")
