@@ -91,8 +91,12 @@ def read_file(
             f"or a .safetensors file, but it starts with {head!r}"
         )
     if kind == "safetensors":
+        if map_location is None:  # torch.load's "where it was saved": safetensors keeps CPU tensors
+            map_location = "cpu"
         if not isinstance(map_location, (str, torch.device)):
             raise ValueError(f"map_location for a safetensors file must be a device, got {map_location!r}")
+        if torch.device(map_location).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"map_location={str(map_location)!r}, but CUDA is not available here")
         tensors, metadata = read_safetensors(path, device=str(map_location))
         return LoadedFile(tensors, kind, metadata)
     obj = _torch_load(path, kind, map_location, trust_pickle)

@@ -236,6 +236,17 @@ def test_by_order_refuses_a_foreign_safetensors_file_without_order(tmp_path: Pat
         load_state_dict(Renamed(), tmp_path / "foreign.safetensors", by_order=True)
 
 
+def test_map_location_of_a_safetensors_file(tmp_path: Path) -> None:
+    source = net(seed=1)
+    export_state_dict(source, tmp_path / "w.safetensors")
+    model = net(seed=2)
+    assert load_state_dict(model, tmp_path / "w.safetensors", map_location=None).ok  # as torch.load
+    assert_same(source.state_dict(), model.state_dict())
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="map_location='cuda', but CUDA is not available here"):
+            load_state_dict(net(seed=2), tmp_path / "w.safetensors", map_location="cuda")
+
+
 @pytest.mark.gpu
 def test_cuda_models_and_map_location(tmp_path: Path) -> None:
     model = net(seed=1).cuda()
