@@ -177,13 +177,33 @@ def _check_strategy(strategy: str) -> None:
 _PRECISIONS: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
     # name -> (parameter dtype, autocast dtype)
     "32-true": (None, None),
-    "32": (None, None),
     "64-true": (torch.float64, None),
     "16-true": (torch.float16, None),
     "bf16-true": (torch.bfloat16, None),
     "16-mixed": (None, torch.float16),
     "bf16-mixed": (None, torch.bfloat16),
 }
+# Lightning's older spellings, as the Trainer reads them
+_ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+
+
+def _precision_name(precision: str | int | None) -> str:
+    """Lightning's name for ``precision`` (``16`` -> ``"16-mixed"``), as the Trainer resolves it."""
+    if precision is None:
+        return "32-true"
+    try:
+        from lightning.fabric.connector import _convert_precision_to_unified_args
+    except ImportError:  # moved in a later Lightning: the aliases are the same
+        name = _ALIASES.get(str(precision), str(precision))
+    else:
+        try:
+            name = str(_convert_precision_to_unified_args(precision))  # type: ignore[arg-type]
+        except ValueError:
+            name = str(precision)
+    if name not in _PRECISIONS:
+        known = [*_PRECISIONS, *_ALIASES]
+        raise ValueError(f"unknown precision {precision!r}: use one of {', '.join(known)}")
+    return name
 
 
 def estimate_memory(
@@ -218,7 +238,8 @@ def estimate_memory(
             split over the devices under ``mgpu_dp``); defaults to the sample's batch.
         optimizer: an optimizer over ``module``'s parameters; defaults to ``configure_optimizers()``.
         precision: Lightning's precision: ``"32-true"`` (default), ``"16-mixed"``,
-            ``"bf16-mixed"``, ``"16-true"``, ``"bf16-true"`` or ``"64-true"``.
+            ``"bf16-mixed"``, ``"16-true"``, ``"bf16-true"`` or ``"64-true"``, or the short
+            forms the Trainer also takes (``16``, ``"bf16"``, ``32``, ``64``).
         step_fn: ``step_fn(module, batch)`` returning the loss (or a dict with ``"loss"``),
             for modules with manual optimization or an unusual forward.
         measure_on: ``"auto"``, ``"meta"`` or ``"cpu"``.
@@ -243,9 +264,7 @@ def estimate_memory(
         raise ValueError(f"devices must be a positive integer, got {devices!r}")
     if measure_on not in ("auto", "meta", "cpu"):
         raise ValueError(f"measure_on must be 'auto', 'meta' or 'cpu', got {measure_on!r}")
-    precision_name = "32-true" if precision is None else str(precision)
-    if precision_name not in _PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}: use one of {', '.join(_PRECISIONS)}")
+    precision_name = _precision_name(precision)
     memory = parse_bytes(device_memory) if device_memory is not None else _smallest_cuda_device()
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")

@@ -136,6 +136,18 @@ def test_precision_changes_what_is_counted() -> None:
     assert mixed.activation_bytes_per_sample < full.activation_bytes_per_sample
 
 
+@pytest.mark.filterwarnings("ignore:`precision=.*historical reasons")
+def test_precision_takes_the_short_forms_the_trainer_takes() -> None:
+    batch = (torch.randn(B, D), torch.randint(0, K, (B,)))
+    for short, name in [(16, "16-mixed"), ("16", "16-mixed"), ("bf16", "bf16-mixed"), (64, "64-true")]:
+        est = estimate_memory(Classifier(), batch, precision=short)
+        assert est.precision == name
+        assert est == estimate_memory(Classifier(), batch, precision=name)
+    assert estimate_memory(Classifier(), batch, precision="32").parameter_bytes == PARAM_BYTES
+    with pytest.raises(ValueError, match="unknown precision 8: use one of 32-true, .*, 16, bf16"):
+        estimate_memory(Classifier(), batch, precision=8)
+
+
 class NeedsValues(nn.Module):
     """Reads a value out of a tensor, which meta tensors cannot do."""
 

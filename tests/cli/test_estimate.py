@@ -53,3 +53,10 @@ def test_estimate_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> Non
     assert "lightning-mgpu estimate: error:" in capsys.readouterr().err
     assert main(["estimate", "digits", "--gpus", "2"]) == 1
     assert "unknown option --gpus; see lightning-mgpu estimate --help" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore:`precision=.*historical reasons")
+def test_precision_as_the_config_allows_it(capsys: pytest.CaptureFixture[str]) -> None:
+    for short, name in [("16", "16-mixed"), ("bf16", "bf16-mixed"), ("64", "64-true")]:
+        assert main(["estimate", "linear", f"trainer.precision={short}"]) == 0
+        assert f", {name}, optimizer SGD," in capsys.readouterr().out.splitlines()[0]
