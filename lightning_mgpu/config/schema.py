@@ -245,7 +245,8 @@ class OptimizerConfig:
     momentum: float = 0.9
     """Momentum, used by ``sgd`` only."""
     scheduler: str = "none"
-    """``none``, or ``cosine``: decay the learning rate to 0 over the run's optimizer steps."""
+    """``none``, or ``cosine``: decay the learning rate to 0 over the run's optimizer steps (so the run
+    needs ``trainer.max_steps`` or ``trainer.max_epochs``)."""
 
     def problems(self) -> list[str]:
         """Impossible values in this section, one message each."""
@@ -402,4 +403,12 @@ class RunConfig:
 
     def problems(self) -> list[str]:
         """Impossible values and combinations at the top level, one message each."""
-        return _one_of("task", self.task, _TASKS)
+        out = _one_of("task", self.task, _TASKS)
+        t = self.trainer
+        unlimited = t.max_steps == -1 and t.max_epochs == -1 and not t.fast_dev_run
+        if self.task == "fit" and self.optimizer.scheduler == "cosine" and unlimited:
+            out.append(
+                "optimizer.scheduler: cosine decays over the run's steps, so it needs trainer.max_steps or"
+                " trainer.max_epochs (both are -1); set one, or optimizer.scheduler=none"
+            )
+        return out
