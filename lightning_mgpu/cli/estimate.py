@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from lightning_mgpu.config import load_config
-    from lightning_mgpu.config.instantiate import build_data, resolve_devices
+    from lightning_mgpu.config.instantiate import build_data
     from lightning_mgpu.estimate import estimate_memory
     from lightning_mgpu.recipes import load_recipe
 
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     if args.devices is not None and args.devices < 1:
         raise ValueError(f"--devices must be at least 1, got {args.devices}")
     cfg = load_config(config, overrides)
-    devices = args.devices or _device_count(*resolve_devices(cfg.trainer.accelerator, cfg.trainer.devices))
+    devices = args.devices or _device_count(cfg.trainer.accelerator, cfg.trainer.devices)
     module = load_recipe(cfg.recipe).module(**asdict(cfg.model), optimizer=asdict(cfg.optimizer))
     sample = build_data(cfg).example_batch(min(_SAMPLE, cfg.data.batch_size))  # type: ignore[attr-defined]
     est = estimate_memory(
@@ -71,13 +71,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _device_count(accelerator: str, devices: Any) -> int:
+    """The devices ``run`` would use; indices count as GPUs even where none is visible here."""
+    from lightning_mgpu.config.instantiate import resolve_devices
+
     if isinstance(devices, list):
         return len(devices)
-    if devices == -1 or devices == "auto":
-        import torch
-
-        return max(1, torch.cuda.device_count())
-    return int(devices)
+    _, resolved = resolve_devices(accelerator, devices)
+    return 1 if resolved == "auto" else int(resolved)  # "auto" left: an accelerator with nothing visible
 
 
 def report(est: Any, recipe: str, batch_size: int, devices: int) -> str:

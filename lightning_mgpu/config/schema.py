@@ -105,8 +105,8 @@ class TrainerConfig:
     strategy: str = "mgpu_auto"
     """A registered strategy: ``mgpu_auto`` (picks DDP, DP or one device), ``mgpu_ddp``, ``mgpu_dp``, ..."""
     devices: Any = "auto"
-    """``auto`` (every visible GPU; without a GPU one CPU process per core, at most 4), a count such as
-    ``2``, or device indices such as ``[0, 3]``."""
+    """``auto`` or ``-1`` (every visible GPU; without a GPU one CPU process per core, at most 4), a count
+    such as ``2``, or GPU indices such as ``[0, 3]`` (on a machine without GPU give a count)."""
     num_nodes: int = 1
     """Machines taking part (DDP only)."""
     precision: str = "32-true"

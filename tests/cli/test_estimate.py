@@ -6,7 +6,7 @@ import pytest
 
 from lightning_mgpu.cli.main import main
 from lightning_mgpu.config import load_config
-from lightning_mgpu.config.instantiate import build_data, build_module
+from lightning_mgpu.config.instantiate import build_data, build_module, resolve_devices
 from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.estimate import estimate_memory
 
@@ -60,3 +60,11 @@ def test_precision_as_the_config_allows_it(capsys: pytest.CaptureFixture[str]) -
     for short, name in [("16", "16-mixed"), ("bf16", "bf16-mixed"), ("64", "64-true")]:
         assert main(["estimate", "linear", f"trainer.precision={short}"]) == 0
         assert f", {name}, optimizer SGD," in capsys.readouterr().out.splitlines()[0]
+
+
+def test_devices_are_counted_as_run_counts_them(capsys: pytest.CaptureFixture[str]) -> None:
+    _, auto = resolve_devices("auto", "auto")
+    assert main(["estimate", "linear", "trainer.devices=-1"]) == 0
+    assert f"(global), {auto} device(s)" in capsys.readouterr().out.splitlines()[0]
+    assert main(["estimate", "linear", "trainer.devices=[0,3]"]) == 0  # GPUs elsewhere: no GPU needed here
+    assert "(global), 2 device(s)" in capsys.readouterr().out.splitlines()[0]

@@ -17,7 +17,7 @@ from lightning_mgpu.cli.main import main
 from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.recipes import RECIPES
 from lightning_mgpu.recipes.digits import ConvClassifier
-from tests.helpers import run_command
+from tests.helpers import run_command, script_env
 
 SHORT = [
     "trainer.max_epochs=2",
@@ -126,6 +126,17 @@ def test_config_errors_print_every_problem_and_no_traceback(tmp_path: Path) -> N
         "  optimizer.lr: must be > 0, got -1\n"
     )
     assert result.stdout == ""
+    assert not (tmp_path / "runs").exists()
+
+
+def test_device_indices_without_a_gpu_are_one_line(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "lightning_mgpu", "run", "linear", "trainer.devices=[0]"]
+    result = run_command(cmd, cwd=tmp_path, env=script_env(CUDA_VISIBLE_DEVICES=""))
+    assert result.returncode == 1
+    assert result.stderr == (
+        "lightning-mgpu run: error: trainer.devices=[0]: device indices select GPUs, and no CUDA device is"
+        " visible here; give a count such as trainer.devices=2 to run that many CPU processes\n"
+    )
     assert not (tmp_path / "runs").exists()
 
 
