@@ -386,7 +386,8 @@ class RunConfig:
     seed: int | None = 0
     """Seed of model initialisation and shuffling (``null``: not seeded)."""
     run_dir: str | None = None
-    """Folder for this run's outputs; ``null`` makes ``runs/<recipe>-<date>-<time>`` in the current folder."""
+    """Folder for this run's outputs, new or empty: one that already holds files is refused, so runs never
+    mix; ``null`` makes ``runs/<recipe>-<date>-<time>`` in the current folder."""
     weights: str | None = None
     """Weights to load into the recipe's network before the task: ``.safetensors``, a ``.pt``/``.pth``
     state_dict (e.g. torchvision's) or a Lightning ``.ckpt``."""

@@ -73,6 +73,32 @@ def test_run_folder_and_summary(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert summary.endswith(f"peak memory:\n  cpu:rank0 (CPU process): peak RSS {format_bytes(peak)}\n")
 
 
+def test_a_run_dir_holding_files_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    used = tmp_path / "used"
+    (used / "checkpoints").mkdir(parents=True)
+    (used / "checkpoints" / "last.safetensors").write_bytes(b"not weights")
+    (used / "metrics.csv").write_text("step\n")
+    assert main(["run", "linear", *SHORT, f"run_dir={used}"]) == 1
+    assert capsys.readouterr().err == (
+        f"lightning-mgpu run: error: run_dir {used} already holds files (checkpoints, metrics.csv) that this"
+        f" run's would mix with; set another run_dir, or leave it unset for a new folder under runs/,"
+        f" or delete {used} first\n"
+    )
+    assert sorted(p.name for p in used.rglob("*")) == ["checkpoints", "last.safetensors", "metrics.csv"]
+    assert (used / "metrics.csv").read_text() == "step\n"
+
+    # weights read from inside the folder: refused before they are loaded, and no advice to delete them
+    weights = used / "checkpoints" / "last.safetensors"
+    predict = ["run", "resnet18_predict", f"weights={weights}", f"run_dir={used}", "trainer.accelerator=cpu"]
+    assert main(predict) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.endswith("set another run_dir, or leave it unset for a new folder under runs/")
+    assert main(["run", "linear", *SHORT, f"run_dir={used / 'checkpoints' / 'last.safetensors'}"]) == 1
+    assert "last.safetensors is a file; set run_dir to a new folder" in capsys.readouterr().err
+
+
 def test_default_run_folder_is_under_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert (
