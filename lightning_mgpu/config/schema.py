@@ -269,7 +269,8 @@ class MemoryConfig:
     """
 
     enabled: bool = True
-    """Turn the monitor on or off."""
+    """Turn the monitor on or off. It records training (``task: fit``) only: with ``validate`` or ``predict``
+    it records nothing, and validation warns."""
     every_n_steps: int = 10
     """Read memory every this many training steps."""
     imbalance_threshold: float = 1.25

@@ -116,6 +116,16 @@ def test_cosine_schedule_needs_a_step_or_epoch_limit() -> None:
     assert load_config("linear", [*unlimited, "task=validate"]).task == "validate"  # nothing is scheduled
 
 
+def test_memory_monitor_outside_fit_gets_a_warning(recwarn: pytest.WarningsRecorder) -> None:
+    with pytest.warns(UserWarning, match="callbacks.memory: the memory monitor records training only, so"):
+        assert load_config("digits", ["task=validate"]).task == "validate"
+    recwarn.clear()
+    assert load_config("resnet18_predict").callbacks.memory.enabled is False
+    assert load_config("digits", ["task=validate", "callbacks.memory.enabled=false"]).task == "validate"
+    assert load_config("digits").callbacks.memory.enabled is True
+    assert not [w for w in recwarn if "callbacks.memory" in str(w.message)]
+
+
 def test_valid_config_is_typed_and_overrides_apply() -> None:
     cfg = load_config("resnet18", ["trainer.devices=[0,3]", "model.num_classes=4", "optimizer.lr=1"])
     assert isinstance(cfg, RunConfig)
