@@ -68,3 +68,20 @@ def test_devices_are_counted_as_run_counts_them(capsys: pytest.CaptureFixture[st
     assert f"(global), {auto} device(s)" in capsys.readouterr().out.splitlines()[0]
     assert main(["estimate", "linear", "trainer.devices=[0,3]"]) == 0  # GPUs elsewhere: no GPU needed here
     assert "(global), 2 device(s)" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_validate_and_predict_configs_get_an_inference_estimate(capsys: pytest.CaptureFixture[str]) -> None:
+    overrides = ["task=validate", "callbacks.memory.enabled=false"]
+    assert main(["estimate", "linear", *overrides, "--devices", "2"]) == 0
+    out = capsys.readouterr().out
+    first, held = out.splitlines()[:2]
+    assert first.endswith(", task validate: inference, no gradients or optimizer state, measured on meta")
+    assert held == "  parameters 44 B, buffers 0 B"
+
+    cfg = load_config("linear", overrides)
+    sample = build_data(cfg).example_batch(8)  # type: ignore[attr-defined]
+    est = estimate_memory(
+        build_module(cfg), sample, devices=2, batch_size=64, inference=True, step_fn=lambda m, b: m(b[0])
+    )
+    assert " ".join(rows(out)["single"][1:3]) == format_bytes(est.peak("single", per_device_batch=64))
+    assert " ".join(rows(out)["mgpu_ddp"][1:3]) == format_bytes(est.peak("mgpu_ddp", per_device_batch=32))
