@@ -47,6 +47,12 @@ def test_options_may_follow_the_overrides(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_estimate_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["estimate"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "lightning-mgpu estimate: error: the following arguments are required: config"
+    )
     assert main(["estimate", "digits", "--devices", "0"]) == 1
     assert "lightning-mgpu estimate: error: --devices must be at least 1, got 0" in capsys.readouterr().err
     assert main(["estimate", "digits", "--gpu-memory", "lots"]) == 1
