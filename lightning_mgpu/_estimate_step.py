@@ -262,6 +262,56 @@ def _resized(batch: Any, b1: int, b2: int) -> Any:
     return apply_to_collection(batch, torch.Tensor, resize)
 
 
+@dataclass
+class _Copies:
+    """The module's tensors copied to the measuring device, and a call running the step on them."""
+
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    leaf_of: dict[int, torch.Tensor]
+    call: Callable[[Any], Any]
+
+    @property
+    def static(self) -> list[torch.Tensor]:
+        return [*self.params.values(), *self.buffers.values()]
+
+
+def _copies(
+    module: nn.Module,
+    sample_batch: Any,
+    step: Callable[[nn.Module, Any], Any],
+    device: torch.device,
+    param_dtype: torch.dtype | None,
+    autocast_dtype: torch.dtype | None,
+) -> tuple[_Copies, Any]:
+    """The copies, and a copy of ``sample_batch`` (the caller holds it, so it can free it)."""
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        dtype = param_dtype if param_dtype is not None and t.is_floating_point() else t.dtype
+        return t.detach().to(device=device, dtype=dtype, copy=True).requires_grad_(t.requires_grad)
+
+    named = dict(module.named_parameters())
+    params = {name: copy(p) for name, p in named.items()}
+    buffers = {name: copy(b) for name, b in module.named_buffers()}
+    wrapper = _Call(module, step)
+    tensors = {f"module.{k}": v for k, v in {**params, **buffers}.items()}
+    autocast: Any = contextlib.nullcontext()
+    if autocast_dtype is not None:
+        autocast = torch.autocast(device.type, dtype=autocast_dtype)
+
+    def call(batch: Any) -> Any:
+        with autocast:
+            return functional_call(wrapper, tensors, (batch,))
+
+    leaf_of = {id(p): params[name] for name, p in named.items()}
+    return _Copies(params, buffers, leaf_of, call), apply_to_collection(sample_batch, torch.Tensor, copy)
+
+
+def _sizes(sample_batch: Any) -> tuple[int, int]:
+    b1 = _batch_size(sample_batch)
+    return b1, b1 // 2 if b1 >= 2 else 2
+
+
 def measure_steps(
     module: nn.Module,
     sample_batch: Any,
@@ -275,32 +325,12 @@ def measure_steps(
     """Warm up once, then measure steps at the sample's batch size and at half (or double) of it."""
     notes: list[str] = []
     step = _resolve_step(module, step_fn)
-    b1 = _batch_size(sample_batch)
-    b2 = b1 // 2 if b1 >= 2 else 2
+    b1, b2 = _sizes(sample_batch)
     originals = _resolve_optimizers(module, optimizer, notes)
-
-    def copy(t: torch.Tensor) -> torch.Tensor:
-        dtype = param_dtype if param_dtype is not None and t.is_floating_point() else t.dtype
-        return t.detach().to(device=device, dtype=dtype, copy=True).requires_grad_(t.requires_grad)
-
-    named = dict(module.named_parameters())
-    params = {name: copy(p) for name, p in named.items()}
-    buffers = {name: copy(b) for name, b in module.named_buffers()}
-    leaf_of = {id(p): params[name] for name, p in named.items()}
-    optimizers = [_copy_optimizer(o, leaf_of) for o in originals]
-    wrapper = _Call(module, step)
-    tensors = {f"module.{k}": v for k, v in {**params, **buffers}.items()}
-    autocast: Any = contextlib.nullcontext()
-    if autocast_dtype is not None:
-        autocast = torch.autocast(device.type, dtype=autocast_dtype)
-
-    def call(batch: Any) -> Any:
-        with autocast:
-            return functional_call(wrapper, tensors, (batch,))
-
+    copies, batch1 = _copies(module, sample_batch, step, device, param_dtype, autocast_dtype)
+    params, static, call = copies.params, copies.static, copies.call
+    optimizers = [_copy_optimizer(o, copies.leaf_of) for o in originals]
     tracker = LiveBytes(device)
-    static = [*params.values(), *buffers.values()]
-    batch1 = apply_to_collection(sample_batch, torch.Tensor, copy)
     tracker.track_all(static + _tensors(batch1))
     was_training = module.training
     module.train()
@@ -321,7 +351,7 @@ def measure_steps(
         optimizer=", ".join(type(o).__name__ for o in originals) or "none",
         sample_batch_size=b1,
         parameter_bytes=_unique_bytes(list(params.values())),
-        buffer_bytes=_unique_bytes(list(buffers.values())),
+        buffer_bytes=_unique_bytes(list(copies.buffers.values())),
         gradient_bytes=_unique_bytes([p.grad for p in params.values() if p.grad is not None]),
         # scalar step counters are left out: they usually live on the CPU
         optimizer_state_bytes=_unique_bytes(state, min_dim=1),

@@ -15,10 +15,15 @@ From these it predicts the fullest device's peak for a single device, ``mgpu_dp`
 ``mgpu_ddp`` (each device also holds DDP's gradient buckets), and the largest
 per-device batch that fits a given memory. The module's own weights, gradients,
 buffers and random state are left untouched.
+
+With ``inference=True`` it measures two forward passes in eval mode under ``torch.no_grad()``
+instead (what ``Trainer.predict`` and ``validate`` run): the parameters, buffers, the batch
+and the forward's live peak, with no gradients, optimizer state or saved activations.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mgpu._estimate_inference import measure_inference
 from lightning_mgpu._estimate_step import MeasuredStep, measure_steps
 from lightning_mgpu.devices import cuda_devices, format_bytes, parse_bytes
 
@@ -37,12 +43,14 @@ STRATEGIES = ("single", "mgpu_dp", "mgpu_ddp")
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Predicted per-device memory of one training step; ``str()`` gives a readable report.
+    """Predicted per-device memory of one training step (or of inference); ``str()`` gives a readable report.
 
     Byte counts are for one copy of the model; ``*_per_sample`` fields scale with the
     batch on a device. ``forward_backward`` and ``optimizer_step`` hold the peak of each
     phase as ``(fixed, per_sample)`` bytes, both including the parameters, buffers,
-    gradients, optimizer state and the batch that are alive at that time.
+    gradients, optimizer state and the batch that are alive at that time. For an
+    ``inference`` estimate gradients, optimizer state and saved activations are zero and
+    ``forward_backward`` is the forward's peak without gradients.
 
     Example::
 
@@ -70,6 +78,8 @@ class MemoryEstimate:
     forward_backward: tuple[float, float]
     optimizer_step: tuple[float, float]
     notes: tuple[str, ...] = field(default_factory=tuple)
+    inference: bool = False
+    """Whether this is the memory of inference (``predict``/``validate``) rather than of training."""
 
     def per_device_batch(self, strategy: str = "single") -> int:
         """The batch on each device under ``strategy`` at the configured batch size."""
@@ -104,10 +114,13 @@ class MemoryEstimate:
         """Predicted peak on each ``mgpu_dp`` replica other than card 0.
 
         A replica holds a broadcast copy of the parameters and buffers, its slice of
-        the batch, its saved activations and, during backward, its gradients.
+        the batch, its saved activations and, during backward, its gradients; in
+        inference, its forward's peak.
         """
         b = self.per_device_batch("mgpu_dp") if per_device_batch is None else per_device_batch
         static = self.parameter_bytes + self.buffer_bytes + self.gradient_bytes
+        if self.inference:
+            return int(static + b * self.forward_backward[1])
         return int(static + b * (self.batch_bytes_per_sample + self.activation_bytes_per_sample))
 
     def largest_per_device_batch(
@@ -135,16 +148,21 @@ class MemoryEstimate:
 
     def __str__(self) -> str:
         gib = f", {format_bytes(self.device_memory)} per device" if self.device_memory else ""
+        kind, what = "Memory", f"optimizer {self.optimizer}"
+        if self.inference:
+            kind, what = "Inference memory", "no gradients or optimizer state"
         lines = [
-            f"Memory estimate for {self.model} ({self.precision}, optimizer {self.optimizer},"
-            f" measured on {self.measured_on})",
+            f"{kind} estimate for {self.model} ({self.precision}, {what}, measured on {self.measured_on})",
             f"  parameters           {format_bytes(self.parameter_bytes):>12}",
             f"  buffers              {format_bytes(self.buffer_bytes):>12}",
-            f"  gradients            {format_bytes(self.gradient_bytes):>12}",
-            f"  optimizer state      {format_bytes(self.optimizer_state_bytes):>12}",
-            f"  per sample: batch {format_bytes(self.batch_bytes_per_sample)}, activations saved for"
-            f" backward {format_bytes(self.activation_bytes_per_sample)},"
-            f" outputs {format_bytes(self.output_bytes_per_sample)}",
+        ]
+        if not self.inference:
+            lines += [
+                f"  gradients            {format_bytes(self.gradient_bytes):>12}",
+                f"  optimizer state      {format_bytes(self.optimizer_state_bytes):>12}",
+            ]
+        lines += [
+            f"  per sample: {_per_sample(self)}",
             "",
             f"Predicted peak per device, DataLoader batch {self.batch_size}, {self.devices} device(s){gib}:",
             f"  {'strategy':<10} {'batch/device':>12} {'global batch':>12} {'peak/device':>14}"
@@ -164,9 +182,23 @@ class MemoryEstimate:
                 f"  mgpu_dp: card 0 is the fullest; the other cards peak near"
                 f" {format_bytes(self.other_device_peak())} each."
             )
-            lines.append("  mgpu_ddp: includes one extra copy of the gradients (DDP's all-reduce buckets).")
+            if not self.inference:
+                lines.append(
+                    "  mgpu_ddp: includes one extra copy of the gradients (DDP's all-reduce buckets)."
+                )
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+
+def _per_sample(est: MemoryEstimate) -> str:
+    """What one more sample on a device adds: the batch, then saved activations or the forward's peak."""
+    held = (
+        f"live at the forward's peak {format_bytes(est.forward_backward[1])} (the batch included)"
+        if est.inference
+        else f"activations saved for backward {format_bytes(est.activation_bytes_per_sample)}"
+    )
+    batch, outputs = format_bytes(est.batch_bytes_per_sample), format_bytes(est.output_bytes_per_sample)
+    return f"batch {batch}, {held}, outputs {outputs}"
 
 
 def _check_strategy(strategy: str) -> None:
@@ -177,13 +209,33 @@ def _check_strategy(strategy: str) -> None:
 _PRECISIONS: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
     # name -> (parameter dtype, autocast dtype)
     "32-true": (None, None),
-    "32": (None, None),
     "64-true": (torch.float64, None),
     "16-true": (torch.float16, None),
     "bf16-true": (torch.bfloat16, None),
     "16-mixed": (None, torch.float16),
     "bf16-mixed": (None, torch.bfloat16),
 }
+# Lightning's older spellings, as the Trainer reads them
+_ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+
+
+def _precision_name(precision: str | int | None) -> str:
+    """Lightning's name for ``precision`` (``16`` -> ``"16-mixed"``), as the Trainer resolves it."""
+    if precision is None:
+        return "32-true"
+    try:
+        from lightning.fabric.connector import _convert_precision_to_unified_args
+    except ImportError:  # moved in a later Lightning: the aliases are the same
+        name = _ALIASES.get(str(precision), str(precision))
+    else:
+        try:
+            name = str(_convert_precision_to_unified_args(precision))  # type: ignore[arg-type]
+        except ValueError:
+            name = str(precision)
+    if name not in _PRECISIONS:
+        known = [*_PRECISIONS, *_ALIASES]
+        raise ValueError(f"unknown precision {precision!r}: use one of {', '.join(known)}")
+    return name
 
 
 def estimate_memory(
@@ -197,6 +249,7 @@ def estimate_memory(
     precision: str | int | None = None,
     step_fn: Callable[[nn.Module, Any], Any] | None = None,
     measure_on: str = "auto",
+    inference: bool = False,
 ) -> MemoryEstimate:
     """Predict per-device memory for training ``module`` on batches like ``sample_batch``.
 
@@ -218,10 +271,15 @@ def estimate_memory(
             split over the devices under ``mgpu_dp``); defaults to the sample's batch.
         optimizer: an optimizer over ``module``'s parameters; defaults to ``configure_optimizers()``.
         precision: Lightning's precision: ``"32-true"`` (default), ``"16-mixed"``,
-            ``"bf16-mixed"``, ``"16-true"``, ``"bf16-true"`` or ``"64-true"``.
+            ``"bf16-mixed"``, ``"16-true"``, ``"bf16-true"`` or ``"64-true"``, or the short
+            forms the Trainer also takes (``16``, ``"bf16"``, ``32``, ``64``).
         step_fn: ``step_fn(module, batch)`` returning the loss (or a dict with ``"loss"``),
             for modules with manual optimization or an unusual forward.
         measure_on: ``"auto"``, ``"meta"`` or ``"cpu"``.
+        inference: predict the memory of inference (``Trainer.predict`` or ``validate``) instead:
+            the module in eval mode under ``torch.no_grad()``, a ``LightningModule`` through its
+            ``predict_step(batch, 0)`` (or ``step_fn``); no gradients, optimizer state or saved
+            activations, so ``optimizer`` is not used.
 
     Returns:
         A :class:`MemoryEstimate`; ``print()`` it for the report.
@@ -243,9 +301,7 @@ def estimate_memory(
         raise ValueError(f"devices must be a positive integer, got {devices!r}")
     if measure_on not in ("auto", "meta", "cpu"):
         raise ValueError(f"measure_on must be 'auto', 'meta' or 'cpu', got {measure_on!r}")
-    precision_name = "32-true" if precision is None else str(precision)
-    if precision_name not in _PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}: use one of {', '.join(_PRECISIONS)}")
+    precision_name = _precision_name(precision)
     memory = parse_bytes(device_memory) if device_memory is not None else _smallest_cuda_device()
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -260,14 +316,14 @@ def estimate_memory(
                 " use measure_on='cpu'"
             )
         places = ["cpu"]
+    measure = measure_inference if inference else functools.partial(measure_steps, optimizer=optimizer)
     measured: MeasuredStep | None = None
     for place in places:
         try:
-            measured = measure_steps(
+            measured = measure(
                 module,
                 sample_batch,
                 device=torch.device(place),
-                optimizer=optimizer,
                 step_fn=step_fn,
                 param_dtype=param_dtype,
                 autocast_dtype=autocast_dtype,
@@ -297,6 +353,7 @@ def estimate_memory(
         forward_backward=measured.forward_backward.pair,
         optimizer_step=measured.optimizer_step.pair,
         notes=tuple(notes),
+        inference=inference,
     )
 
 

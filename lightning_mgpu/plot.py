@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["find_metrics_csv", "plot_memory", "read_memory_metrics"]
+__all__ = ["find_metrics_csv", "output_png", "plot_memory", "read_memory_metrics"]
 
 _KEY = re.compile(r"^memory/([^/]+)/([a-z_]+)_MiB$")
 # what to draw for each kind of device, in order of preference
@@ -86,7 +86,7 @@ def plot_memory(
     Args:
         run_dir_or_metrics: a run folder (holding ``metrics.csv`` somewhere below), a
             ``metrics.csv`` path, or rows as dicts with ``step`` and ``memory/...`` keys.
-        out_png: where to write the PNG.
+        out_png: where to write the PNG; an existing folder gets ``memory.png`` inside it.
         field: draw this field (e.g. ``"reserved"``, ``"nvml_used"``) instead of the default.
         title: the plot's title.
 
@@ -133,12 +133,27 @@ def plot_memory(
     ax.set_title(title or "Memory per device")
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize="small")
-    out = Path(out_png)
+    out = output_png(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    fig.savefig(tmp, format="png", dpi=100)
-    os.replace(tmp, out)
+    try:
+        fig.savefig(tmp, format="png", dpi=100)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return fig
+
+
+def output_png(out_png: str | os.PathLike[str]) -> Path:
+    """Where ``plot_memory`` writes: ``out_png``, or ``out_png/memory.png`` when it is an existing folder.
+
+    Example::
+
+        output_png("runs/digits-1")  # Path('runs/digits-1/memory.png') if that folder exists
+    """
+    out = Path(out_png)
+    return out / "memory.png" if out.is_dir() else out
 
 
 def _fields(series: dict[str, dict[str, list[tuple[int, float]]]]) -> str:

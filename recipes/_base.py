@@ -133,7 +133,13 @@ class RecipeModule(L.LightningModule):
         opt = self.make_optimizer()
         if self.optimizer_config.get("scheduler", "none") != "cosine":
             return opt
-        steps = max(1, int(self.trainer.estimated_stepping_batches))
+        estimated = self.trainer.estimated_stepping_batches
+        if not math.isfinite(estimated):
+            raise ValueError(
+                "the cosine schedule decays over the run's optimizer steps, but this Trainer has no limit:"
+                " set max_steps or max_epochs, or optimizer={'scheduler': 'none'}"
+            )
+        steps = max(1, int(estimated))
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

@@ -136,6 +136,46 @@ def test_precision_changes_what_is_counted() -> None:
     assert mixed.activation_bytes_per_sample < full.activation_bytes_per_sample
 
 
+@pytest.mark.filterwarnings("ignore:`precision=.*historical reasons")
+def test_precision_takes_the_short_forms_the_trainer_takes() -> None:
+    batch = (torch.randn(B, D), torch.randint(0, K, (B,)))
+    for short, name in [(16, "16-mixed"), ("16", "16-mixed"), ("bf16", "bf16-mixed"), (64, "64-true")]:
+        est = estimate_memory(Classifier(), batch, precision=short)
+        assert est.precision == name
+        assert est == estimate_memory(Classifier(), batch, precision=name)
+    assert estimate_memory(Classifier(), batch, precision="32").parameter_bytes == PARAM_BYTES
+    with pytest.raises(ValueError, match="unknown precision 8: use one of 32-true, .*, 16, bf16"):
+        estimate_memory(Classifier(), batch, precision=8)
+
+
+class Predicting(Classifier):
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).softmax(dim=-1)
+
+
+@pytest.mark.parametrize("measure_on", ["meta", "cpu"])
+def test_inference_holds_weights_batch_and_the_forward_peak_only(measure_on: str) -> None:
+    model = mlp()
+    est = estimate_memory(model, torch.randn(B, D), devices=2, inference=True, measure_on=measure_on)
+    assert (est.inference, est.gradient_bytes, est.optimizer_state_bytes) == (True, 0, 0)
+    assert (est.parameter_bytes, est.activation_bytes_per_sample) == (PARAM_BYTES, 0)
+    # the input, the first layer's output and the ReLU's output are alive together at the peak
+    assert est.forward_backward == (PARAM_BYTES, 4 * (D + 2 * H))
+    assert est.output_bytes_per_sample == 4 * K
+    assert est.peak("single", 100) == PARAM_BYTES + 100 * 4 * (D + 2 * H)
+    assert est.peak("mgpu_ddp", 4) == est.peak("single", 4)  # no gradients, so no DDP buckets
+    assert est.other_device_peak(4) == PARAM_BYTES + 4 * 4 * (D + 2 * H)
+    assert est.peak() < estimate_memory(model, torch.randn(B, D), measure_on=measure_on).peak()
+    assert model.training  # eval mode was for the copies' pass only
+    report = str(est)
+    assert report.startswith("Inference memory estimate for Sequential (32-true, no gradients or optimizer")
+    assert "  gradients " not in report
+    assert "DDP's all-reduce buckets" not in report
+
+    lightning = estimate_memory(Predicting(), (torch.randn(B, D), torch.zeros(B)), inference=True)
+    assert lightning.output_bytes_per_sample == 4 * K  # through predict_step, not forward
+
+
 class NeedsValues(nn.Module):
     """Reads a value out of a tensor, which meta tensors cannot do."""
 

@@ -25,12 +25,13 @@ def add_config_arguments(
         help="a YAML file or a shipped config name such as digits or resnet18"
         + (f" (default: {default})" if default else ""),
     )
-    parser.add_argument(
+    overrides = parser.add_argument(
         "overrides",
         nargs=argparse.REMAINDER,
         metavar="key=value",
         help="change the config: trainer.devices=[0,3] data.batch_size=128 callbacks.memory.enabled=false",
     )
+    overrides.required = False  # argparse marks a REMAINDER positional required; none is needed
     parser.set_defaults(_parser=parser, _options=options)
 
 

@@ -1,6 +1,7 @@
 """One run of a validated config: the run folder, the task, and the summary that ends it.
 
-The run folder (``run_dir``, by default ``runs/<recipe>-<date>-<time>``) receives:
+The run folder (``run_dir``, by default ``runs/<recipe>-<date>-<time>``) must be new or empty (a
+folder holding files is refused before anything starts, so two runs never mix); it receives:
 
 - ``config.yaml``: the resolved config;
 - ``metrics.csv`` (and ``hparams.yaml``): every logged metric (Lightning's ``CSVLogger``);
@@ -49,6 +50,27 @@ def resolve_run_dir(cfg: RunConfig) -> Path:
     return path
 
 
+def check_run_dir_unused(cfg: RunConfig, run_dir: Path) -> None:
+    """Refuse a ``run_dir`` that already holds files: this run's files would mix with them.
+
+    Raises:
+        ValueError: ``run_dir`` is a file, or a folder that is not empty; the message says what to do.
+    """
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise ValueError(f"run_dir {run_dir} is a file; set run_dir to a new folder")
+    held = sorted(p.name for p in run_dir.iterdir())
+    if not held:
+        return
+    shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+    fix = "set another run_dir, or leave it unset for a new folder under runs/"
+    weights = Path(cfg.weights).expanduser().resolve() if cfg.weights else None
+    if weights is None or not weights.is_relative_to(run_dir.resolve()):
+        fix += f", or delete {run_dir} first"
+    raise ValueError(f"run_dir {run_dir} already holds files ({shown}) that this run's would mix with; {fix}")
+
+
 class PredictionCSV(BasePredictionWriter):
     """Writes ``predictions.csv`` (index, name, pred, prob): every rank's predictions, merged on rank 0."""
 
@@ -94,6 +116,8 @@ def run_job(cfg: RunConfig) -> int:
     if cfg.seed is not None:
         L.seed_everything(cfg.seed, workers=True, verbose=False)
     run_dir = resolve_run_dir(cfg)
+    if RUN_DIR_ENV not in os.environ and getattr(rank_zero_only, "rank", 0) == 0:
+        check_run_dir_unused(cfg, run_dir)  # the launching process decides, before anything starts
     data = build_data(cfg)
     module = build_module(cfg)
     callbacks = build_callbacks(cfg, run_dir)

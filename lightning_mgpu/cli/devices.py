@@ -5,7 +5,9 @@ For each visible CUDA device: its index for torch (``cuda:N``) and, under
 total memory and the processes holding memory on it (through NVML, the
 ``lightning-mgpu[nvml]`` extra). On a machine without CUDA it says so and shows the CPU
 cores and RAM. Then it prints the strategy ``Trainer(strategy="mgpu_auto",
-devices="auto")`` would use here, and why.
+devices="auto")`` would use here, and why, and what ``lightning-mgpu run`` does with
+``trainer.devices: auto``: the same on GPUs, but on a machine without GPU it starts one
+CPU process per core (at most 4) where Lightning's ``auto`` means one CPU device.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
     """Print the devices and the ``mgpu_auto`` decision; returns the exit code."""
     if args.num_nodes < 1:
         raise ValueError(f"--num-nodes must be at least 1, got {args.num_nodes}")
+    from lightning_mgpu.config.instantiate import resolve_devices
+    from lightning_mgpu.config.schema import CPU_DEVICE_CAP
     from lightning_mgpu.devices import cpu_summary, cuda_devices, nvml_available, visible_cuda_devices
     from lightning_mgpu.strategies.auto import choose_strategy
 
@@ -59,5 +63,11 @@ def run(args: argparse.Namespace) -> int:
     if devices and not nvml_available():
         print("(used memory and processes need NVML: pip install 'lightning-mgpu[nvml]')")
     choice = choose_strategy(devices="auto", num_nodes=args.num_nodes)
-    print(f'mgpu_auto with devices="auto" would pick {choice.strategy}: {choice.reason}')
+    print(f'Trainer(strategy="mgpu_auto", devices="auto") would pick {choice}')
+    accelerator, count = resolve_devices("auto", "auto")
+    choice = choose_strategy(devices=count, accelerator=accelerator, num_nodes=args.num_nodes)
+    every = f"one CPU process per core, at most {CPU_DEVICE_CAP}"
+    if accelerator == "gpu":
+        every = "every visible GPU"
+    print(f"lightning-mgpu run with trainer.devices=auto ({every}) would pick {choice}")
     return 0

@@ -6,7 +6,8 @@ Usage::
     lightning-mgpu estimate digits data.batch_size=512 --devices 2
 
 Builds the config's model and one small batch of its data, measures one training step with
-``lightning_mgpu.estimate_memory`` (on meta tensors where it can, so no GPU is needed) and
+``lightning_mgpu.estimate_memory`` (on meta tensors where it can, so no GPU is needed; for
+``task: predict`` or ``validate`` an inference pass, without gradients or optimizer state) and
 prints each strategy's peak per device for the config's GLOBAL ``data.batch_size``: one device
 holds it all, ``mgpu_dp`` splits it over the devices (card 0 also receives the whole batch
 and the gathered outputs), ``mgpu_ddp`` gives each process ``batch_size / N``. With a device
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from lightning_mgpu.config import load_config
-    from lightning_mgpu.config.instantiate import build_data, resolve_devices
+    from lightning_mgpu.config.instantiate import build_data
     from lightning_mgpu.estimate import estimate_memory
     from lightning_mgpu.recipes import load_recipe
 
@@ -54,46 +55,63 @@ def run(args: argparse.Namespace) -> int:
     if args.devices is not None and args.devices < 1:
         raise ValueError(f"--devices must be at least 1, got {args.devices}")
     cfg = load_config(config, overrides)
-    devices = args.devices or _device_count(*resolve_devices(cfg.trainer.accelerator, cfg.trainer.devices))
+    precision = cfg.trainer.precision
+    devices = args.devices or _device_count(cfg.trainer.accelerator, cfg.trainer.devices)
     module = load_recipe(cfg.recipe).module(**asdict(cfg.model), optimizer=asdict(cfg.optimizer))
     sample = build_data(cfg).example_batch(min(_SAMPLE, cfg.data.batch_size))  # type: ignore[attr-defined]
-    est = estimate_memory(
-        module,
-        sample,
-        devices=devices,
-        device_memory=args.gpu_memory,
-        batch_size=cfg.data.batch_size,
-        precision=cfg.trainer.precision,
-        optimizer=module.make_optimizer(),  # the config's optimizer, without a Trainer's schedule
-    )
-    print(report(est, cfg.recipe, cfg.data.batch_size, devices))
+    common = dict(devices=devices, device_memory=args.gpu_memory, batch_size=cfg.data.batch_size)
+    if cfg.task == "fit":
+        # the config's optimizer, without a Trainer's schedule
+        est = estimate_memory(
+            module, sample, **common, precision=precision, optimizer=module.make_optimizer()
+        )
+    else:
+        est = estimate_memory(module, sample, **common, precision=precision, inference=True, step_fn=_forward)
+    print(report(est, cfg.recipe, cfg.data.batch_size, devices, task=cfg.task))
     return 0
 
 
+def _forward(module: Any, batch: Any) -> Any:
+    """What validate and predict run for a recipe, less its small metrics: the network on the inputs."""
+    return module(batch[0] if isinstance(batch, (list, tuple)) else batch)
+
+
 def _device_count(accelerator: str, devices: Any) -> int:
+    """The devices ``run`` would use; indices count as GPUs even where none is visible here."""
+    from lightning_mgpu.config.instantiate import resolve_devices
+
     if isinstance(devices, list):
         return len(devices)
-    if devices == -1 or devices == "auto":
-        import torch
-
-        return max(1, torch.cuda.device_count())
-    return int(devices)
+    _, resolved = resolve_devices(accelerator, devices)
+    return 1 if resolved == "auto" else int(resolved)  # "auto" left: an accelerator with nothing visible
 
 
-def report(est: Any, recipe: str, batch_size: int, devices: int) -> str:
+def report(est: Any, recipe: str, batch_size: int, devices: int, task: str = "fit") -> str:
     """The estimate in the config's terms: ``batch_size`` is the global batch of every strategy."""
     from lightning_mgpu.devices import format_bytes
+    from lightning_mgpu.estimate import _per_sample
 
     memory = f", {format_bytes(est.device_memory)} per device" if est.device_memory else ""
+    what = f"optimizer {est.optimizer}"
+    held = [
+        f"gradients {format_bytes(est.gradient_bytes)}",
+        f"optimizer state {format_bytes(est.optimizer_state_bytes)}",
+    ]
+    if est.inference:
+        what = f"task {task}: inference, no gradients or optimizer state"
+        held = []
     lines = [
         f"{recipe}: {est.model}, data.batch_size={batch_size} (global), {devices} device(s){memory},"
-        f" {est.precision}, optimizer {est.optimizer}, measured on {est.measured_on}",
-        f"  parameters {format_bytes(est.parameter_bytes)}, gradients {format_bytes(est.gradient_bytes)},"
-        f" optimizer state {format_bytes(est.optimizer_state_bytes)},"
-        f" buffers {format_bytes(est.buffer_bytes)}",
-        f"  per sample: batch {format_bytes(est.batch_bytes_per_sample)},"
-        f" saved for backward {format_bytes(est.activation_bytes_per_sample)},"
-        f" outputs {format_bytes(est.output_bytes_per_sample)}",
+        f" {est.precision}, {what}, measured on {est.measured_on}",
+        "  "
+        + ", ".join(
+            [
+                f"parameters {format_bytes(est.parameter_bytes)}",
+                *held,
+                f"buffers {format_bytes(est.buffer_bytes)}",
+            ]
+        ),
+        f"  per sample: {_per_sample(est)}",
         "",
         f"  {'strategy':<10} {'batch/device':>12} {'peak/device':>13}"
         + (f" {'fits':>5} {'largest data.batch_size':>24}" if est.device_memory else ""),

@@ -2,19 +2,22 @@
 
 RUN_DIR is a CSVLogger run folder (``lightning_logs/version_0``), a folder holding
 exactly one such run, or a ``metrics.csv``. The PNG goes next to the metrics as
-``memory.png`` unless ``--output`` says otherwise.
+``memory.png`` unless ``--output`` names another file (or a folder to write ``memory.png`` in).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="run folder or metrics.csv logged by a CSVLogger")
-    parser.add_argument("-o", "--output", help="PNG to write (default: memory.png next to metrics.csv)")
+    parser.add_argument(
+        "-o",
+        "--output",
+        help="PNG to write, or a folder to write memory.png in (default: memory.png next to metrics.csv)",
+    )
     parser.add_argument(
         "--field",
         help="draw this field for every device, e.g. reserved or nvml_used"
@@ -23,15 +26,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightning_mgpu.plot import find_metrics_csv, plot_memory
+    from lightning_mgpu.plot import find_metrics_csv, output_png, plot_memory
 
     metrics = find_metrics_csv(args.run_dir)
-    out = Path(args.output) if args.output else metrics.parent / "memory.png"
+    target = args.output or metrics.parent
     try:
-        fig = plot_memory(metrics, out, field=args.field, title=f"Memory per device: {metrics.parent}")
+        fig = plot_memory(metrics, target, field=args.field, title=f"Memory per device: {metrics.parent}")
     except ImportError as err:
         print(f"lightning-mgpu plot-memory: error: {err}", file=sys.stderr)
         return 1
     devices = sum(1 for line in fig.axes[0].get_lines() if line.get_linestyle() == "-")
-    print(f"wrote {out} ({devices} device(s))")
+    print(f"wrote {output_png(target)} ({devices} device(s))")
     return 0

@@ -1,7 +1,7 @@
 """Build what a validated config describes: the recipe's module and data, callbacks, logger and Trainer.
 
-- ``resolve_devices`` turns ``devices: auto`` into every visible GPU, or on a machine without
-  one into one CPU process per core, at most ``CPU_DEVICE_CAP`` (4).
+- ``resolve_devices`` turns ``devices: auto`` (or ``-1``) into every visible GPU, or on a machine
+  without one into one CPU process per core, at most ``CPU_DEVICE_CAP`` (4).
 - ``build_callbacks`` adds the memory monitor (its summary is ``<run_dir>/memory_summary.json``),
   ``ModelCheckpoint`` (to ``<run_dir>/checkpoints``), the plain weights export (the network's
   weights next to each checkpoint and ``final.safetensors``) and early stopping as the
@@ -42,20 +42,44 @@ def resolve_devices(accelerator: str, devices: Any) -> tuple[str, Any]:
     - a GPU accelerator (or ``auto``) with CUDA available: every visible GPU;
     - otherwise (``cpu``, or ``auto`` without CUDA): one CPU process per usable core, at most
       ``CPU_DEVICE_CAP``;
-    - anything but ``auto`` is returned unchanged.
+    - ``-1`` (Lightning's "all devices") means the same as ``auto``;
+    - anything else is returned unchanged.
+
+    Raises:
+        ValueError: device indices (``[0, 3]``) where they cannot select a GPU: with the ``cpu``
+            accelerator, or when no CUDA device is visible.
 
     Example::
 
         resolve_devices("auto", "auto")  # ('cpu', 2) on a two-core machine without GPU
     """
-    if devices != "auto":
+    if isinstance(devices, list):
+        _check_indices(accelerator, devices)
+        return accelerator, devices
+    if devices not in ("auto", -1):
         return accelerator, devices
     if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
         return ("gpu" if accelerator == "auto" else accelerator), torch.cuda.device_count()
     if accelerator in ("auto", "cpu"):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         return "cpu", max(1, min(cores, CPU_DEVICE_CAP))
-    return accelerator, devices
+    return accelerator, "auto"
+
+
+def _check_indices(accelerator: str, devices: list[int]) -> None:
+    """Lightning's words for indices on CPU ("should be an int > 0") do not say what is wrong."""
+    if accelerator == "mps" or (accelerator == "auto" and torch.backends.mps.is_available()):
+        return
+    if accelerator == "cpu":
+        why = "and trainer.accelerator is cpu"
+    elif not torch.cuda.is_available():
+        why = "and no CUDA device is visible here"
+    else:
+        return
+    raise ValueError(
+        f"trainer.devices={devices}: device indices select GPUs, {why};"
+        " give a count such as trainer.devices=2 to run that many CPU processes"
+    )
 
 
 def build_module(cfg: RunConfig) -> L.LightningModule:

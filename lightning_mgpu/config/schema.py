@@ -105,8 +105,8 @@ class TrainerConfig:
     strategy: str = "mgpu_auto"
     """A registered strategy: ``mgpu_auto`` (picks DDP, DP or one device), ``mgpu_ddp``, ``mgpu_dp``, ..."""
     devices: Any = "auto"
-    """``auto`` (every visible GPU; without a GPU one CPU process per core, at most 4), a count such as
-    ``2``, or device indices such as ``[0, 3]``."""
+    """``auto`` or ``-1`` (every visible GPU; without a GPU one CPU process per core, at most 4), a count
+    such as ``2``, or GPU indices such as ``[0, 3]`` (on a machine without GPU give a count)."""
     num_nodes: int = 1
     """Machines taking part (DDP only)."""
     precision: str = "32-true"
@@ -245,7 +245,8 @@ class OptimizerConfig:
     momentum: float = 0.9
     """Momentum, used by ``sgd`` only."""
     scheduler: str = "none"
-    """``none``, or ``cosine``: decay the learning rate to 0 over the run's optimizer steps."""
+    """``none``, or ``cosine``: decay the learning rate to 0 over the run's optimizer steps (so the run
+    needs ``trainer.max_steps`` or ``trainer.max_epochs``)."""
 
     def problems(self) -> list[str]:
         """Impossible values in this section, one message each."""
@@ -268,7 +269,8 @@ class MemoryConfig:
     """
 
     enabled: bool = True
-    """Turn the monitor on or off."""
+    """Turn the monitor on or off. It records training (``task: fit``) only: with ``validate`` or ``predict``
+    it records nothing, and validation warns."""
     every_n_steps: int = 10
     """Read memory every this many training steps."""
     imbalance_threshold: float = 1.25
@@ -385,7 +387,8 @@ class RunConfig:
     seed: int | None = 0
     """Seed of model initialisation and shuffling (``null``: not seeded)."""
     run_dir: str | None = None
-    """Folder for this run's outputs; ``null`` makes ``runs/<recipe>-<date>-<time>`` in the current folder."""
+    """Folder for this run's outputs, new or empty: one that already holds files is refused, so runs never
+    mix; ``null`` makes ``runs/<recipe>-<date>-<time>`` in the current folder."""
     weights: str | None = None
     """Weights to load into the recipe's network before the task: ``.safetensors``, a ``.pt``/``.pth``
     state_dict (e.g. torchvision's) or a Lightning ``.ckpt``."""
@@ -402,4 +405,12 @@ class RunConfig:
 
     def problems(self) -> list[str]:
         """Impossible values and combinations at the top level, one message each."""
-        return _one_of("task", self.task, _TASKS)
+        out = _one_of("task", self.task, _TASKS)
+        t = self.trainer
+        unlimited = t.max_steps == -1 and t.max_epochs == -1 and not t.fast_dev_run
+        if self.task == "fit" and self.optimizer.scheduler == "cosine" and unlimited:
+            out.append(
+                "optimizer.scheduler: cosine decays over the run's steps, so it needs trainer.max_steps or"
+                " trainer.max_epochs (both are -1); set one, or optimizer.scheduler=none"
+            )
+        return out

@@ -8,8 +8,9 @@
   the recipe name and the strategy name.
 
 All problems are collected and raised as one ``ConfigError`` (a ``ValueError``, which the
-command line prints without a traceback). Everything here runs in the launching process,
-before any training process starts.
+command line prints without a traceback). Settings that are valid but do nothing in the run
+(the memory monitor with ``task: predict``) get a warning instead. Everything here runs in the
+launching process, before any training process starts.
 """
 
 from __future__ import annotations
@@ -98,7 +99,19 @@ def validate(raw: DictConfig, source: str = "config") -> RunConfig:
         problems += _recipe_problems(cfg)
     if problems:
         raise ConfigError(source, problems)
+    _warn_idle_callbacks(cfg)
     return cfg
+
+
+def _warn_idle_callbacks(cfg: RunConfig) -> None:
+    """Settings that are valid but do nothing in this run: said once, the run goes on."""
+    if cfg.callbacks.memory.enabled and cfg.task != "fit":
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(
+            f"callbacks.memory: the memory monitor records training only, so with task={cfg.task} it records"
+            " nothing (the summary shows this process's peak instead); set callbacks.memory.enabled=false"
+        )
 
 
 def _schema_or_problem(recipe: Any, problems: list[str]) -> tuple[type[RunConfig], set[str]]:

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry
 from lightning.pytorch.strategies import ParallelStrategy, SingleDeviceStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -210,7 +211,10 @@ def _resolve_devices(
         count = accelerator_cls.auto_device_count()
         # Lightning itself uses one GPU for devices="auto" in an interactive session
         devices = 1 if facts.interactive and accelerator_cls.name() == "cuda" else count
-    parsed = accelerator_cls.parse_devices(devices)
+    try:
+        parsed = accelerator_cls.parse_devices(devices)
+    except (TypeError, MisconfigurationException) as err:  # Lightning's words for a value it refuses
+        raise ValueError(f"devices={devices!r}: {err}") from err
     return len(accelerator_cls.get_parallel_devices(parsed)), accelerator_cls.name()
 
 
@@ -229,7 +233,8 @@ def choose_strategy(
         facts: the environment; read from this process when ``None``.
 
     Raises:
-        ValueError: on devices the accelerator cannot provide, or ``num_nodes < 1``.
+        ValueError: on devices the accelerator cannot provide (Lightning's message, e.g. ``[0]``
+            or ``-1`` with the CPU accelerator), an unknown accelerator, or ``num_nodes < 1``.
 
     Example::
 

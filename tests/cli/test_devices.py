@@ -9,6 +9,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from lightning_mgpu.config.instantiate import resolve_devices
+from lightning_mgpu.config.schema import CPU_DEVICE_CAP
 from tests.helpers import run_command, script_env
 
 
@@ -33,8 +35,15 @@ def test_cpu_only_machine_says_so_and_what_auto_picks(tmp_path: Path) -> None:
     total_gib = f"{psutil.virtual_memory().total / 1024**3:.1f} GiB"
     assert lines[2].startswith(f"CPU: {os.cpu_count()} logical cores, RAM ")
     assert lines[2].endswith(total_gib)
-    assert (
-        lines[3] == 'mgpu_auto with devices="auto" would pick single_device: one cpu device: nothing to split'
+    assert lines[3] == (
+        'Trainer(strategy="mgpu_auto", devices="auto") would pick'
+        " single_device: one cpu device: nothing to split"
+    )
+    _, cores = resolve_devices("cpu", "auto")  # what `run` starts: one process per core, capped
+    run = f"{cores} devices in a script: one process per device" if cores > 1 else "one cpu device: nothing"
+    assert lines[4].startswith(
+        f"lightning-mgpu run with trainer.devices=auto (one CPU process per core, at most {CPU_DEVICE_CAP})"
+        f" would pick {'mgpu_ddp' if cores > 1 else 'single_device'}: {run}"
     )
 
 
@@ -43,10 +52,11 @@ def test_reports_a_launched_job_and_rejects_bad_nodes(tmp_path: Path) -> None:
         tmp_path, "--num-nodes", "2", CUDA_VISIBLE_DEVICES="", SLURM_NTASKS="8", SLURM_JOB_NAME="train"
     )
     assert code == 0
-    assert (
-        out.splitlines()[-1]
-        == 'mgpu_auto with devices="auto" would pick mgpu_ddp: 2 nodes: one process per device'
-    )
+    assert out.splitlines()[-2:] == [
+        'Trainer(strategy="mgpu_auto", devices="auto") would pick mgpu_ddp: 2 nodes: one process per device',
+        f"lightning-mgpu run with trainer.devices=auto (one CPU process per core, at most {CPU_DEVICE_CAP})"
+        " would pick mgpu_ddp: 2 nodes: one process per device",
+    ]
     code, out, err = _devices(tmp_path, "--num-nodes", "0")
     assert code == 1
     assert out == ""
@@ -64,4 +74,5 @@ def test_lists_every_visible_gpu(tmp_path: Path) -> None:
         assert any(
             line.startswith(f"cuda:{index}") and name in line and "GiB" in line for line in out.splitlines()
         )
-    assert "mgpu_auto with devices=" in out
+    assert 'Trainer(strategy="mgpu_auto", devices="auto") would pick ' in out
+    assert "lightning-mgpu run with trainer.devices=auto (every visible GPU) would pick " in out

@@ -6,7 +6,7 @@ import pytest
 
 from lightning_mgpu.cli.main import main
 from lightning_mgpu.config import load_config
-from lightning_mgpu.config.instantiate import build_data, build_module
+from lightning_mgpu.config.instantiate import build_data, build_module, resolve_devices
 from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.estimate import estimate_memory
 
@@ -47,9 +47,47 @@ def test_options_may_follow_the_overrides(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_estimate_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["estimate"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "lightning-mgpu estimate: error: the following arguments are required: config"
+    )
     assert main(["estimate", "digits", "--devices", "0"]) == 1
     assert "lightning-mgpu estimate: error: --devices must be at least 1, got 0" in capsys.readouterr().err
     assert main(["estimate", "digits", "--gpu-memory", "lots"]) == 1
     assert "lightning-mgpu estimate: error:" in capsys.readouterr().err
     assert main(["estimate", "digits", "--gpus", "2"]) == 1
     assert "unknown option --gpus; see lightning-mgpu estimate --help" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore:`precision=.*historical reasons")
+def test_precision_as_the_config_allows_it(capsys: pytest.CaptureFixture[str]) -> None:
+    for short, name in [("16", "16-mixed"), ("bf16", "bf16-mixed"), ("64", "64-true")]:
+        assert main(["estimate", "linear", f"trainer.precision={short}"]) == 0
+        assert f", {name}, optimizer SGD," in capsys.readouterr().out.splitlines()[0]
+
+
+def test_devices_are_counted_as_run_counts_them(capsys: pytest.CaptureFixture[str]) -> None:
+    _, auto = resolve_devices("auto", "auto")
+    assert main(["estimate", "linear", "trainer.devices=-1"]) == 0
+    assert f"(global), {auto} device(s)" in capsys.readouterr().out.splitlines()[0]
+    assert main(["estimate", "linear", "trainer.devices=[0,3]"]) == 0  # GPUs elsewhere: no GPU needed here
+    assert "(global), 2 device(s)" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_validate_and_predict_configs_get_an_inference_estimate(capsys: pytest.CaptureFixture[str]) -> None:
+    overrides = ["task=validate", "callbacks.memory.enabled=false"]
+    assert main(["estimate", "linear", *overrides, "--devices", "2"]) == 0
+    out = capsys.readouterr().out
+    first, held = out.splitlines()[:2]
+    assert first.endswith(", task validate: inference, no gradients or optimizer state, measured on meta")
+    assert held == "  parameters 44 B, buffers 0 B"
+
+    cfg = load_config("linear", overrides)
+    sample = build_data(cfg).example_batch(8)  # type: ignore[attr-defined]
+    est = estimate_memory(
+        build_module(cfg), sample, devices=2, batch_size=64, inference=True, step_fn=lambda m, b: m(b[0])
+    )
+    assert " ".join(rows(out)["single"][1:3]) == format_bytes(est.peak("single", per_device_batch=64))
+    assert " ".join(rows(out)["mgpu_ddp"][1:3]) == format_bytes(est.peak("mgpu_ddp", per_device_batch=32))

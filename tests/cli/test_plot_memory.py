@@ -73,3 +73,20 @@ def test_user_errors_are_one_line(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert "no device logged memory/<device>/saved_MiB; fields present: rss" in result.stderr
+
+
+def test_output_folder_gets_memory_png_and_a_failed_write_leaves_nothing(tmp_path: Path) -> None:
+    run_dir = logged_run(tmp_path / "logs")
+    plot = [sys.executable, "-m", "lightning_mgpu", "plot-memory", str(run_dir), "-o"]
+    (tmp_path / "plots").mkdir()
+    result = run_command([*plot, str(tmp_path / "plots")], cwd=tmp_path)
+    assert result.returncode == 0, result.output
+    assert result.stdout.strip() == f"wrote {tmp_path / 'plots' / 'memory.png'} (2 device(s))"
+    assert (tmp_path / "plots" / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    (tmp_path / "blocked" / "memory.png").mkdir(parents=True)  # a folder where the PNG would go
+    result = run_command([*plot, str(tmp_path / "blocked")], cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.startswith("lightning-mgpu plot-memory: error: [Errno 21] Is a directory")
+    assert len(result.stderr.splitlines()) == 1
+    assert [p.name for p in (tmp_path / "blocked").iterdir()] == ["memory.png"]  # no temporary file left

@@ -17,7 +17,7 @@ from lightning_mgpu.cli.main import main
 from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.recipes import RECIPES
 from lightning_mgpu.recipes.digits import ConvClassifier
-from tests.helpers import run_command
+from tests.helpers import run_command, script_env
 
 SHORT = [
     "trainer.max_epochs=2",
@@ -73,6 +73,32 @@ def test_run_folder_and_summary(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert summary.endswith(f"peak memory:\n  cpu:rank0 (CPU process): peak RSS {format_bytes(peak)}\n")
 
 
+def test_a_run_dir_holding_files_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    used = tmp_path / "used"
+    (used / "checkpoints").mkdir(parents=True)
+    (used / "checkpoints" / "last.safetensors").write_bytes(b"not weights")
+    (used / "metrics.csv").write_text("step\n")
+    assert main(["run", "linear", *SHORT, f"run_dir={used}"]) == 1
+    assert capsys.readouterr().err == (
+        f"lightning-mgpu run: error: run_dir {used} already holds files (checkpoints, metrics.csv) that this"
+        f" run's would mix with; set another run_dir, or leave it unset for a new folder under runs/,"
+        f" or delete {used} first\n"
+    )
+    assert sorted(p.name for p in used.rglob("*")) == ["checkpoints", "last.safetensors", "metrics.csv"]
+    assert (used / "metrics.csv").read_text() == "step\n"
+
+    # weights read from inside the folder: refused before they are loaded, and no advice to delete them
+    weights = used / "checkpoints" / "last.safetensors"
+    predict = ["run", "resnet18_predict", f"weights={weights}", f"run_dir={used}", "trainer.accelerator=cpu"]
+    assert main(predict) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.endswith("set another run_dir, or leave it unset for a new folder under runs/")
+    assert main(["run", "linear", *SHORT, f"run_dir={used / 'checkpoints' / 'last.safetensors'}"]) == 1
+    assert "last.safetensors is a file; set run_dir to a new folder" in capsys.readouterr().err
+
+
 def test_default_run_folder_is_under_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert (
@@ -126,6 +152,17 @@ def test_config_errors_print_every_problem_and_no_traceback(tmp_path: Path) -> N
         "  optimizer.lr: must be > 0, got -1\n"
     )
     assert result.stdout == ""
+    assert not (tmp_path / "runs").exists()
+
+
+def test_device_indices_without_a_gpu_are_one_line(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "lightning_mgpu", "run", "linear", "trainer.devices=[0]"]
+    result = run_command(cmd, cwd=tmp_path, env=script_env(CUDA_VISIBLE_DEVICES=""))
+    assert result.returncode == 1
+    assert result.stderr == (
+        "lightning-mgpu run: error: trainer.devices=[0]: device indices select GPUs, and no CUDA device is"
+        " visible here; give a count such as trainer.devices=2 to run that many CPU processes\n"
+    )
     assert not (tmp_path / "runs").exists()
 
 

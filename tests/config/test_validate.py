@@ -104,6 +104,29 @@ def test_cross_section_and_task_checks() -> None:
     ]
 
 
+def test_cosine_schedule_needs_a_step_or_epoch_limit() -> None:
+    unlimited = ["optimizer.scheduler=cosine", "trainer.max_epochs=-1", "trainer.max_steps=-1"]
+    assert problems([*unlimited, "data.batch_size=0"], "linear") == [
+        "optimizer.scheduler: cosine decays over the run's steps, so it needs trainer.max_steps or"
+        " trainer.max_epochs (both are -1); set one, or optimizer.scheduler=none",
+        "data.batch_size: must be >= 1, got 0",
+    ]
+    assert load_config("linear", [*unlimited, "trainer.max_steps=100"]).trainer.max_steps == 100
+    assert load_config("linear", [*unlimited, "trainer.fast_dev_run=true"]).trainer.fast_dev_run is True
+    validate_only = [*unlimited, "task=validate", "callbacks.memory.enabled=false"]
+    assert load_config("linear", validate_only).task == "validate"  # nothing is scheduled
+
+
+def test_memory_monitor_outside_fit_gets_a_warning(recwarn: pytest.WarningsRecorder) -> None:
+    with pytest.warns(UserWarning, match="callbacks.memory: the memory monitor records training only, so"):
+        assert load_config("digits", ["task=validate"]).task == "validate"
+    recwarn.clear()
+    assert load_config("resnet18_predict").callbacks.memory.enabled is False
+    assert load_config("digits", ["task=validate", "callbacks.memory.enabled=false"]).task == "validate"
+    assert load_config("digits").callbacks.memory.enabled is True
+    assert not [w for w in recwarn if "callbacks.memory" in str(w.message)]
+
+
 def test_valid_config_is_typed_and_overrides_apply() -> None:
     cfg = load_config("resnet18", ["trainer.devices=[0,3]", "model.num_classes=4", "optimizer.lr=1"])
     assert isinstance(cfg, RunConfig)

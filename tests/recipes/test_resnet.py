@@ -140,9 +140,9 @@ def test_weights_that_do_not_fit_are_a_clear_error(
 def test_device_lists_select_gpus_only(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "resnet18_predict", "trainer.accelerator=cpu", "trainer.devices=[1]"]) == 1
     assert (
-        "error: trainer: `devices` selected with `CPUAccelerator` should be an int > 0"
-        in capsys.readouterr().err
-    )
+        "error: trainer.devices=[1]: device indices select GPUs, and trainer.accelerator is cpu;"
+        " give a count such as trainer.devices=2 to run that many CPU processes"
+    ) in capsys.readouterr().err
 
 
 @pytest.mark.gpu

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -108,6 +109,9 @@ def test_bad_arguments_are_named() -> None:
         choose_strategy(accelerator="tpuu")
     with pytest.raises(TypeError, match="unknown environment facts \\['jupyter'\\]"):
         EnvironmentFacts.detect(jupyter=True)
+    for devices in ([0], -1, "0,1", 0, [], None, "abc"):
+        with pytest.raises(ValueError, match=f"^devices={re.escape(repr(devices))}: "):
+            choose_strategy(devices=devices, accelerator="cpu")  # type: ignore[arg-type]
 
 
 def _records(caplog_target: list[str]) -> logging.Handler:
