@@ -54,7 +54,12 @@ class MemoryEstimate:
 
     Example::
 
-        est = estimate_memory(model, batch, devices=4, device_memory="24GiB")
+        import torch
+        from torch import nn
+        from lightning_mgpu import estimate_memory
+
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+        est = estimate_memory(model, torch.randn(16, 32), devices=4, device_memory="24GiB")
         print(est)
         est.peak("mgpu_ddp")                  # bytes on each device under mgpu_ddp
         est.largest_per_device_batch("single")
@@ -290,10 +295,14 @@ def estimate_memory(
 
     Example::
 
+        import torch
+        from torch import nn
         from lightning_mgpu import estimate_memory
 
-        est = estimate_memory(model, next(iter(loader)), devices=2, device_memory="12GiB")
-        print(est)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+        optimizer = torch.optim.Adam(model.parameters())
+        batch = torch.randn(16, 32)  # one batch as the DataLoader yields it
+        print(estimate_memory(model, batch, devices=2, device_memory="12GiB", optimizer=optimizer))
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected an nn.Module (or LightningModule), got {type(module).__name__}")

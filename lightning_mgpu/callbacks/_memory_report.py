@@ -117,27 +117,23 @@ class Summary:
         }
 
 
-def _mib(v: float) -> str:
-    return "-" if math.isnan(v) else f"{v / MiB:,.0f} MiB"
-
-
 def table(readings: list[Reading], title: str = "") -> str:
     """An ``nvidia-smi``-like table: one row per device, only the columns some device knows."""
     columns: list[tuple[str, Any]] = [("Device", lambda r: r.device), ("Name", lambda r: r.name)]
     kinds = {r.kind for r in readings}
     if "cuda" in kinds:
         columns += [
-            ("Peak allocated", lambda r: _mib(r.values.get("peak_allocated", math.nan))),
-            ("Peak reserved", lambda r: _mib(r.values.get("peak_reserved", math.nan))),
+            ("Peak allocated", lambda r: format_bytes(r.values.get("peak_allocated", math.nan))),
+            ("Peak reserved", lambda r: format_bytes(r.values.get("peak_reserved", math.nan))),
             ("Used / Total", _used_total),
         ]
     if "cpu" in kinds:
         columns += [
-            ("RSS", lambda r: _mib(r.values.get("rss", math.nan))),
-            ("Peak RSS", lambda r: _mib(r.values.get("peak_rss", math.nan))),
+            ("RSS", lambda r: format_bytes(r.values.get("rss", math.nan))),
+            ("Peak RSS", lambda r: format_bytes(r.values.get("peak_rss", math.nan))),
         ]
     if "replica" in kinds:
-        columns += [("Saved for backward", lambda r: _mib(r.values.get("saved", math.nan)))]
+        columns += [("Saved for backward", lambda r: format_bytes(r.values.get("saved", math.nan)))]
     cells = [[h for h, _ in columns]] + [[str(get(r)) for _, get in columns] for r in readings]
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     rule = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
@@ -155,7 +151,7 @@ def _used_total(r: Reading) -> str:
     used, total = r.values.get("nvml_used", math.nan), r.values.get("total", math.nan)
     if math.isnan(used) and math.isnan(total):
         return "-"
-    return f"{_mib(used)} / {_mib(total)}"
+    return f"{format_bytes(used)} / {format_bytes(total)}"
 
 
 @dataclass

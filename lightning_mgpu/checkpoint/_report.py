@@ -50,9 +50,15 @@ class LoadReport:
 
     Example::
 
-        report = load_state_dict(model, "last.ckpt", strict=False)
+        import torch
+        from torch import nn
+        from lightning_mgpu import load_state_dict
+
+        torch.save(nn.Sequential(nn.Linear(4, 8)).state_dict(), "encoder.pt")
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        report = load_state_dict(model, "encoder.pt", strict=False)
         if not report.ok:
-            print(report)
+            print(report)  # loaded 2 entries; missing: 2.weight, 2.bias
     """
 
     source: str

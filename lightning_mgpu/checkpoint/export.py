@@ -50,8 +50,13 @@ class ExportReport:
 
     Example::
 
-        report = export_state_dict(model, "model.safetensors")
-        print(report.removed_prefixes, report.aliases)
+        from torch import nn
+        from lightning_mgpu import export_state_dict
+
+        model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10))
+        model[1].weight = model[0].weight  # tied weights
+        report = export_state_dict(nn.DataParallel(model), "model.safetensors")
+        print(report.removed_prefixes, report.aliases)  # ['module.'] {'1.weight': '0.weight'}
     """
 
     path: Path
@@ -159,11 +164,16 @@ def export_state_dict(
 
     Example::
 
+        import safetensors.torch
+        import torch
+        from torch import nn
         from lightning_mgpu import export_state_dict
 
-        report = export_state_dict("epoch=3.ckpt", "model.safetensors")
-        print(report.removed_prefixes)  # ['model.']
-        safetensors.torch.load_model(model, "model.safetensors")  # restores tied weights too
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        torch.save({"state_dict": nn.DataParallel(model).state_dict()}, "last.ckpt")
+        report = export_state_dict("last.ckpt", "model.safetensors")
+        print(report.removed_prefixes)  # ['module.']
+        safetensors.torch.load_model(model, "model.safetensors")  # strict: every name fits
     """
     path = Path(path)
     fmt = _choose_format(path, format)

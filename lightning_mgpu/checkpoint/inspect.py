@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,8 @@ from lightning_mgpu.checkpoint._source import count_values, resolve
 __all__ = ["CheckpointInfo", "TensorInfo", "inspect_checkpoint"]
 
 _MAX_GROUP_DEPTH = 3
+# suffixes a suggested export's name drops, after the last one: x.pth.tar -> x
+_STRIPPED_SUFFIXES = {".pt", ".pth", ".ckpt", ".bin", ".safetensors", ".tar", ".gz", ".zip"}
 
 
 @dataclass(frozen=True)
@@ -104,17 +107,18 @@ class CheckpointInfo:
         return "\n".join(lines)
 
     def _loads_lines(self) -> list[str]:
-        name = Path(self.source).name if self.format else "weights"
-        stem = Path(name).stem
+        source = Path(self.source) if self.format else Path("weights")
         entry = f" (its {self.weights_key!r} entry)" if self.weights_key else ""
-        # never suggest writing over the file being described
-        out = f"{stem}.safetensors" if f"{stem}.safetensors" != name else f"{stem}_plain.safetensors"
-        key = f" --key {self.chosen_key}" if self.chosen_key is not None else ""
-        plain = f"yes{entry}" if self.loads_into_plain else f"no  -> lightning-mgpu export{key} {name} {out}"
+        key = f" --key {shlex.quote(self.chosen_key)}" if self.chosen_key is not None else ""
+        export = f"no  -> lightning-mgpu export{key}"
+        given = shlex.quote(str(source))
+        plain = (
+            f"yes{entry}" if self.loads_into_plain else f"{export} {given} {_suggested_output(source, '')}"
+        )
         dp = (
             f"yes{entry}"
             if self.loads_into_dataparallel
-            else f"no  -> lightning-mgpu export{key} --dataparallel {name} {stem}_dp.safetensors"
+            else f"{export} --dataparallel {given} {_suggested_output(source, '_dp')}"
         )
         return [
             f"loads into a plain model:          {plain}",
@@ -125,6 +129,21 @@ class CheckpointInfo:
 
     def __str__(self) -> str:
         return self.render()
+
+
+def _suggested_output(source: Path, tag: str) -> str:
+    """A safetensors file next to ``source`` for the suggested export, quoted for a shell.
+
+    Every weights or archive suffix goes (``x.pth.tar`` -> ``x``), and the result never names
+    ``source`` itself, so running the suggestion cannot write over the file it reads.
+    """
+    stem = source.stem
+    while Path(stem).suffix.lower() in _STRIPPED_SUFFIXES:
+        stem = Path(stem).stem
+    out = source.with_name(f"{stem}{tag}.safetensors")
+    if out.name == source.name:
+        out = source.with_name(f"{stem}{tag}_plain.safetensors")
+    return shlex.quote(str(out))
 
 
 def _explain(prefix: str, attribute: str | None) -> str:

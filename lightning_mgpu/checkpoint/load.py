@@ -71,11 +71,15 @@ def load_state_dict(
 
     Example::
 
+        import torch
+        from torch import nn
         from lightning_mgpu import load_state_dict
 
-        model = Net()
-        report = load_state_dict(model, "lightning_logs/version_0/checkpoints/epoch=3.ckpt")
-        print(report.removed_prefixes)  # ['model.']
+        trained = nn.DataParallel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
+        torch.save(trained.state_dict(), "dp.pt")  # names start with "module."
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        report = load_state_dict(model, "dp.pt")
+        print(report.removed_prefixes)  # ['module.']
     """
     src = resolve(source, map_location=map_location, trust_pickle=trust_pickle, key=key)
     source_sd, removed, ignored = _source_entries(src, submodule, WRAPPERS)

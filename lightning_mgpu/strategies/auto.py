@@ -117,8 +117,12 @@ class StrategyChoice:
 
     Example::
 
+        from lightning_mgpu import choose_strategy
+
         choice = choose_strategy(devices=4)
-        print(choice)  # mgpu_ddp: 4 devices in a script: one process per device
+        print(choice)
+        # run from a script: "mgpu_ddp: 4 devices in a script: one process per device";
+        # typed at a prompt or in a notebook the answer is ddp_notebook or mgpu_dp
     """
 
     strategy: str

@@ -86,12 +86,29 @@ class MGPUDDPStrategy(DDPStrategy):
 
     Example::
 
+        # run as a script (python train.py), not at a prompt: every process re-runs the script
         import lightning as L
-        import lightning_mgpu
-        from lightning_mgpu import MGPUDDPStrategy
+        import torch
+        from torch import nn
+        from torch.utils.data import DataLoader, TensorDataset
 
-        trainer = L.Trainer(accelerator="gpu", devices=[0, 3], strategy="mgpu_ddp")
-        trainer = L.Trainer(accelerator="gpu", devices=2, strategy=MGPUDDPStrategy(stall_timeout=120))
+        from lightning_mgpu import MGPUDDPStrategy  # also registers "mgpu_ddp"
+
+        class Net(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.layer = nn.Linear(8, 1)
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                return nn.functional.mse_loss(self.layer(x), y)
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        loader = DataLoader(TensorDataset(torch.randn(64, 8), torch.randn(64, 1)), batch_size=16)
+        strategy = MGPUDDPStrategy(stall_timeout=120)  # or strategy="mgpu_ddp" (300 s)
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1)
+        # on GPUs 0 and 3: L.Trainer(accelerator="gpu", devices=[0, 3], strategy="mgpu_ddp")
+        trainer.fit(Net(), train_dataloaders=loader)
     """
 
     strategy_name = "mgpu_ddp"

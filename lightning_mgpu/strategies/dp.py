@@ -100,16 +100,33 @@ class MGPUDataParallelStrategy(ParallelStrategy):
         track_replica_memory: see above.
 
     Raises:
-        ValueError: with ``sync_batchnorm=True``, ``num_nodes > 1``, or devices of different
-            types.
+        ValueError: with ``num_nodes > 1`` when the Trainer is built; with
+            ``sync_batchnorm=True`` or devices of different types when ``fit`` (or
+            ``validate``, ``test``, ``predict``) starts, not when the Trainer is built.
 
     Example::
 
         import lightning as L
-        import lightning_mgpu
+        import torch
+        from torch import nn
+        from torch.utils.data import DataLoader, TensorDataset
 
-        trainer = L.Trainer(accelerator="gpu", devices=[0, 3], strategy="mgpu_dp")
-        trainer.fit(model, train_dataloaders=loader)
+        import lightning_mgpu  # registers "mgpu_dp"
+
+        class Net(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.layer = nn.Linear(8, 1)
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                return nn.functional.mse_loss(self.layer(x), y)
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        loader = DataLoader(TensorDataset(torch.randn(64, 8), torch.randn(64, 1)), batch_size=16)
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy="mgpu_dp", max_epochs=1)
+        # on GPUs 0 and 3: L.Trainer(accelerator="gpu", devices=[0, 3], strategy="mgpu_dp")
+        trainer.fit(Net(), train_dataloaders=loader)
     """
 
     strategy_name = "mgpu_dp"

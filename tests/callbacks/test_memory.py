@@ -16,7 +16,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import DeviceMemoryMonitor
-from lightning_mgpu.callbacks._memory_report import Facts, OOMContext, Reading, likely_causes, oom_guidance
+from lightning_mgpu.callbacks._memory_report import (
+    Facts,
+    OOMContext,
+    Reading,
+    likely_causes,
+    oom_guidance,
+    table,
+)
 from tests.helpers import run_script
 
 MODULE = """
@@ -382,12 +389,24 @@ def test_oom_guidance_for_a_gpu_dp_run() -> None:
         RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has"), ctx, [card]
     )
     assert text.startswith("Out of memory on cuda:0 (rank 0) at step 12: RuntimeError: CUDA out of memory.")
-    assert "| cuda:0 | GPU  | 30,720 MiB" in text
+    assert "| cuda:0 | GPU  | 30.00 GiB" in text
     assert "32 rows per device now; no step has finished yet; try 16 rows per device." in text
     assert "DataLoader batch_size=32 and Trainer(accumulate_grad_batches=4) (now 2)" in text
     assert "strategy='mgpu_ddp' instead of mgpu_dp" in text
     assert "more devices: 2 of 4 are used; devices=4" in text
     assert "precision: already bf16-mixed." in text
+
+
+def test_table_shows_small_sizes_in_their_own_unit() -> None:
+    """KiB-sized replicas must not read as 0 beside a warning that they differ."""
+    replicas = [
+        Reading(f"cpu:replica{i}", "replica", 0, "CPU replica", {"saved": saved})
+        for i, saved in enumerate((4800.0, 3264.0))
+    ]
+    text = table(replicas + [Reading("cpu", "cpu", 0, "CPU", {"rss": 3 * 2**30, "peak_rss": math.nan})])
+    assert "| cpu:replica0 | CPU replica | -        | -        | 4.69 KiB" in text
+    assert "| cpu:replica1 | CPU replica | -        | -        | 3.19 KiB" in text
+    assert "| cpu          | CPU         | 3.00 GiB | -        | -" in text
 
 
 def reading(device: str, rank: int, peak: float, rows: float = 8) -> Reading:

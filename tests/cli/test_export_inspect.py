@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import shlex
 import stat
 import subprocess
 import sys
@@ -85,7 +86,7 @@ def test_key_picks_one_of_several_state_dicts(tmp_path: Path, capsys: pytest.Cap
     assert main(["inspect", file, "--key", "ema"]) == 0
     out = capsys.readouterr().out
     assert "weights under 'ema': 9 tensors" in out
-    assert f"lightning-mgpu export --key ema --dataparallel {Path(file).name} train_dp.safetensors" in out
+    assert f"lightning-mgpu export --key ema --dataparallel {file} {tmp_path / 'train_dp.safetensors'}" in out
     assert main(["export", file, str(tmp_path / "x.safetensors"), "--key", "emma"]) == 1
     err = capsys.readouterr().err
     assert "no entry 'emma'; the entries holding weights are: 'model', 'ema'" in err
@@ -235,3 +236,27 @@ def test_trust_pickle_with_classes_of_the_training_script(
     # the safe loader refuses it too, naming both classes and running nothing
     with pytest.raises(ValueError, match=r"not plain weights \(__main__.Cfg, __main__.Mode"):
         load_state_dict(net(), tmp_path / "dataclass.ckpt")
+
+
+def test_inspect_suggests_commands_that_run_from_the_working_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Paths as typed, outputs next to the input, odd names quoted for a shell."""
+    monkeypatch.chdir(tmp_path)
+    folder = Path("runs/d 1/checkpoints")
+    folder.mkdir(parents=True)
+    torch.save({"state_dict": nn.DataParallel(net()).state_dict()}, folder / "final.pth.tar")
+    assert main(["inspect", str(folder / "final.pth.tar")]) == 0
+    out = capsys.readouterr().out
+    assert "export 'runs/d 1/checkpoints/final.pth.tar' 'runs/d 1/checkpoints/final.safetensors'" in out
+    assert "loads into nn.DataParallel(model): yes" in out
+    assert main(shlex.split(out.split("-> lightning-mgpu ")[1].splitlines()[0])) == 0
+
+    assert main(["inspect", str(folder / "final.safetensors")]) == 0
+    out = capsys.readouterr().out
+    dp = "'runs/d 1/checkpoints/final_dp.safetensors'"
+    assert f"export --dataparallel 'runs/d 1/checkpoints/final.safetensors' {dp}" in out
+    # run as printed, from the working folder
+    assert main(shlex.split(out.split("-> lightning-mgpu ")[-1].splitlines()[0])) == 0
+    written = safetensors.torch.load_file(folder / "final_dp.safetensors")
+    assert_same({f"module.{k}": v for k, v in net().state_dict().items()}, written)
