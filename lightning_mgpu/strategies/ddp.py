@@ -148,6 +148,8 @@ class MGPUDDPStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        # under the spawn/fork launchers the ranks are only set later, in setup_distributed
+        self.set_world_ranks()
         self._watching = self.world_size > 1
         if self._watching:
             watchdog().start(self.global_rank, self.local_rank)

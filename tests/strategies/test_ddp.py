@@ -120,6 +120,46 @@ def test_two_processes_match_one_and_keep_shuffle(tmp_path: Path) -> None:
     assert not seen[1].startswith("[[1.0, 3.0, 5.0, 7.0]")
 
 
+SPAWN_SCRIPT = """
+import time, torch, lightning as L
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from lightning_mgpu import MGPUDDPStrategy
+from lightning_mgpu.strategies._watchdog import DEAD_AFTER, watchdog
+
+class Slow(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 0:
+            with open(f"rank{self.global_rank}.txt", "w") as f:
+                f.write(str(watchdog().rank))
+        time.sleep(0.1)
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+if __name__ == "__main__":
+    steps = int((DEAD_AFTER + 4) / 0.1)  # longer than a missing heartbeat takes to be noticed
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=MGPUDDPStrategy(start_method="spawn"), max_steps=steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(Slow(), DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=2))
+"""
+
+
+def test_spawned_ranks_are_watched_under_their_own_rank(tmp_path: Path) -> None:
+    result = run_script(SPAWN_SCRIPT, tmp_path, timeout=240)
+    assert result.returncode == 0, result.output[-3000:]
+    assert "never sent a heartbeat" not in result.output
+    assert "`max_steps=140` reached" in result.output
+    assert [(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)] == ["0", "1"]
+
+
 def test_torchrun_two_nodes_match_one_process(tmp_path: Path) -> None:
     """Two torchrun "nodes" on loopback, one process each, started concurrently."""
     (tmp_path / "fit.py").write_text(textwrap.dedent(FIT_SCRIPT))
