@@ -20,7 +20,17 @@ __all__ = ["UNUSED_PATTERN", "add_to_message", "is_communication_error", "unused
 UNUSED_PATTERN = "Expected to have finished reduction in the prior iteration"
 _DETAIL_NAMES = re.compile(r"Parameters which did not receive grad for rank \d+: ([^\n]+)")
 _INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
-_COMMUNICATION_WORDS = ("gloo", "nccl", "connection", "peer", "timed out", "timeout", "broken pipe", "socket")
+# what torch.distributed's own errors say (gloo and NCCL name themselves, c10d its store); plain words
+# such as "connection" or "timed out" also appear in a user's own errors (a database, a DataLoader)
+_COMMUNICATION_WORDS = (
+    "gloo",
+    "nccl",
+    "c10d",
+    "tcpstore",
+    "processgroup",
+    "connection closed by peer",
+    "connection reset by peer",
+)
 
 
 def _reducer_parameter_names(ddp: nn.parallel.DistributedDataParallel) -> list[str]:

@@ -211,6 +211,8 @@ class Regression(L.LightningModule):
                 os.kill(os.getpid(), signal.SIGKILL)
             if fault == "exit":
                 os._exit(7)
+            if fault == "raise":
+                raise RuntimeError("the database connection timed out")
             stall_forever()
         return nn.functional.mse_loss(self.net(batch[0]), batch[1])
 
@@ -306,6 +308,17 @@ def test_a_dead_rank_stops_every_rank_and_is_named(fault_run, victim: int, fault
     # the surviving rank's error leads with the reason, before gloo's "Connection reset by peer"
     assert survivor_says(1 - victim, reported.format(pid=pid), output), output
     assert run.proc.wait() == (-signal.SIGKILL if victim == 0 else 1)
+
+
+def test_an_error_of_the_users_code_is_named_at_once(fault_run) -> None:
+    # its words ("connection", "timed out") are not a lost peer: no waiting for a verdict on one
+    run = fault_run("1", "raise", "300")
+    fault_at, _ = run.wait_for_fault()
+    seconds = run.seconds_until_gone(fault_at, bound=60)
+    output = run.output
+    assert "RuntimeError: the database connection timed out" in output
+    assert survivor_says(0, "rank 1", output), output
+    assert seconds < 11, (seconds, output)  # a verdict is awaited for 12 s
 
 
 def test_a_stalled_rank_is_named_and_prints_its_stack(fault_run) -> None:
