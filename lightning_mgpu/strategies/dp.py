@@ -64,8 +64,8 @@ class MGPUDataParallelStrategy(ParallelStrategy):
       ``compute()`` equals the single-device value. Logging the metric object works too.
     - **BatchNorm** follows ``torch.nn.DataParallel``: in training each replica normalises
       with the statistics of its own chunk, and the running statistics are updated from the
-      first replica's chunk only. Use ``mgpu_ddp`` with ``sync_batchnorm=True`` for
-      whole-batch statistics.
+      first replica's chunk only. Use ``mgpu_ddp`` with ``sync_batchnorm=True`` on GPUs
+      (torch's SyncBatchNorm runs on CUDA only) for whole-batch statistics.
     - **Manual optimization.** ``manual_backward``, ``opt.step()``, ``opt.zero_grad()``,
       ``sch.step()``, ``clip_gradients`` and ``toggle_optimizer`` called inside the replicas
       happen once per step on the combined loss; every replica must call them in the same
@@ -214,7 +214,7 @@ class MGPUDataParallelStrategy(ParallelStrategy):
         if self._layer_sync is not None:
             raise ValueError(
                 "`sync_batchnorm=True` needs one process per device; mgpu_dp keeps nn.DataParallel's"
-                " per-replica BatchNorm. Use `strategy='mgpu_ddp'` for synchronised BatchNorm."
+                " per-replica BatchNorm. Use `strategy='mgpu_ddp'` on GPUs for synchronised BatchNorm."
             )
         kinds = {d.type for d in self.replica_devices}
         if len(kinds) > 1:
