@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_mgpu._atomic import atomic_write
+
 __all__ = ["find_metrics_csv", "output_png", "plot_memory", "read_memory_metrics"]
 
 _KEY = re.compile(r"^memory/([^/]+)/([a-z_]+)_MiB$")
@@ -135,13 +137,8 @@ def plot_memory(
     ax.legend(loc="best", fontsize="small")
     out = output_png(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    try:
-        fig.savefig(tmp, format="png", dpi=100)
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_write(out) as file:
+        fig.savefig(file, format="png", dpi=100)
     return fig
 
 

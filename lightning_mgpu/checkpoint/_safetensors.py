@@ -25,7 +25,7 @@ from typing import Any, BinaryIO, Protocol
 
 import torch
 
-from lightning_mgpu.checkpoint._atomic import WRITEBACK_BYTES, start_writeback
+from lightning_mgpu._atomic import WRITEBACK_BYTES, start_writeback
 
 __all__ = ["ORDER_KEY", "PREFIXES_KEY", "dedupe", "read_safetensors", "view_key", "write_safetensors"]
 

@@ -11,7 +11,7 @@ from typing import Any, BinaryIO, cast
 
 import torch
 
-from lightning_mgpu.checkpoint._atomic import WritebackWriter, atomic_write
+from lightning_mgpu._atomic import WritebackWriter, atomic_write
 from lightning_mgpu.checkpoint._prefixes import WRAPPERS, add_prefix
 from lightning_mgpu.checkpoint._report import human_size
 from lightning_mgpu.checkpoint._safetensors import (

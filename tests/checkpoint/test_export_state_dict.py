@@ -13,8 +13,8 @@ from safetensors import safe_open
 from torch import nn
 
 from lightning_mgpu import export_state_dict, load_state_dict
+from lightning_mgpu._atomic import start_writeback
 from lightning_mgpu.checkpoint import ExportReport
-from lightning_mgpu.checkpoint._atomic import start_writeback
 from tests.checkpoint._models import LitNet, LitTwo, assert_same, net
 
 

@@ -87,6 +87,8 @@ def test_output_folder_gets_memory_png_and_a_failed_write_leaves_nothing(tmp_pat
     (tmp_path / "blocked" / "memory.png").mkdir(parents=True)  # a folder where the PNG would go
     result = run_command([*plot, str(tmp_path / "blocked")], cwd=tmp_path)
     assert result.returncode == 1
-    assert result.stderr.startswith("lightning-mgpu plot-memory: error: [Errno 21] Is a directory")
+    blocked = tmp_path / "blocked" / "memory.png"
+    error = f"lightning-mgpu plot-memory: error: cannot write {blocked}: it is a folder"
+    assert result.stderr.startswith(error)
     assert len(result.stderr.splitlines()) == 1
     assert [p.name for p in (tmp_path / "blocked").iterdir()] == ["memory.png"]  # no temporary file left
