@@ -17,7 +17,10 @@ Two models, each on the same global batch:
 CPU target: ``mgpu_dp`` at most 1.10x the single-device step time. Both use the same
 cores: one device runs its ops with T intra-op threads, and mgpu_dp gives each of its N
 replicas T/N of them, so the ratio shows what splitting, replicating, threading and
-combining cost. With CUDA present it
+combining cost. A third contender, "split by hand", is one device whose ``training_step``
+cuts the batch into the same N chunks and sums their losses weighted by size, in one
+thread: the arithmetic of data parallelism without any strategy, so ``mgpu_dp`` against it
+shows what the strategy itself costs. With CUDA present it
 also times, on the same model and batch, a plain single GPU, ``torch.nn.DataParallel``
 and ``mgpu_dp`` over one GPU (and over every GPU when there are several); target: no
 slower than ``torch.nn.DataParallel``.
@@ -41,6 +44,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mgpu  # noqa: F401  registers mgpu_dp
+from lightning_mgpu.strategies._scatter import split_sizes
 
 WIDTH, HIDDEN, CLASSES = 512, 2048, 10
 INPUTS = {"mlp": (WIDTH,), "cnn": (1, 28, 28)}
@@ -84,13 +88,20 @@ def make_net(kind: str) -> nn.Module:
 
 
 class Model(L.LightningModule):
-    def __init__(self, net: nn.Module) -> None:
+    """``net`` with a cross-entropy loss; ``chunks > 1`` splits each batch by hand (see the module doc)."""
+
+    def __init__(self, net: nn.Module, chunks: int = 1) -> None:
         super().__init__()
         self.net = net
+        self.chunks = chunks
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return F.cross_entropy(self.net(x), y)
+        if self.chunks == 1:
+            return F.cross_entropy(self.net(x), y)
+        sizes = split_sizes(len(x), self.chunks)
+        parts = zip(x.split(sizes), y.split(sizes), strict=True)
+        return sum(F.cross_entropy(self.net(a), b) * (len(a) / len(x)) for a, b in parts)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -105,6 +116,7 @@ def step_ms(
     batch: int,
     steps: int,
     warmup: int,
+    chunks: int = 1,
 ) -> float:
     x = torch.randn(batch * (steps + warmup), *INPUTS[kind])
     data = DataLoader(TensorDataset(x, torch.randint(0, CLASSES, (len(x),))), batch_size=batch)
@@ -120,7 +132,7 @@ def step_ms(
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Model(net), data)
+    trainer.fit(Model(net, chunks), data)
     return 1000 * statistics.median(timer.times)
 
 
@@ -172,6 +184,9 @@ def run_model(kind: str, args: argparse.Namespace) -> None:
     cpu = measure(
         {
             "single device": lambda: step_ms(make_net(kind), kind, "cpu", 1, "auto", **common),
+            f"split by hand in {n}": lambda: step_ms(
+                make_net(kind), kind, "cpu", 1, "auto", chunks=n, **common
+            ),
             f"mgpu_dp, {n} CPU replicas": lambda: step_ms(
                 make_net(kind), kind, "cpu", n, "mgpu_dp", **common
             ),
@@ -179,7 +194,7 @@ def run_model(kind: str, args: argparse.Namespace) -> None:
         args.rounds,
     )
     print(f"CPU ({cores} intra-op threads), {model}")
-    report(cpu, "single device")
+    report(cpu, "single device", {f"mgpu_dp, {n} CPU replicas": f"split by hand in {n}"})
 
     if not torch.cuda.is_available():
         print("GPU: no CUDA device here; the GPU comparison runs only where CUDA is present")
