@@ -13,6 +13,11 @@
     the others (or wait in a collective while others do not), the ranks behind are
     stuck. Ranks that are all busy at the same point (a long first step, compilation)
     are not a stall.
+
+- ``left_behind`` spots ranks that wait in a collective of a run that another rank has
+  already finished: nobody will ever join them (the ranks ran different numbers of steps).
+  Rank 0 applies it to every rank; the other ranks apply it to themselves, since rank 0
+  stops judging once its own run ended.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
-__all__ = ["Beat", "Judge", "RankInfo", "Verdict"]
+__all__ = ["Beat", "Judge", "RankInfo", "Verdict", "finished_early", "left_behind"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,30 @@ def _names(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
 
+def finished_early(done: list[int]) -> str:
+    """Why a collective fails or waits forever when ``done`` ranks already finished the run."""
+    has = "has" if len(done) == 1 else "have"
+    return (
+        f"{_names(done)} {has} already finished the run. The ranks ran different numbers of steps, for"
+        " example an IterableDataset (or a sampler) that gives the ranks different numbers of batches;"
+        " give every rank the same number of batches (a DistributedSampler, or equal shards per rank)"
+    )
+
+
+def left_behind(beats: Mapping[int, Beat], after: float) -> Verdict | None:
+    """The ranks that have waited ``after`` seconds in a collective which a finished rank will never join."""
+    done = sorted(r for r, b in beats.items() if b.done)
+    running = {r: b for r, b in beats.items() if not b.done}
+    if not done or not running or not all(b.waiting and b.idle >= after for b in running.values()):
+        return None
+    waiting = sorted(running)
+    return Verdict(
+        f"{_names(waiting)} waited {min(b.idle for b in running.values()):.0f} s in a collective that will"
+        f" never complete: {finished_early(done)}",
+        stuck=tuple(waiting),
+    )
+
+
 class Judge:
     """Decides from heartbeats whether a watched rank is gone or the run is stalled."""
 
@@ -128,7 +157,7 @@ class Judge:
                     " or its machine or network is down",
                     dead=(rank,),
                 )
-        return self._stall(beats, infos)
+        return left_behind(beats, self.dead_after) or self._stall(beats, infos)
 
     def _stall(self, beats: Mapping[int, Beat], infos: Mapping[int, RankInfo]) -> Verdict | None:
         timeout = self.stall_timeout

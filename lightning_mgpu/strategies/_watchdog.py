@@ -36,7 +36,7 @@ from typing import Any
 
 from lightning_mgpu.strategies import _procs
 from lightning_mgpu.strategies._heartbeat import Heartbeats
-from lightning_mgpu.strategies._judge import Judge, RankInfo, Verdict
+from lightning_mgpu.strategies._judge import Beat, Judge, RankInfo, Verdict, finished_early, left_behind
 from lightning_mgpu.strategies._signals import SignalPipe
 
 __all__ = ["GRACE", "INTERVAL", "Verdict", "Watchdog", "watchdog"]
@@ -73,18 +73,26 @@ class Watchdog:
         self._signals = SignalPipe()
         self._dead_man = _procs.DeadManSwitch()
         self._rank0_done = False
+        self._progress: Callable[[], int] | None = None
+        self._done_peers: list[int] = []
         self._exit_guarded = False
+        self._waits_at_exit = False
+        self._ended_cleanly = False
 
     # ----------------------------------------------------------------- set-up
     def watch_children(self, procs: list[subprocess.Popen], ranks: list[int], own_rank: int) -> None:
         """Watch the ranks this process launched (call right after starting them)."""
         self.rank = own_rank
         self._children = dict(zip(ranks, procs, strict=True))
+        if not self._waits_at_exit:
+            atexit.register(self._wait_for_children)
+            self._waits_at_exit = True
         self._start_thread()
 
     def start(self, rank: int, local_rank: int) -> None:
         """Start watching as ``rank``; call from the main thread before the process group exists."""
         self.rank = rank
+        self._rank0_done, self._progress, self._done_peers = False, None, []  # an earlier run's
         if self._verdict is not None and self._verdict.origin == rank:
             self._verdict = None  # an earlier run's own error, which the user caught
             self._verdict_event.clear()
@@ -121,6 +129,8 @@ class Watchdog:
             atexit.register(self._bound_exit)
             self._exit_guarded = True
         self._last_progress, self._last_change = None, time.monotonic()
+        self._progress, self._rank0_done, self._ended_cleanly = progress, False, False
+        self._done_peers = []
         with self._lock:
             self._run = run
         self._beat(run, time.monotonic())
@@ -145,6 +155,7 @@ class Watchdog:
             with contextlib.suppress(Exception):
                 run.beat(self._last_progress or 0, 0.0, waiting=False, done=True)
         self._dead_man.disarm()
+        self._ended_cleanly = run is not None and self._verdict is None
         if self._verdict is None or self._verdict.origin == self.rank:
             self._stop.set()
             self._signals.wake()
@@ -162,9 +173,11 @@ class Watchdog:
         """The reason the run stops, waiting up to ``timeout`` s; a suspicion counts at once."""
         deadline = time.monotonic() + timeout
         while self._verdict is None and self._thread is not None and time.monotonic() < deadline:
-            suspect = self._suspect
+            suspect, done = self._suspect, self._done_peers
             if suspect is not None:
                 self._decide(Verdict(suspect[1], dead=suspect[2]))
+            elif done:
+                self._decide(Verdict(finished_early(done), dead=tuple(done)))
             else:
                 self._signals.wake()  # check now rather than at the next tick
                 self._verdict_event.wait(0.2)
@@ -222,6 +235,10 @@ class Watchdog:
                 self._decide(found)
         if run is not None:
             self._exchange(run, now)
+        elif self._rank0_done and self.rank != 0 and self._verdict is None:
+            found = self._left_behind_rank0(now)
+            if found is not None:
+                self._decide(found)
         suspect = self._suspect
         if self._verdict is None and suspect is not None and now - suspect[0] >= DEAD_AFTER:
             self._decide(Verdict(suspect[1], dead=suspect[2]))
@@ -310,10 +327,23 @@ class Watchdog:
             self._store_lost(run)
 
     def _judge(self, run: Heartbeats, now: float) -> Verdict | None:
-        beats = run.read_beats(range(run.world_size) if self.rank == 0 else [0])
+        # the other ranks read their own beat too, to see themselves left behind by rank 0
+        beats = run.read_beats(range(run.world_size) if self.rank == 0 else [0, self.rank])
         if 0 in beats:
             self._rank0_done = beats[0].done
+        self._done_peers = [r for r, b in beats.items() if b.done and r != self.rank]
         return run.judge.look(beats, now, run.infos, self._child_finished)
+
+    def _left_behind_rank0(self, now: float) -> Verdict | None:
+        """Once rank 0 finished the run and its store is gone: is this rank still waiting in a collective?"""
+        if self._progress is not None:
+            progress = self._progress()
+            if progress != self._last_progress:
+                self._last_progress, self._last_change = progress, now
+        idle = now - self._last_change
+        waiting = idle >= 2 * INTERVAL and _procs.main_thread_waits()
+        beats = {0: Beat(0, 0, 0.0, waiting=False, done=True), self.rank: Beat(0, 0, idle, waiting, False)}
+        return left_behind(beats, DEAD_AFTER)
 
     def _child_finished(self, rank: int) -> bool:
         proc = self._children.get(rank)
@@ -378,6 +408,47 @@ class Watchdog:
                 with contextlib.suppress(Exception):
                     proc.wait(timeout=5)
         os._exit(self._exit_code)
+
+    def _wait_for_children(self) -> None:
+        """At exit of the launching process after a clean run: end with an error if a rank it started failed.
+
+        Lightning's launcher lets this process end while the ranks it started still run, so a
+        rank that fails after the last collective (or that was left behind in one) would leave
+        the command's exit status 0. After a failed run the watchdog stops the ranks itself.
+        """
+        if not self._ended_cleanly or not self._children:
+            return
+        # Lightning ignores Ctrl+C while it destroys the process group; a wait must stay interruptible
+        with contextlib.suppress(ValueError):  # not the main thread
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        failed: list[str] = []
+        told = False
+        started = time.monotonic()
+        try:
+            for rank, proc in self._children.items():
+                while proc.poll() is None:
+                    if not told and time.monotonic() - started >= DEAD_AFTER:
+                        told = True
+                        sys.stderr.write(
+                            f"[rank {self.rank}] lightning_mgpu: this rank finished; waiting for rank {rank}"
+                            f" (pid {proc.pid}) to end\n"
+                        )
+                    time.sleep(0.1)
+                if proc.returncode:
+                    failed.append(f"rank {rank} (pid {proc.pid}) {_procs.describe_exit(proc.returncode)}")
+        except KeyboardInterrupt:
+            for proc in self._children.values():
+                if proc.poll() is None:
+                    with contextlib.suppress(OSError):
+                        proc.kill()
+            failed.append("interrupted while waiting for the other ranks to end")
+        if failed:
+            reasons = "; ".join(failed)
+            who = f"[rank {self.rank}] lightning_mgpu"
+            sys.stderr.write(f"{who}: the run failed after this rank ended: {reasons}\n")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
 
     def _bound_exit(self) -> None:
         """At interpreter exit after a failed run: end the process even if clean-up hangs."""

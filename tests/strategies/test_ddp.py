@@ -185,7 +185,8 @@ def test_torchrun_two_nodes_match_one_process(tmp_path: Path) -> None:
     assert "started by torchrun" in logs[0]
 
 
-# A run in which one rank fails at batch 5 of 64: it dies (SIGKILL, os._exit) or stalls.
+# A run in which one rank fails at batch 5 of 64: it dies (SIGKILL, os._exit) or stalls; or it gets
+# two batches more than the others ("more"), or fails after the last collective ("end").
 FAULT_SCRIPT = """
 import os, sys, signal, time, torch, lightning as L
 from lightning_mgpu import MGPUDDPStrategy
@@ -205,7 +206,7 @@ class Regression(L.LightningModule):
         self.net = nn.Linear(4, 1)
 
     def training_step(self, batch, batch_idx):
-        if batch_idx == 5 and self.global_rank == victim:
+        if fault not in ("more", "end") and batch_idx == 5 and self.global_rank == victim:
             open("fault_at", "w").write(f"{time.time()} {os.getpid()}")
             if fault == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -216,14 +217,29 @@ class Regression(L.LightningModule):
             stall_forever()
         return nn.functional.mse_loss(self.net(batch[0]), batch[1])
 
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if fault == "more" and batch_idx == 5 and self.global_rank == victim:  # the others' last batch
+            open("fault_at", "w").write(f"{time.time()} {os.getpid()}")
+
+    def on_train_end(self):
+        if fault == "end" and self.global_rank == victim:
+            open("fault_at", "w").write(f"{time.time()} {os.getpid()}")
+            raise RuntimeError("saving the report failed")
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+class Shard(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        batches = 8 if int(os.environ.get("LOCAL_RANK", 0)) == victim else 6
+        return iter(TensorDataset(torch.randn(4 * batches, 4), torch.randn(4 * batches, 1)))
 
 trainer = L.Trainer(
     accelerator="cpu", devices=2, strategy=MGPUDDPStrategy(stall_timeout=stall_timeout), max_epochs=1,
     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
 )
-trainer.fit(Regression(), DataLoader(TensorDataset(torch.randn(256, 4), torch.randn(256, 1)), batch_size=4))
+data = Shard() if fault == "more" else TensorDataset(torch.randn(256, 4), torch.randn(256, 1))
+trainer.fit(Regression(), DataLoader(data, batch_size=4))
 """
 
 
@@ -333,6 +349,32 @@ def test_a_stalled_rank_is_named_and_prints_its_stack(fault_run) -> None:
     stack = output.split("[rank 1] this rank is stuck here")[1]
     assert "in stall_forever" in stack.split("[rank 1] stopping")[0]
     assert survivor_says(0, f"rank 1 (pid {pid} on ", output), output
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["rank0-more", "rank1-more"])
+def test_a_rank_with_more_batches_fails_the_run_with_the_reason(fault_run, victim: int) -> None:
+    # Lightning's launcher let rank 0 end with exit code 0 while rank 1 hung or failed after it
+    run = fault_run(str(victim), "more", "300")
+    fault_at, _ = run.wait_for_fault()
+    run.seconds_until_gone(fault_at, bound=40)  # not stall_timeout (300 s), nor gloo's 30 min
+    output = run.output
+    finished = f"rank {1 - victim} has already finished the run. The ranks ran different numbers of steps"
+    assert finished in output, output
+    if victim == 1:
+        assert "[rank 1] lightning_mgpu: rank 1 waited 10 s in a collective that will never" in output
+        assert "[rank 0] lightning_mgpu: the run failed after this rank ended: rank 1 (pid " in output
+    else:
+        assert survivor_says(0, finished, output), output
+    assert run.proc.wait() == 1
+
+
+def test_a_rank_that_fails_after_the_last_collective_fails_the_command(fault_run) -> None:
+    run = fault_run("1", "end", "300")
+    _, pid = run.wait_for_fault()
+    assert run.proc.wait(timeout=60) == 1, run.output
+    assert "RuntimeError: saving the report failed" in run.output
+    ended = f"the run failed after this rank ended: rank 1 (pid {pid}) exited with code 1"
+    assert f"[rank 0] lightning_mgpu: {ended}" in run.output, run.output
 
 
 def test_sigterm_ends_a_stalled_run_within_seconds(fault_run) -> None:

@@ -84,6 +84,43 @@ def test_no_stall_while_a_rank_moves_or_all_are_busy(beats: dict[int, Beat]) -> 
     assert judge.look(beats, 1.0, INFOS, never_finished) is None
 
 
+@pytest.mark.parametrize(
+    ("beats", "stuck"),
+    [
+        # rank 0 finished; rank 1 has waited 10 s in a collective: nobody will join it
+        ({0: beat(1, 12, 0, done=True), 1: beat(1, 13, 10, True)}, (1,)),
+        # rank 2 finished early; ranks 0 and 1 wait for it (rank 0 judges them all)
+        ({0: beat(1, 12, 11, True), 1: beat(1, 12, 10, True), 2: beat(1, 9, 0, done=True)}, (0, 1)),
+    ],
+)
+def test_ranks_waiting_for_a_finished_rank_are_stuck(beats: dict[int, Beat], stuck: tuple[int, ...]) -> None:
+    judge = Judge([r for r in beats if r != 0], now=0.0, dead_after=10.0, stall_timeout=None)
+    verdict = judge.look(beats, 1.0, INFOS, never_finished)
+    assert verdict is not None
+    assert verdict.stuck == stuck
+    done = [r for r, b in beats.items() if b.done]
+    assert f"in a collective that will never complete: rank {done[0]} has already finished the run" in (
+        verdict.message
+    )
+    assert "different numbers of steps" in verdict.message
+
+
+@pytest.mark.parametrize(
+    "beats",
+    [
+        # a rank still in the last collective a moment after rank 0 finished
+        {0: beat(1, 12, 0, done=True), 1: beat(1, 12, 9, True)},
+        # rank 1 still computes (not in a collective): it may yet reach the end by itself
+        {0: beat(1, 12, 11, True), 1: beat(1, 12, 11), 2: beat(1, 9, 0, done=True)},
+        # every rank finished
+        {0: beat(1, 12, 0, done=True), 1: beat(1, 12, 30, done=True)},
+    ],
+)
+def test_no_rank_is_left_behind_before_it_waited_or_while_it_works(beats: dict[int, Beat]) -> None:
+    judge = Judge([r for r in beats if r != 0], now=0.0, dead_after=10.0, stall_timeout=None)
+    assert judge.look(beats, 1.0, INFOS, lambda rank: True) is None
+
+
 def test_beats_and_infos_survive_the_store() -> None:
     assert Beat.decode(beat(3, 7, 1.25, True, False).encode().encode()) == beat(3, 7, 1.2, True, False)
     assert RankInfo.from_json(INFOS[1].to_json()) == INFOS[1]
