@@ -24,8 +24,8 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _LAZY = {
-    "MGPUDDPStrategy": "lightning_mgpu.strategies.ddp",
-    "MGPUDataParallelStrategy": "lightning_mgpu.strategies.dp",
+    "MGPUDDPStrategy": "lightning_mgpu.strategies.ddp.strategy",
+    "MGPUDataParallelStrategy": "lightning_mgpu.strategies.dp.strategy",
     "choose_strategy": "lightning_mgpu.strategies.auto",
     "StrategyChoice": "lightning_mgpu.strategies.auto",
     "DeviceMemoryMonitor": "lightning_mgpu.callbacks.memory",

@@ -19,8 +19,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils._pytree import tree_flatten
 from typing_extensions import override
 
-from lightning_mgpu.callbacks import _memory_report as report
-from lightning_mgpu.callbacks._memory_report import Facts, OOMContext, Reading, Summary
+from lightning_mgpu.callbacks import memory_report as report
+from lightning_mgpu.callbacks.memory_report import Facts, OOMContext, Reading, Summary
 from lightning_mgpu.devices import allocator_memory, cuda_devices, nvml_memory, process_memory
 
 __all__ = ["DeviceMemoryMonitor"]

@@ -89,7 +89,7 @@ def _device_count(accelerator: str, devices: Any) -> int:
 def report(est: Any, recipe: str, batch_size: int, devices: int, task: str = "fit") -> str:
     """The estimate in the config's terms: ``batch_size`` is the global batch of every strategy."""
     from lightning_mgpu.devices import format_bytes
-    from lightning_mgpu.estimate import _per_sample
+    from lightning_mgpu.estimate.predict import _per_sample
 
     memory = f", {format_bytes(est.device_memory)} per device" if est.device_memory else ""
     what = f"optimizer {est.optimizer}"

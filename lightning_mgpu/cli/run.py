@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
             print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
             return 0
-        from lightning_mgpu.cli._job import run_job
+        from lightning_mgpu.runner import run_job
 
         return run_job(cfg)
     except ModuleNotFoundError as err:  # a recipe's optional dependency, e.g. scikit-learn or Pillow

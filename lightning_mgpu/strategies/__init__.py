@@ -1,11 +1,16 @@
-"""The ``mgpu_*`` strategies. Each class registers its own names in ``register_strategies``."""
+"""The ``mgpu_*`` strategies, one folder per family; each class registers its names itself.
+
+- ``auto.py``: ``mgpu_auto`` and ``choose_strategy``, which pick one of the others and say why;
+- ``ddp/``: ``mgpu_ddp``, its launcher, checks, start-up summary and watchdog;
+- ``dp/``: ``mgpu_dp``, DataParallel in one process: replicas, scatter/gather, log and metric merging.
+"""
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-# module, class: one strategy per file
+# package or module, class
 _STRATEGIES = (
     ("lightning_mgpu.strategies.ddp", "MGPUDDPStrategy"),
     ("lightning_mgpu.strategies.dp", "MGPUDataParallelStrategy"),

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import DeviceMemoryMonitor
-from lightning_mgpu.callbacks._memory_report import (
+from lightning_mgpu.callbacks.memory_report import (
     Facts,
     OOMContext,
     Reading,

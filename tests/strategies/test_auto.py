@@ -20,10 +20,10 @@ from lightning_mgpu.strategies.auto import (
     choose_strategy,
     decide,
 )
-from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
-from lightning_mgpu.strategies.dp import MGPUDataParallelStrategy
+from lightning_mgpu.strategies.ddp.strategy import MGPUDDPStrategy
+from lightning_mgpu.strategies.dp.strategy import MGPUDataParallelStrategy
 from tests.helpers import run_script
-from tests.strategies._dp_models import QUIET, Regressor, fit, loader, max_difference, regression_data
+from tests.strategies.dp._dp_models import QUIET, Regressor, fit, loader, max_difference, regression_data
 
 # every launcher variable the rules read, removed so each test starts from a plain script
 _LAUNCH_VARS = ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_JOB_NAME", "LOCAL_RANK")
@@ -174,8 +174,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_mgpu
-from lightning_mgpu.strategies.ddp import MGPUDDPStrategy
-from tests.strategies._dp_models import QUIET, Regressor, regression_data
+from lightning_mgpu.strategies.ddp.strategy import MGPUDDPStrategy
+from tests.strategies.dp._dp_models import QUIET, Regressor, regression_data
 
 model = Regressor()
 trainer = L.Trainer(

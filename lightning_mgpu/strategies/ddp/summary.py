@@ -16,7 +16,7 @@ from lightning.fabric.plugins.environments import (
     TorchElasticEnvironment,
 )
 
-from lightning_mgpu.strategies._judge import RankInfo
+from lightning_mgpu.strategies.ddp.watchdog.verdicts import RankInfo
 
 __all__ = ["format_summary", "launcher_name"]
 

@@ -1,6 +1,6 @@
 """Two measured inference passes (eval mode, no gradients) on copies of a module's tensors.
 
-The copies and the batch sizes are made as for the training steps (``_estimate_step``);
+The copies and the batch sizes are made as for the training steps (``training.py``);
 here nothing is trained: no gradients, no optimizer state, nothing saved for backward,
 only the parameters, buffers, the batch and what the forward holds at its peak.
 """
@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mgpu._estimate_step import (
+from lightning_mgpu.estimate.live_bytes import LiveBytes
+from lightning_mgpu.estimate.training import (
     Line,
     MeasuredStep,
     _copies,
@@ -24,7 +25,6 @@ from lightning_mgpu._estimate_step import (
     _tensors,
     _unique_bytes,
 )
-from lightning_mgpu._tracking import LiveBytes
 
 __all__ = ["measure_inference"]
 

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from lightning_mgpu.strategies._judge import Beat, Judge, RankInfo
-from lightning_mgpu.strategies._procs import describe_exit, pid_status, start_time
-from lightning_mgpu.strategies._signals import SignalPipe
+from lightning_mgpu.strategies.ddp.watchdog.processes import describe_exit, pid_status, start_time
+from lightning_mgpu.strategies.ddp.watchdog.signals import SignalPipe
+from lightning_mgpu.strategies.ddp.watchdog.verdicts import Beat, Judge, RankInfo
 
 INFOS = {r: RankInfo(r, 1000 + r, 1, "node-a", 0, r, f"cuda:{r}", "GPU") for r in range(3)}
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_mgpu.strategies._replica import replica_path
+from lightning_mgpu.strategies.dp.replicas import replica_path
 
 __all__ = ["ReplicaMetrics", "metric_paths"]
 

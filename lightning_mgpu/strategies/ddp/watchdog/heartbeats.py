@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_mgpu.strategies._judge import Beat, Judge, RankInfo, Verdict
+from lightning_mgpu.strategies.ddp.watchdog.verdicts import Beat, Judge, RankInfo, Verdict
 
 __all__ = ["Heartbeats"]
 

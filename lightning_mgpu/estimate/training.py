@@ -22,7 +22,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_mgpu._tracking import LiveBytes, storage_bytes, storage_of
+from lightning_mgpu.estimate.live_bytes import LiveBytes, storage_bytes, storage_of
 
 __all__ = ["Line", "MeasuredStep", "measure_steps"]
 

@@ -19,17 +19,17 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_mgpu.devices import cpu_name, visible_cuda_devices
-from lightning_mgpu.strategies import _checks
-from lightning_mgpu.strategies._judge import RankInfo
-from lightning_mgpu.strategies._launcher import _WatchedSubprocessScriptLauncher
-from lightning_mgpu.strategies._messages import (
+from lightning_mgpu.strategies.ddp import checks
+from lightning_mgpu.strategies.ddp.errors import (
     UNUSED_PATTERN,
     add_to_message,
     is_communication_error,
     unused_parameters_message,
 )
-from lightning_mgpu.strategies._summary import format_summary, launcher_name
-from lightning_mgpu.strategies._watchdog import DEAD_AFTER, INTERVAL, watchdog
+from lightning_mgpu.strategies.ddp.launcher import _WatchedSubprocessScriptLauncher
+from lightning_mgpu.strategies.ddp.summary import format_summary, launcher_name
+from lightning_mgpu.strategies.ddp.watchdog.verdicts import RankInfo
+from lightning_mgpu.strategies.ddp.watchdog.watchdog import DEAD_AFTER, INTERVAL, watchdog
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -131,7 +131,7 @@ class MGPUDDPStrategy(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         # runs inside Trainer(...), before any process starts
-        _checks.check_devices(self.parallel_devices or [], self._process_group_backend)
+        checks.check_devices(self.parallel_devices or [], self._process_group_backend)
         if self._start_method == "popen":
             assert self.cluster_environment is not None
             self._launcher = _WatchedSubprocessScriptLauncher(
@@ -144,7 +144,7 @@ class MGPUDDPStrategy(DDPStrategy):
     def _get_process_group_backend(self) -> str:
         if self._process_group_backend:
             return self._process_group_backend
-        return _checks.default_backend(self.root_device)
+        return checks.default_backend(self.root_device)
 
     @override
     def setup_environment(self) -> None:

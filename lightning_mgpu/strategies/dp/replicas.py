@@ -31,7 +31,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from lightning_mgpu.strategies._scatter import weighted_mean
+from lightning_mgpu.strategies.dp.scatter import weighted_mean
 
 __all__ = [
     "LogCapture",

@@ -17,9 +17,9 @@ from torch import nn
 from torch.utils.data import DataLoader, default_collate
 
 import lightning_mgpu
-from lightning_mgpu.strategies._lockstep import LockstepError
-from lightning_mgpu.strategies.dp import MGPUDataParallelStrategy
-from tests.strategies._dp_models import (
+from lightning_mgpu.strategies.dp.lockstep import LockstepError
+from lightning_mgpu.strategies.dp.strategy import MGPUDataParallelStrategy
+from tests.strategies.dp._dp_models import (
     QUIET,
     Classifier,
     ManualRegressor,

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mgpu._estimate_inference import measure_inference
-from lightning_mgpu._estimate_step import MeasuredStep, measure_steps
 from lightning_mgpu.devices import cuda_devices, format_bytes, parse_bytes
+from lightning_mgpu.estimate.inference import measure_inference
+from lightning_mgpu.estimate.training import MeasuredStep, measure_steps
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
 

@@ -34,10 +34,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lightning_mgpu.strategies import _procs
-from lightning_mgpu.strategies._heartbeat import Heartbeats
-from lightning_mgpu.strategies._judge import Beat, Judge, RankInfo, Verdict, finished_early, left_behind
-from lightning_mgpu.strategies._signals import SignalPipe
+from lightning_mgpu.strategies.ddp.watchdog import processes
+from lightning_mgpu.strategies.ddp.watchdog.heartbeats import Heartbeats
+from lightning_mgpu.strategies.ddp.watchdog.signals import SignalPipe
+from lightning_mgpu.strategies.ddp.watchdog.verdicts import (
+    Beat,
+    Judge,
+    RankInfo,
+    Verdict,
+    finished_early,
+    left_behind,
+)
 
 __all__ = ["GRACE", "INTERVAL", "Verdict", "Watchdog", "watchdog"]
 
@@ -71,7 +78,7 @@ class Watchdog:
         self._last_change = time.monotonic()
         self._peer_started: dict[int, str | None] = {}
         self._signals = SignalPipe()
-        self._dead_man = _procs.DeadManSwitch()
+        self._dead_man = processes.DeadManSwitch()
         self._rank0_done = False
         self._progress: Callable[[], int] | None = None
         self._done_peers: list[int] = []
@@ -99,7 +106,7 @@ class Watchdog:
         launcher_pid = os.environ.get(PARENT_PID_ENV)
         if launcher_pid and launcher_pid.isdigit() and int(launcher_pid) != os.getpid() and local_rank > 0:
             pid = int(launcher_pid)
-            self._parent = (rank - local_rank, pid, _procs.start_time(pid))
+            self._parent = (rank - local_rank, pid, processes.start_time(pid))
             if os.getppid() != pid:
                 parent = rank - local_rank
                 self._decide(Verdict(f"rank {parent} (pid {pid}, which launched this rank) has ended"))
@@ -256,18 +263,18 @@ class Watchdog:
         for rank, proc in self._children.items():
             code = proc.poll()
             if code:
-                return Verdict(f"rank {rank} (pid {proc.pid}) {_procs.describe_exit(code)}", dead=(rank,))
+                return Verdict(f"rank {rank} (pid {proc.pid}) {processes.describe_exit(code)}", dead=(rank,))
         return None
 
     def _check_parent(self) -> Verdict | None:
         if self._parent is None:
             return None
         rank, pid, started = self._parent
-        status = _procs.pid_status(pid, started)
+        status = processes.pid_status(pid, started)
         if status.alive:
             return None
         self._parent = None
-        what = _procs.describe_exit(status.returncode)
+        what = processes.describe_exit(status.returncode)
         message = f"rank {rank} (pid {pid}, which launched this rank) {what}"
         if rank == 0:
             with self._lock:
@@ -289,10 +296,10 @@ class Watchdog:
                 continue
             if any(other.pid == info.parent_pid for other in run.infos.values()):
                 continue  # launched by another rank, which reports its exact exit code
-            started = self._peer_started.setdefault(rank, _procs.start_time(info.pid))
-            status = _procs.pid_status(info.pid, started)
+            started = self._peer_started.setdefault(rank, processes.start_time(info.pid))
+            status = processes.pid_status(info.pid, started)
             if not status.alive and not run.finished(rank):
-                what = _procs.describe_exit(status.returncode)
+                what = processes.describe_exit(status.returncode)
                 return Verdict(f"rank {rank} (pid {info.pid} on {info.host}) {what}", dead=(rank,))
         return None
 
@@ -302,7 +309,7 @@ class Watchdog:
         if progress != self._last_progress:
             self._last_progress, self._last_change = progress, now
         idle = now - self._last_change
-        run.beat(progress, idle, waiting=idle >= 2 * INTERVAL and _procs.main_thread_waits())
+        run.beat(progress, idle, waiting=idle >= 2 * INTERVAL and processes.main_thread_waits())
         if run.stall_timeout is not None:
             # if this thread cannot run (the main thread holds the GIL in C code), the
             # interpreter's C-level timer still dumps every stack and ends the process
@@ -341,7 +348,7 @@ class Watchdog:
             if progress != self._last_progress:
                 self._last_progress, self._last_change = progress, now
         idle = now - self._last_change
-        waiting = idle >= 2 * INTERVAL and _procs.main_thread_waits()
+        waiting = idle >= 2 * INTERVAL and processes.main_thread_waits()
         beats = {0: Beat(0, 0, 0.0, waiting=False, done=True), self.rank: Beat(0, 0, idle, waiting, False)}
         return left_behind(beats, DEAD_AFTER)
 
@@ -386,7 +393,7 @@ class Watchdog:
         out.write(f"[rank {self.rank}] lightning_mgpu: {verdict.message}\n")
         if stuck:
             out.write(f"[rank {self.rank}] this rank is stuck here (main thread, innermost call last):\n")
-            out.write(_procs.main_thread_stack())
+            out.write(processes.main_thread_stack())
         out.write(f"[rank {self.rank}] stopping this process (pid {os.getpid()}) so the run does not hang\n")
         out.flush()
         run = self._run
@@ -435,7 +442,7 @@ class Watchdog:
                         )
                     time.sleep(0.1)
                 if proc.returncode:
-                    failed.append(f"rank {rank} (pid {proc.pid}) {_procs.describe_exit(proc.returncode)}")
+                    failed.append(f"rank {rank} (pid {proc.pid}) {processes.describe_exit(proc.returncode)}")
         except KeyboardInterrupt:
             for proc in self._children.values():
                 if proc.poll() is None:

@@ -19,9 +19,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_mgpu.strategies._lockstep import Lockstep, manual_optimization_hooks, raise_first, record_exit
-from lightning_mgpu.strategies._metrics import ReplicaMetrics
-from lightning_mgpu.strategies._replica import (
+from lightning_mgpu.strategies.dp.lockstep import (
+    Lockstep,
+    manual_optimization_hooks,
+    raise_first,
+    record_exit,
+)
+from lightning_mgpu.strategies.dp.metrics import ReplicaMetrics
+from lightning_mgpu.strategies.dp.replicas import (
     LogCapture,
     ReplicaCall,
     compiled_submodules,
@@ -30,7 +35,7 @@ from lightning_mgpu.strategies._replica import (
     replay_logs,
     replicate,
 )
-from lightning_mgpu.strategies._scatter import batch_rows, combine_outputs, scatter_batch, split_sizes
+from lightning_mgpu.strategies.dp.scatter import batch_rows, combine_outputs, scatter_batch, split_sizes
 
 # other backends warn when the thread count changes after parallel work started
 _OPENMP = "parallel backend: OpenMP" in torch.__config__.parallel_info()

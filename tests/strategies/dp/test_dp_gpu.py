@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import lightning_mgpu  # noqa: F401
-from lightning_mgpu.strategies.dp import MGPUDataParallelStrategy
-from tests.strategies._dp_models import QUIET, Regressor, loader, max_difference, regression_data
+from lightning_mgpu.strategies.dp.strategy import MGPUDataParallelStrategy
+from tests.strategies.dp._dp_models import QUIET, Regressor, loader, max_difference, regression_data
 
 pytestmark = pytest.mark.gpu
 
@@ -89,7 +89,7 @@ def test_mixed_precision_runs_autocast_in_every_replica(precision: str) -> None:
 
 
 def test_manual_optimization_and_checkpoint_on_cuda(tmp_path: Any) -> None:
-    from tests.strategies._dp_models import ManualRegressor
+    from tests.strategies.dp._dp_models import ManualRegressor
 
     devices = _devices()
     data = regression_data(rows=15)

@@ -1,0 +1,13 @@
+"""``mgpu_ddp``: Lightning's DDP with a start-up summary, device checks and a watchdog.
+
+- ``strategy.py``: ``MGPUDDPStrategy``, registered as ``mgpu_ddp``;
+- ``launcher.py``: Lightning's subprocess launcher, watched so a failed rank fails the command;
+- ``checks.py``: device and backend checks made before any process starts;
+- ``summary.py``: the start-up summary printed by rank 0;
+- ``errors.py``: DDP's own errors rewritten to name the parameter or the lost peer;
+- ``watchdog/``: dead, stalled and left-behind ranks found and stopped within seconds.
+"""
+
+from lightning_mgpu.strategies.ddp.strategy import MGPUDDPStrategy
+
+__all__ = ["MGPUDDPStrategy"]
