@@ -15,20 +15,24 @@ removed where every key below that point goes through it, and then:
 
 - ``_orig_mod`` anywhere (nobody names an attribute that);
 - ``module`` and ``_forward_module`` only where a wrapper plausibly sits: at the top
-  (``module.0.weight``), directly under one top-level name that is not a number, the attribute of a
-  LightningModule (``model.module.0.weight``), or directly after another removed wrapper
-  (``_orig_mod.module.``, ``model._orig_mod.module.``). Positions count in the names with the
-  outer wrappers already removed.
+  (``module.0.weight``), directly after another removed wrapper (``_orig_mod.module.``,
+  ``model._orig_mod.module.``), or directly under a top-level name that is not a number and that
+  is the whole of the state: the only top-level name (``model.module.0.weight``), or, in the
+  weights of a LightningModule, that module's attribute (``model.module.`` beside ``loss_fn.``).
+  Positions count in the names with the outer wrappers already removed.
 
 So ``blocks.0.module.weight`` and ``0.module.weight`` (a residual block keeping its layer in
-``self.module``) stay as they are.
+``self.module``) stay as they are, and so does ``encoder.module.weight`` beside ``head.weight`` in a
+plain model's file: one child among several carrying ``module.`` is that child's own attribute.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
 from typing import TypeVar
 
 from torch import nn
@@ -46,6 +50,8 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 # wrapper attribute -> who adds it
 WRAPPERS: dict[str, str] = {
@@ -101,7 +107,11 @@ def find_wrappers(module: nn.Module) -> list[str]:
 
 
 def plain_names(
-    keys: Iterable[str], wrappers: Collection[str] | None = None, kinds: Collection[str] = tuple(WRAPPERS)
+    keys: Iterable[str],
+    wrappers: Collection[str] | None = None,
+    kinds: Collection[str] = tuple(WRAPPERS),
+    *,
+    lightning: bool = False,
 ) -> tuple[dict[str, str], list[str]]:
     """Map every key to its name without wrapper components.
 
@@ -110,6 +120,8 @@ def plain_names(
         wrappers: The exact wrapper prefixes (:func:`find_wrappers`) when the module is known;
             None judges by the names, as the module docstring describes.
         kinds: The wrapper names that may be removed when judging by the names.
+        lightning: The names are a LightningModule's, whose top-level names are its attributes: a
+            wrapper directly under one of them counts even beside other attributes.
 
     Returns:
         ``(names, removed)``: ``names[key]`` is the plain name; ``removed`` lists each wrapper prefix
@@ -118,7 +130,8 @@ def plain_names(
     names: dict[str, str] = {}
     removed: list[str] = []
     if wrappers is None:
-        _walk([(key, key.split(".")) for key in keys], "", "", False, frozenset(kinds), names, removed)
+        walk = _Walk(frozenset(kinds), lightning, names, removed)
+        walk.visit([(key, key.split(".")) for key in keys], "", "", after_wrapper=False, whole=True)
         return names, removed
     known = set(wrappers)
     for key in keys:
@@ -135,52 +148,97 @@ def plain_names(
     return names, removed
 
 
-def _removable(child: str, plain_prefix: str, after_wrapper: bool, kinds: frozenset[str]) -> bool:
-    if child not in kinds:
-        return False
-    if child in _DISTINCTIVE or after_wrapper or not plain_prefix:
-        return True
-    top = plain_prefix[:-1]
-    return "." not in top and not top.isdigit()
+@dataclass
+class _Walk:
+    """Judges a file's names by position, one level of the name tree at a time (module docstring)."""
 
+    kinds: frozenset[str]
+    lightning: bool
+    names: dict[str, str]
+    removed: list[str]
 
-def _walk(
-    entries: list[tuple[str, list[str]]],
-    raw_prefix: str,
-    plain_prefix: str,
-    after_wrapper: bool,
-    kinds: frozenset[str],
-    names: dict[str, str],
-    removed: list[str],
-) -> None:
-    groups: dict[str, list[tuple[str, list[str]]]] = {}
-    leaves = []
-    for key, parts in entries:
-        if len(parts) == 1:
-            leaves.append((key, parts[0]))
-        else:
-            groups.setdefault(parts[0], []).append((key, parts[1:]))
-    if not leaves and len(groups) == 1:
-        (child,) = groups
-        if _removable(child, plain_prefix, after_wrapper, kinds):
-            removed.append(f"{raw_prefix}{child}.")
-            _walk(groups[child], f"{raw_prefix}{child}.", plain_prefix, True, kinds, names, removed)
-            return
-    for key, leaf in leaves:
-        names[key] = plain_prefix + leaf
-    for child, sub in groups.items():
-        _walk(sub, f"{raw_prefix}{child}.", f"{plain_prefix}{child}.", False, kinds, names, removed)
+    def visit(
+        self,
+        entries: list[tuple[str, list[str]]],
+        raw_prefix: str,
+        plain_prefix: str,
+        *,
+        after_wrapper: bool,
+        whole: bool,
+    ) -> None:
+        """Name the ``entries`` below ``raw_prefix``; ``whole``: this subtree is the whole state."""
+        groups: dict[str, list[tuple[str, list[str]]]] = {}
+        leaves = []
+        for key, parts in entries:
+            if len(parts) == 1:
+                leaves.append((key, parts[0]))
+            else:
+                groups.setdefault(parts[0], []).append((key, parts[1:]))
+        if not leaves and len(groups) == 1:
+            (child,) = groups
+            reason = self._reason(child, plain_prefix, after_wrapper, whole)
+            if reason is not None:
+                prefix = f"{raw_prefix}{child}."
+                logger.debug(
+                    "removed wrapper prefix %r: every key below %r goes through it, %s",
+                    prefix,
+                    raw_prefix or "the top",
+                    reason,
+                )
+                self.removed.append(prefix)
+                self.visit(groups[child], prefix, plain_prefix, after_wrapper=True, whole=whole)
+                return
+        for key, leaf in leaves:
+            self.names[key] = plain_prefix + leaf
+        # a top-level name is the whole state when it is the only one, or when it is an attribute of
+        # a LightningModule, whose other attributes (a loss's weights) say nothing about its model
+        siblings_whole = not plain_prefix and (self.lightning or (len(groups) == 1 and not leaves))
+        for child, sub in groups.items():
+            self.visit(
+                sub,
+                f"{raw_prefix}{child}.",
+                f"{plain_prefix}{child}.",
+                after_wrapper=False,
+                whole=siblings_whole,
+            )
+
+    def _reason(self, child: str, plain_prefix: str, after_wrapper: bool, whole: bool) -> str | None:
+        """Why ``child`` here is a wrapper, or None when it is a model's own attribute."""
+        if child not in self.kinds:
+            return None
+        if child in _DISTINCTIVE:
+            return "a name only torch.compile gives"
+        if after_wrapper:
+            return "directly inside another wrapper"
+        if not plain_prefix:
+            return "at the top"
+        top = plain_prefix[:-1]
+        if "." in top or top.isdigit():
+            return None  # inside a model's own layers: a block's attribute
+        if not whole:
+            logger.debug(
+                "kept %r under %r: other top-level entries sit beside %r, so it is the model's own attribute",
+                child,
+                top,
+                top,
+            )
+            return None
+        return f"directly under {top!r}, " + (
+            "a LightningModule attribute" if self.lightning else "the only top-level name"
+        )
 
 
 def strip_wrappers(
     state_dict: Mapping[str, T],
     wrappers: Collection[str] | None = None,
     kinds: Collection[str] = tuple(WRAPPERS),
+    *,
+    lightning: bool = False,
 ) -> tuple[OrderedDict[str, T], list[str]]:
     """Remove the wrapper prefixes, keeping the order of the entries.
 
-    ``wrappers`` and ``kinds`` are as in :func:`plain_names`: the exact prefixes of a known module,
-    or None to judge by the names.
+    ``wrappers``, ``kinds`` and ``lightning`` are as in :func:`plain_names`: the exact prefixes of a
+    known module, or None to judge by the names.
 
     Returns:
         The renamed state_dict and the removed prefixes (see :func:`plain_names`).
@@ -192,7 +250,7 @@ def strip_wrappers(
         sd, removed = strip_wrappers({"0.module.weight": w})
         # unchanged: a wrapper does not sit under a numbered entry
     """
-    names, removed = plain_names(state_dict, wrappers, kinds)
+    names, removed = plain_names(state_dict, wrappers, kinds, lightning=lightning)
     if not removed:
         return OrderedDict(state_dict), []
     # a wrapper is the only child where it sits, so the plain names stay unique

@@ -235,7 +235,7 @@ def plain_state_dict(src: Source, submodule: str | None = None) -> tuple[Ordered
     Returns:
         The state_dict and the prefixes removed, in the keys' spelling (``["module.", "model."]``).
     """
-    state_dict, removed = strip_wrappers(src.state_dict, src.wrappers)
+    state_dict, removed = strip_wrappers(src.state_dict, src.wrappers, lightning=src.lightning)
     if submodule is None and src.lightning and state_dict:
         tops = split_top(state_dict)
         (only,) = tops if len(tops) == 1 else (None,)

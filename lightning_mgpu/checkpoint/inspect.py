@@ -203,7 +203,7 @@ def inspect_checkpoint(source: Any, *, trust_pickle: bool = False, key: str | No
             info.tensors.append(TensorInfo(name, Shape(value.shape), dtype, value.numel()))
             info.dtypes[dtype] = info.dtypes.get(dtype, 0) + 1
     info.values = count_values(src.state_dict)
-    names, info.wrappers = plain_names(src.state_dict, src.wrappers)
+    names, info.wrappers = plain_names(src.state_dict, src.wrappers, lightning=src.lightning)
     if src.lightning:
         tops = split_top(names.values())
         if len(tops) == 1:

@@ -114,7 +114,7 @@ def _source_entries(
     src: Source, submodule: str | None, kinds: Collection[str]
 ) -> tuple[OrderedDict[str, Any], list[str], list[str]]:
     """The source without its wrappers, under ``submodule``: entries, removed prefixes, ignored keys."""
-    source_sd, removed = strip_wrappers(src.state_dict, src.wrappers, kinds)
+    source_sd, removed = strip_wrappers(src.state_dict, src.wrappers, kinds, lightning=src.lightning)
     ignored: list[str] = []
     if submodule:
         selected = select(source_sd, submodule)

@@ -9,9 +9,9 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from lightning_mgpu import export_state_dict, load_state_dict
+from lightning_mgpu import export_state_dict, inspect_checkpoint, load_state_dict
 from lightning_mgpu.checkpoint._prefixes import add_prefix, find_wrappers, select, strip_wrappers
-from tests.checkpoint._models import LitNet, ResNet, assert_same
+from tests.checkpoint._models import LitNet, LitTwo, Residual, ResNet, assert_same
 
 
 def test_nested_wrappers_in_any_order_and_depth() -> None:
@@ -21,7 +21,15 @@ def test_nested_wrappers_in_any_order_and_depth() -> None:
         "module._orig_mod.head.weight": 3,
     }
     plain, removed = strip_wrappers(sd)
-    assert list(plain) == ["encoder.0.weight", "encoder.0.bias", "head.weight"]
+    # beside ``head``, ``encoder``'s ``_forward_module`` is not the whole state: kept as the model's own
+    assert list(plain) == [
+        "encoder._forward_module.0.weight",
+        "encoder._forward_module.0.bias",
+        "head.weight",
+    ]
+    assert removed == ["module.", "module._orig_mod."]
+    plain, removed = strip_wrappers({k: v for k, v in sd.items() if "head" not in k})
+    assert list(plain) == ["encoder.0.weight", "encoder.0.bias"]
     assert removed == ["module.", "module._orig_mod.", "module._orig_mod.encoder._forward_module."]
 
 
@@ -96,3 +104,43 @@ def test_lightning_wrapper_classes_are_wrappers() -> None:
     assert find_wrappers(wrapped) == ["module."]
     report = load_state_dict(ResNet(seed=2), wrapped)
     assert report.removed_prefixes == ["module.", "model."]
+
+
+class _Net(nn.Module):
+    """A plain model whose encoder is a user's block keeping its layer in ``self.module``."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.encoder = Residual(nn.Linear(4, 4))
+        self.head = nn.Linear(4, 2)
+
+
+def test_module_under_one_child_among_several_is_the_models_own(tmp_path: Path) -> None:
+    model = _Net(seed=1)
+    torch.save(model.state_dict(), tmp_path / "net.pt")
+    report = export_state_dict(tmp_path / "net.pt", tmp_path / "net.safetensors")
+    assert report.removed_prefixes == []
+    fresh = _Net(seed=2)
+    fresh.load_state_dict(safetensors.torch.load_file(tmp_path / "net.safetensors"), strict=True)
+    assert_same(model.state_dict(), fresh.state_dict())
+    info = inspect_checkpoint(tmp_path / "net.pt")
+    assert info.wrappers == []
+    assert "saved through: no wrapper" in str(info)
+    assert info.loads_into_plain
+
+    # the whole state under one name, or a LightningModule's attribute, does carry a wrapper
+    sd = {"encoder.module.weight": 1, "head.weight": 2}
+    assert strip_wrappers(sd) == (sd, [])
+    assert strip_wrappers({"encoder.module.weight": 1}) == ({"encoder.weight": 1}, ["encoder.module."])
+    stripped = strip_wrappers({"model.module.0.weight": 1, "loss_fn.weight": 2}, lightning=True)
+    assert stripped == ({"model.0.weight": 1, "loss_fn.weight": 2}, ["model.module."])
+
+
+def test_a_lightning_attribute_wrapped_in_dataparallel_beside_a_loss(tmp_path: Path) -> None:
+    module = LitTwo()
+    module.model = nn.DataParallel(module.model)
+    torch.save({"pytorch-lightning_version": "2.6.0", "state_dict": module.state_dict()}, tmp_path / "a.ckpt")
+    report = export_state_dict(tmp_path / "a.ckpt", tmp_path / "m.safetensors", submodule="model")
+    assert report.removed_prefixes == ["model.module.", "model."]
+    assert_same(module.model.module.state_dict(), safetensors.torch.load_file(tmp_path / "m.safetensors"))
