@@ -1,4 +1,8 @@
-"""What every recipe shares: the optimizer from the config, the global batch, classification steps."""
+"""What every recipe shares: the optimizer from the config, the global batch, classification steps.
+
+The optimizer is built by ``lightning_mgpu.config.optimizer.build_optimizer`` from the config's
+class path (``optimizer._component_``) with the schema's defaults.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 from typing_extensions import override
 
+from lightning_mgpu.config.optimizer import build_optimizer, with_defaults
 from lightning_mgpu.config.schema import DataConfig
 
 __all__ = [
@@ -91,14 +96,12 @@ def split(dataset: Dataset, val_fraction: float, seed: int) -> tuple[Subset, Sub
     return Subset(dataset, order[n_val:]), Subset(dataset, order[:n_val])
 
 
-_OPTIMIZER_DEFAULTS: dict[str, Any] = {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0, "momentum": 0.9}
-
-
 class RecipeModule(L.LightningModule):
     """Base of the recipe modules: holds the network as ``self.net`` and builds the configured optimizer.
 
     Args:
-        optimizer: the config's ``optimizer`` section as a dict (name, lr, weight_decay, momentum, scheduler).
+        optimizer: the config's ``optimizer`` section as a dict (``_component_`` or ``name``, lr,
+            weight_decay, momentum, kwargs, scheduler); what it leaves out takes the schema's default.
 
     Example::
 
@@ -120,18 +123,12 @@ class RecipeModule(L.LightningModule):
 
     def make_optimizer(self) -> torch.optim.Optimizer:
         """The configured optimizer over this module's parameters (the schedule needs a Trainer)."""
-        cfg = {**_OPTIMIZER_DEFAULTS, **self.optimizer_config}
-        lr, decay = cfg["lr"], cfg["weight_decay"]
-        if cfg["name"] == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=lr, momentum=cfg["momentum"], weight_decay=decay)
-        if cfg["name"] == "adam":
-            return torch.optim.Adam(self.parameters(), lr=lr, weight_decay=decay)
-        return torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=decay)
+        return build_optimizer(self.parameters(), self.optimizer_config)
 
     @override
     def configure_optimizers(self) -> Any:
         opt = self.make_optimizer()
-        if self.optimizer_config.get("scheduler", "none") != "cosine":
+        if with_defaults(self.optimizer_config)["scheduler"] != "cosine":
             return opt
         estimated = self.trainer.estimated_stepping_batches
         if not math.isfinite(estimated):

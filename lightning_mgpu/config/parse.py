@@ -4,7 +4,9 @@
 - ``parse_overrides(["trainer.devices=[0,3]", "data.batch_size=128"])`` reads each value
   as YAML, so ``[0,3]`` is a list, ``128`` an int and ``null`` is None.
 - ``load(config, overrides)`` merges them, overrides last. Nothing is checked against the
-  schema here; ``validate`` does that.
+  schema here; ``validate`` does that. The optimizer's older key ``name`` becomes ``_component_``
+  in the file and in the overrides before they merge, so ``optimizer.name=sgd`` replaces the
+  file's class.
 
 This module does not import torch.
 """
@@ -18,6 +20,8 @@ from typing import cast
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from lightning_mgpu.config.optimizer import use_component_key
 
 __all__ = ["config_dir", "find_config", "load", "parse_overrides", "shipped_configs"]
 
@@ -99,7 +103,11 @@ def load(config: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
         raise ValueError(f"{path} is not valid YAML: {_first_line(err)}") from err
     if not isinstance(loaded, DictConfig):
         raise ValueError(f"{path} must hold a mapping of sections (trainer:, model:, ...), not a list")
-    return cast(DictConfig, OmegaConf.merge(loaded, parse_overrides(overrides)))
+    overridden = parse_overrides(overrides)
+    for layer in (loaded, overridden):  # per layer, so an override's `name` replaces the file's class
+        if isinstance(layer.get("optimizer"), DictConfig):
+            use_component_key(layer.optimizer)  # a clash within one layer is left for validation
+    return cast(DictConfig, OmegaConf.merge(loaded, overridden))
 
 
 def _first_line(err: BaseException) -> str:

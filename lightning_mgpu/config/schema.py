@@ -3,8 +3,10 @@
 A run config has the sections ``trainer``, ``model``, ``data``, ``optimizer`` and
 ``callbacks`` plus a few top-level keys. ``model`` and the recipe-specific part of
 ``data`` come from the recipe (its ``ModelConfig`` and ``DataConfig``); the rest is
-defined here. Types are checked by omegaconf; each dataclass's ``problems()`` lists
-impossible values (it never raises, so every mistake is reported at once).
+defined here, with the ``optimizer`` section in ``config/optimizer.py`` and the ``callbacks``
+sections in ``config/callbacks.py`` (both importable from here). Types are checked by omegaconf;
+each dataclass's ``problems()`` lists impossible values (it never raises, so every mistake is
+reported at once). Precision names come from ``lightning_mgpu.precision``.
 
 This module does not import torch.
 """
@@ -15,6 +17,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import MISSING
+
+from lightning_mgpu.config.callbacks import (
+    CallbacksConfig,
+    CheckpointConfig,
+    EarlyStoppingConfig,
+    ExportConfig,
+    MemoryConfig,
+)
+from lightning_mgpu.config.checks import at_least, batch_limit, minimums, one_of
+from lightning_mgpu.config.optimizer import OptimizerConfig
+from lightning_mgpu.precision import precision_names
 
 __all__ = [
     "CPU_DEVICE_CAP",
@@ -36,59 +49,7 @@ CPU_DEVICE_CAP = 4
 """``trainer.devices: auto`` on a machine without a GPU starts one process per core, at most this many."""
 
 _ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
-_PRECISIONS = (
-    "32-true",
-    "16-mixed",
-    "bf16-mixed",
-    "16-true",
-    "bf16-true",
-    "64-true",
-    "32",
-    "16",
-    "bf16",
-    "64",
-)
-_OPTIMIZERS = ("adamw", "adam", "sgd")
-_SCHEDULERS = ("none", "cosine")
 _TASKS = ("fit", "validate", "predict")
-_MODES = ("min", "max")
-
-
-def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> list[str]:
-    if value in allowed:
-        return []
-    return [f"{name}: {value!r} is not one of {', '.join(allowed)}"]
-
-
-def at_least(name: str, value: float | None, low: float, note: str = "") -> list[str]:
-    """``[]`` when ``value`` is ``None`` or at least ``low``, else the message naming ``name``.
-
-    Example::
-
-        at_least("num_samples", 0, 1)  # ['num_samples: must be >= 1, got 0']
-    """
-    if value is None or value >= low:
-        return []
-    return [f"{name}: must be >= {low:g}{note}, got {value:g}"]
-
-
-def minimums(section: Any, **lows: float) -> list[str]:
-    """``at_least`` for several fields of ``section`` at once.
-
-    Example::
-
-        minimums(cfg.data, num_samples=2, image_size=8)
-    """
-    return [p for name, low in lows.items() for p in at_least(name, getattr(section, name), low)]
-
-
-def _limit(name: str, value: Any) -> list[str]:
-    """``limit_*_batches``: None, a batch count (int >= 0) or a fraction in [0, 1]."""
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-        return []
-    if isinstance(value, float) and 0.0 <= value <= 1.0:
-        return []
-    return [f"{name}: expected a batch count (int >= 0) or a fraction in [0.0, 1.0], got {value!r}"]
 
 
 @dataclass
@@ -110,7 +71,8 @@ class TrainerConfig:
     num_nodes: int = 1
     """Machines taking part (DDP only)."""
     precision: str = "32-true"
-    """``32-true``, ``16-mixed``, ``bf16-mixed``, ... as Lightning spells them."""
+    """``32-true``, ``16-mixed``, ``bf16-mixed``, ... as Lightning spells them (listed in
+    ``lightning_mgpu.precision``)."""
     max_epochs: int = 10
     """Stop after this many epochs (-1: no limit)."""
     max_steps: int = -1
@@ -142,8 +104,8 @@ class TrainerConfig:
 
     def problems(self) -> list[str]:
         """Impossible values in this section, one message each."""
-        out = _one_of("accelerator", self.accelerator, _ACCELERATORS)
-        out += _one_of("precision", self.precision, _PRECISIONS)
+        out = one_of("accelerator", self.accelerator, _ACCELERATORS)
+        out += one_of("precision", self.precision, precision_names())
         out += _devices_problems(self.devices)
         out += at_least("num_nodes", self.num_nodes, 1)
         out += at_least("max_epochs", self.max_epochs, -1, " (-1 means no limit)")
@@ -154,7 +116,7 @@ class TrainerConfig:
         if not (isinstance(fdr, bool) or (isinstance(fdr, int) and fdr >= 1)):
             out.append(f"fast_dev_run: expected true, false or a batch count >= 1, got {fdr!r}")
         for name in ("limit_train_batches", "limit_val_batches", "limit_predict_batches"):
-            out += _limit(name, getattr(self, name))
+            out += batch_limit(name, getattr(self, name))
         out += at_least("check_val_every_n_epoch", self.check_val_every_n_epoch, 1)
         out += at_least("log_every_n_steps", self.log_every_n_steps, 1)
         out += at_least("accumulate_grad_batches", self.accumulate_grad_batches, 1)
@@ -228,150 +190,6 @@ class SplitDataConfig(DataConfig):
 
 
 @dataclass
-class OptimizerConfig:
-    """The optimizer and learning-rate schedule.
-
-    Example::
-
-        lightning-mgpu run digits optimizer.name=sgd optimizer.lr=0.1 optimizer.scheduler=none
-    """
-
-    name: str = "adamw"
-    """``adamw``, ``adam`` or ``sgd`` (torch.optim's classes)."""
-    lr: float = 1e-3
-    """Learning rate."""
-    weight_decay: float = 0.0
-    """Weight decay (decoupled for ``adamw``)."""
-    momentum: float = 0.9
-    """Momentum, used by ``sgd`` only."""
-    scheduler: str = "none"
-    """``none``, or ``cosine``: decay the learning rate to 0 over the run's optimizer steps (so the run
-    needs ``trainer.max_steps`` or ``trainer.max_epochs``)."""
-
-    def problems(self) -> list[str]:
-        """Impossible values in this section, one message each."""
-        out = _one_of("name", self.name, _OPTIMIZERS) + _one_of("scheduler", self.scheduler, _SCHEDULERS)
-        if self.lr <= 0:
-            out.append(f"lr: must be > 0, got {self.lr:g}")
-        out += at_least("weight_decay", self.weight_decay, 0.0)
-        if not 0.0 <= self.momentum < 1.0:
-            out.append(f"momentum: must be in [0, 1), got {self.momentum:g}")
-        return out
-
-
-@dataclass
-class MemoryConfig:
-    """``lightning_mgpu.DeviceMemoryMonitor``: per-device memory in the metrics, a summary JSON and a plot.
-
-    Example::
-
-        lightning-mgpu run digits callbacks.memory.every_n_steps=1
-    """
-
-    enabled: bool = True
-    """Turn the monitor on or off. It records training (``task: fit``) only: with ``validate`` or ``predict``
-    it records nothing, and validation warns."""
-    every_n_steps: int = 10
-    """Read memory every this many training steps."""
-    imbalance_threshold: float = 1.25
-    """Warn once when the fullest device's peak exceeds the mean peak by this factor."""
-
-    def problems(self) -> list[str]:
-        """Impossible values in this section, one message each."""
-        return at_least("every_n_steps", self.every_n_steps, 1) + at_least(
-            "imbalance_threshold", self.imbalance_threshold, 1.0, " (1.0 is perfectly balanced)"
-        )
-
-
-@dataclass
-class ExportConfig:
-    """``lightning_mgpu.PlainStateDictExport``: plain weights of the network next to every checkpoint.
-
-    Example::
-
-        lightning-mgpu run digits callbacks.export.dataparallel=true
-    """
-
-    enabled: bool = True
-    """Turn the export on or off."""
-    format: str = "safetensors"
-    """``safetensors`` (no pickle, memory-mappable) or ``pt`` (``torch.save``)."""
-    dataparallel: bool = False
-    """Write keys with ``module.`` in front, the form ``nn.DataParallel(model).load_state_dict`` expects."""
-
-    def problems(self) -> list[str]:
-        """Impossible values in this section, one message each."""
-        return _one_of("format", self.format, ("safetensors", "pt"))
-
-
-@dataclass
-class CheckpointConfig:
-    """Lightning's ``ModelCheckpoint``, writing to ``<run_dir>/checkpoints``.
-
-    Example::
-
-        lightning-mgpu run digits callbacks.checkpoint.save_top_k=3
-    """
-
-    enabled: bool = True
-    """Turn checkpointing on or off."""
-    monitor: str | None = None
-    """Metric that picks the best checkpoint (e.g. ``val/acc``); ``null`` keeps the latest."""
-    mode: str = "min"
-    """``min`` or ``max``: whether a smaller or larger ``monitor`` is better."""
-    save_top_k: int = 1
-    """How many best checkpoints to keep (-1 keeps all)."""
-    save_last: bool = True
-    """Also keep ``last.ckpt``."""
-
-    def problems(self) -> list[str]:
-        """Impossible values in this section, one message each."""
-        return _one_of("mode", self.mode, _MODES) + at_least("save_top_k", self.save_top_k, -1)
-
-
-@dataclass
-class EarlyStoppingConfig:
-    """Lightning's ``EarlyStopping``.
-
-    Example::
-
-        lightning-mgpu run digits callbacks.early_stopping.enabled=true
-    """
-
-    enabled: bool = False
-    """Turn early stopping on or off."""
-    monitor: str = "val/loss"
-    """Metric to watch."""
-    mode: str = "min"
-    """``min`` or ``max``: whether a smaller or larger ``monitor`` is better."""
-    patience: int = 3
-    """Validation rounds without improvement before stopping."""
-
-    def problems(self) -> list[str]:
-        """Impossible values in this section, one message each."""
-        return _one_of("mode", self.mode, _MODES) + at_least("patience", self.patience, 0)
-
-
-@dataclass
-class CallbacksConfig:
-    """The callbacks a run uses; each has an ``enabled`` switch.
-
-    Example::
-
-        lightning-mgpu run digits callbacks.memory.enabled=false
-    """
-
-    memory: MemoryConfig = field(default_factory=MemoryConfig)
-    """Per-device memory monitor (on by default)."""
-    export: ExportConfig = field(default_factory=ExportConfig)
-    """Plain weights export (on by default)."""
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    """Checkpoints (on by default)."""
-    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
-    """Early stopping (off by default)."""
-
-
-@dataclass
 class RunConfig:
     """A whole run: which recipe, what to do, and every section.
 
@@ -405,7 +223,7 @@ class RunConfig:
 
     def problems(self) -> list[str]:
         """Impossible values and combinations at the top level, one message each."""
-        out = _one_of("task", self.task, _TASKS)
+        out = one_of("task", self.task, _TASKS)
         t = self.trainer
         unlimited = t.max_steps == -1 and t.max_epochs == -1 and not t.fast_dev_run
         if self.task == "fit" and self.optimizer.scheduler == "cosine" and unlimited:

@@ -17,15 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import typing
 from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
+from lightning_mgpu.config.optimizer import use_component_key
 from lightning_mgpu.config.schema import RunConfig
 
 __all__ = ["ConfigError", "run_schema", "validate"]
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -86,6 +90,9 @@ def validate(raw: DictConfig, source: str = "config") -> RunConfig:
         raise ConfigError(source, [f"cannot resolve an interpolation: {str(err).splitlines()[0]}"]) from err
 
     problems: list[str] = []
+    if isinstance(data.get("optimizer"), dict) and (clash := use_component_key(data["optimizer"])):
+        problems += [f"optimizer.{p}" for p in clash]  # `name` is the older key of `_component_`
+        del data["optimizer"]["name"]
     schema, skip = _schema_or_problem(data.get("recipe"), problems)
     typed = OmegaConf.structured(schema)
     _merge(typed, schema, {k: v for k, v in data.items() if k not in skip}, "", _all_keys(schema), problems)
@@ -225,6 +232,16 @@ def _recipe_problems(cfg: RunConfig) -> list[str]:
     return list(spec.check(cfg))
 
 
+# Lightning 1.x names that Lightning 2 removed, and what to use instead
+_LIGHTNING_1X_STRATEGIES = {
+    "dp": "mgpu_dp (DataParallel in one process) or mgpu_ddp (one process per device)",
+    **dict.fromkeys(
+        ("ddp2", "ddp_cpu", "ddp_sharded", "ddp_sharded_spawn", "ddp_spawn_sharded", "horovod", "bagua"),
+        "mgpu_ddp (one process per device) or mgpu_dp (DataParallel in one process)",
+    ),
+}
+
+
 def _strategy_problems(strategy: str) -> list[str]:
     from lightning.pytorch.strategies import StrategyRegistry
 
@@ -233,6 +250,12 @@ def _strategy_problems(strategy: str) -> list[str]:
     names = ["auto", *StrategyRegistry.available_strategies()]
     if strategy in names:
         return []
+    if strategy in _LIGHTNING_1X_STRATEGIES:
+        log.debug("trainer.strategy %r: a Lightning 1.x name, not a near miss of a 2.x one", strategy)
+        return [
+            f"trainer.strategy: {strategy!r} is a Lightning 1.x strategy that Lightning 2 removed;"
+            f" use {_LIGHTNING_1X_STRATEGIES[strategy]}"
+        ]
     close = difflib.get_close_matches(strategy, names, n=1)
     hint = f"did you mean {close[0]}? " if close else ""
     mgpu = ", ".join(n for n in names if n.startswith("mgpu_"))

@@ -35,6 +35,7 @@ from torch import nn
 from lightning_mgpu.devices import cuda_devices, format_bytes, parse_bytes
 from lightning_mgpu.estimate.inference import measure_inference
 from lightning_mgpu.estimate.training import MeasuredStep, measure_steps
+from lightning_mgpu.precision import ALIASES, PRECISIONS, precision_names
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
 
@@ -211,19 +212,6 @@ def _check_strategy(strategy: str) -> None:
         raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
 
 
-_PRECISIONS: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
-    # name -> (parameter dtype, autocast dtype)
-    "32-true": (None, None),
-    "64-true": (torch.float64, None),
-    "16-true": (torch.float16, None),
-    "bf16-true": (torch.bfloat16, None),
-    "16-mixed": (None, torch.float16),
-    "bf16-mixed": (None, torch.bfloat16),
-}
-# Lightning's older spellings, as the Trainer reads them
-_ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
-
-
 def _precision_name(precision: str | int | None) -> str:
     """Lightning's name for ``precision`` (``16`` -> ``"16-mixed"``), as the Trainer resolves it."""
     if precision is None:
@@ -231,15 +219,14 @@ def _precision_name(precision: str | int | None) -> str:
     try:
         from lightning.fabric.connector import _convert_precision_to_unified_args
     except ImportError:  # moved in a later Lightning: the aliases are the same
-        name = _ALIASES.get(str(precision), str(precision))
+        name = ALIASES.get(str(precision), str(precision))
     else:
         try:
             name = str(_convert_precision_to_unified_args(precision))  # type: ignore[arg-type]
         except ValueError:
             name = str(precision)
-    if name not in _PRECISIONS:
-        known = [*_PRECISIONS, *_ALIASES]
-        raise ValueError(f"unknown precision {precision!r}: use one of {', '.join(known)}")
+    if name not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}: use one of {', '.join(precision_names())}")
     return name
 
 
@@ -314,7 +301,9 @@ def estimate_memory(
     memory = parse_bytes(device_memory) if device_memory is not None else _smallest_cuda_device()
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    param_dtype, autocast_dtype = _PRECISIONS[precision_name]
+    dtypes = PRECISIONS[precision_name]
+    param_dtype = getattr(torch, dtypes.parameters) if dtypes.parameters else None
+    autocast_dtype = getattr(torch, dtypes.autocast) if dtypes.autocast else None
 
     notes: list[str] = []
     places = ["meta", "cpu"] if measure_on == "auto" else [measure_on]

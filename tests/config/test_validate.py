@@ -28,7 +28,8 @@ def test_typo_names_the_key_and_the_closest_valid_one() -> None:
 def test_unknown_key_without_a_close_match_lists_the_section() -> None:
     (message,) = problems(["optimizer.zzzz=1"])
     assert message == (
-        "optimizer.zzzz: unknown key; valid keys in optimizer: name, lr, weight_decay, momentum, scheduler"
+        "optimizer.zzzz: unknown key; valid keys in optimizer:"
+        " _component_, lr, weight_decay, momentum, kwargs, scheduler"
     )
 
 
@@ -57,8 +58,9 @@ def test_impossible_values_are_rejected() -> None:
         "task: 'train' is not one of fit, validate, predict",
         "trainer.devices: each index may appear once, got [0, 0]",
         "data.batch_size: must be >= 1, got 0",
-        "optimizer.name: 'adan' is not one of adamw, adam, sgd",
         "optimizer.lr: must be > 0, got -0.1",
+        "optimizer._component_: 'adan' is not an optimizer; did you mean adam? Otherwise give a short name"
+        " (adamw, adam, sgd) or a class path such as torch.optim.AdamW",
     ]
     assert problems(["trainer.devices=0", "trainer.fast_dev_run=-2", "trainer.limit_train_batches=1.5"]) == [
         "trainer.devices: must be >= 1 (or -1 for all), got 0",
@@ -155,4 +157,44 @@ def test_yaml_numbers_fill_string_and_float_fields_but_booleans_do_not() -> None
     assert cfg.optimizer.weight_decay == 0.0
     assert problems(["callbacks.checkpoint.monitor=true"]) == [
         "callbacks.checkpoint.monitor: expected a string or null, got True"
+    ]
+
+
+def test_lightning_1x_strategy_names_point_to_the_mgpu_strategies() -> None:
+    assert problems(["trainer.strategy=dp"]) == [
+        "trainer.strategy: 'dp' is a Lightning 1.x strategy that Lightning 2 removed;"
+        " use mgpu_dp (DataParallel in one process) or mgpu_ddp (one process per device)"
+    ]
+    (ddp2,) = problems(["trainer.strategy=ddp2"])
+    assert "use mgpu_ddp (one process per device)" in ddp2
+    still_in_2x = load_config("linear", ["trainer.strategy=ddp_spawn"])
+    assert still_in_2x.trainer.strategy == "ddp_spawn"
+
+
+def test_optimizer_class_path_typos_are_named_before_anything_runs() -> None:
+    assert problems(["optimizer._component_=torch.optim.SDG", "optimizer.kwargs.betaz=[0.9,0.95]"]) == [
+        "optimizer._component_: 'torch.optim.SDG': torch.optim has no SDG; did you mean torch.optim.SGD?",
+    ]
+    assert problems(["optimizer._component_=torhc.optim.AdamW"]) == [
+        "optimizer._component_: 'torhc.optim.AdamW': cannot import torhc.optim (No module named 'torhc')"
+    ]
+    assert problems(["optimizer._component_=torch.nn.Linear"])[0].startswith(
+        "optimizer._component_: 'torch.nn.Linear' is not a torch.optim.Optimizer class"
+    )
+    assert problems(["optimizer.kwargs.betaz=[0.9,0.95]", "optimizer.kwargs.lr=0.1"]) == [
+        "optimizer.kwargs.betaz: torch.optim.AdamW takes no argument betaz; did you mean betas?",
+        "optimizer.kwargs.lr: set it as optimizer.lr, the section's own key",
+    ]
+
+
+def test_optimizer_name_is_the_older_key_of_component_and_overrides_the_file() -> None:
+    assert load_config("digits").optimizer._component_ == "torch.optim.AdamW"
+    assert load_config("digits", ["optimizer.name=sgd"]).optimizer._component_ == "sgd"
+    raw = OmegaConf.create({"recipe": "linear", "optimizer": {"name": "adam", "lr": 0.1}})
+    assert validate(raw).optimizer._component_ == "adam"
+    clash = OmegaConf.create({"recipe": "linear", "optimizer": {"name": "adam", "_component_": "sgd"}})
+    with pytest.raises(ConfigError) as info:
+        validate(clash)
+    assert info.value.problems == [
+        "optimizer.name: 'adam' and _component_: 'sgd' both name the class; keep one"
     ]

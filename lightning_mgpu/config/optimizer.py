@@ -1,0 +1,208 @@
+"""The ``optimizer`` section: which class, its arguments and the schedule; and building the optimizer.
+
+- ``_component_`` names the class as a dotted path, as torchtune's configs do: ``torch.optim.AdamW``,
+  ``torch.optim.RMSprop`` or a class of your own package. The short names ``adamw``, ``adam`` and
+  ``sgd`` stand for torch's classes, and ``name`` is accepted as the key (older configs).
+- ``lr``, ``weight_decay`` and ``momentum`` go to the class where its signature takes them;
+  ``kwargs`` holds any other argument (``optimizer.kwargs.betas=[0.9,0.95]``).
+- ``component_problems`` imports the class during validation and checks the arguments, so a
+  typo in a class path or argument name is reported, with a suggestion, before anything runs.
+- ``build_optimizer`` fills in the schema's defaults and makes the optimizer.
+
+Importing this module does not import torch; checking or building the class does.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import logging
+from collections.abc import Iterable, Mapping, MutableMapping
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from lightning_mgpu.config.checks import at_least, one_of
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "SHORT_NAMES",
+    "OptimizerConfig",
+    "build_optimizer",
+    "component_problems",
+    "optimizer_class",
+    "use_component_key",
+    "with_defaults",
+]
+
+log = logging.getLogger(__name__)
+
+SHORT_NAMES = {"adamw": "torch.optim.AdamW", "adam": "torch.optim.Adam", "sgd": "torch.optim.SGD"}
+"""Short names a config may give for ``_component_``, and the class each stands for."""
+
+_SCHEDULERS = ("none", "cosine")
+_SECTION_ARGS = ("lr", "weight_decay", "momentum")
+
+
+@dataclass
+class OptimizerConfig:
+    """The optimizer and learning-rate schedule.
+
+    Example::
+
+        lightning-mgpu run digits optimizer._component_=torch.optim.RMSprop optimizer.lr=0.01
+        lightning-mgpu run digits optimizer.name=sgd optimizer.lr=0.1 optimizer.scheduler=none
+    """
+
+    _component_: str = "torch.optim.AdamW"
+    """The optimizer class as a dotted path (``torch.optim.AdamW``, ``my_package.optim.Lion``), or a short
+    name: ``adamw``, ``adam``, ``sgd``. ``name`` is accepted as this key's name too."""
+    lr: float = 1e-3
+    """Learning rate."""
+    weight_decay: float = 0.0
+    """Weight decay (decoupled for ``AdamW``), for classes that take it."""
+    momentum: float = 0.9
+    """Momentum, for classes that take it (``SGD``, ``RMSprop``); ignored by Adam and AdamW."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Further arguments of the class, e.g. ``{betas: [0.9, 0.95]}``; checked against its signature."""
+    scheduler: str = "none"
+    """``none``, or ``cosine``: decay the learning rate to 0 over the run's optimizer steps (so the run
+    needs ``trainer.max_steps`` or ``trainer.max_epochs``)."""
+
+    def problems(self) -> list[str]:
+        """Impossible values in this section, one message each (imports the optimizer class)."""
+        out = one_of("scheduler", self.scheduler, _SCHEDULERS)
+        if self.lr <= 0:
+            out.append(f"lr: must be > 0, got {self.lr:g}")
+        out += at_least("weight_decay", self.weight_decay, 0.0)
+        if not 0.0 <= self.momentum < 1.0:
+            out.append(f"momentum: must be in [0, 1), got {self.momentum:g}")
+        return out + component_problems(self._component_, self.kwargs)
+
+
+def use_component_key(section: MutableMapping[str, Any]) -> list[str]:
+    """Rename the key ``name`` of an optimizer section to ``_component_``, in place.
+
+    Returns:
+        A message when the section gives both keys with different values (both are kept), else ``[]``.
+
+    Example::
+
+        section = {"name": "sgd", "lr": 0.1}
+        use_component_key(section)  # [] and section == {"lr": 0.1, "_component_": "sgd"}
+    """
+    if "name" not in section:
+        return []
+    if "_component_" in section and section["_component_"] != section["name"]:
+        given = f"name: {section['name']!r} and _component_: {section['_component_']!r}"
+        return [f"{given} both name the class; keep one"]
+    section["_component_"] = section.pop("name")
+    return []
+
+
+def optimizer_class(component: str) -> type[torch.optim.Optimizer]:
+    """The class ``component`` names: a short name (``adamw``) or a dotted path (``torch.optim.AdamW``).
+
+    Raises:
+        ValueError: the path does not import, names no class, or a class that is not an optimizer;
+            the message says which part is wrong and suggests the closest name.
+
+    Example::
+
+        optimizer_class("sgd")  # torch.optim.SGD
+    """
+    import torch
+
+    path = SHORT_NAMES.get(component, component)
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        close = difflib.get_close_matches(component, list(SHORT_NAMES), n=1)
+        hint = f"did you mean {close[0]}? Otherwise " if close else ""
+        raise ValueError(
+            f"{component!r} is not an optimizer; {hint}give a short name ({', '.join(SHORT_NAMES)})"
+            " or a class path such as torch.optim.AdamW"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"{path!r}: cannot import {module_name} ({err})") from err
+    cls = getattr(module, attr, None)
+    if cls is None:
+        classes = [n for n, v in vars(module).items() if isinstance(v, type) and not n.startswith("_")]
+        close = difflib.get_close_matches(attr, classes, n=1)
+        hint = f"; did you mean {module_name}.{close[0]}?" if close else ""
+        raise ValueError(f"{path!r}: {module_name} has no {attr}{hint}")
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ValueError(f"{path!r} is not a torch.optim.Optimizer class, got {cls!r}")
+    return cls
+
+
+def component_problems(component: str, kwargs: Mapping[str, Any]) -> list[str]:
+    """Messages for a class that does not import, or ``kwargs`` its signature does not take.
+
+    Example::
+
+        component_problems("torch.optim.AdamW", {"betaz": [0.9, 0.95]})
+        # ['kwargs.betaz: torch.optim.AdamW takes no argument betaz; did you mean betas?']
+    """
+    try:
+        cls = optimizer_class(component)
+    except ValueError as err:
+        return [f"_component_: {err}"]
+    takes = _arguments(cls)
+    out = []
+    for key in kwargs:
+        if key in _SECTION_ARGS:
+            out.append(f"kwargs.{key}: set it as optimizer.{key}, the section's own key")
+        elif key not in takes:
+            close = difflib.get_close_matches(key, takes, n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; it takes {', '.join(takes)}"
+            out.append(f"kwargs.{key}: {SHORT_NAMES.get(component, component)} takes no argument {key}{hint}")
+    return out
+
+
+def with_defaults(section: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``section`` (a config's ``optimizer``, or a dict like ``{"name": "sgd"}``) over the schema's defaults.
+
+    Example::
+
+        with_defaults({"name": "sgd"})["_component_"]  # 'sgd'
+    """
+    given = dict(section or {})
+    if problems := use_component_key(given):
+        raise ValueError(f"optimizer {problems[0]}")
+    return {**asdict(OptimizerConfig()), **given}
+
+
+def build_optimizer(params: Iterable[Any], section: Mapping[str, Any] | None) -> torch.optim.Optimizer:
+    """The optimizer ``section`` describes, over ``params``.
+
+    ``lr``, ``weight_decay`` and ``momentum`` are passed where the class takes them, then ``kwargs``.
+
+    Raises:
+        ValueError: the class cannot be found (see ``optimizer_class``).
+
+    Example::
+
+        opt = build_optimizer(model.parameters(), {"name": "sgd", "lr": 0.1})
+    """
+    cfg = with_defaults(section)
+    cls = optimizer_class(cfg["_component_"])
+    takes = _arguments(cls)
+    kwargs = {k: cfg[k] for k in _SECTION_ARGS if k in takes}
+    kwargs.update(cfg["kwargs"])
+    log.debug(
+        "optimizer %s.%s for %r with %s (left out, not in its signature: %s)",
+        cls.__module__,
+        cls.__qualname__,
+        cfg["_component_"],
+        kwargs,
+        [k for k in _SECTION_ARGS if k not in takes] or "nothing",
+    )
+    return cls(params, **kwargs)
+
+
+def _arguments(cls: type) -> list[str]:
+    return [n for n in inspect.signature(cls).parameters if n not in ("self", "params")]
