@@ -3,8 +3,12 @@
 - ``strategy.py``: ``MGPUDataParallelStrategy``, registered as ``mgpu_dp``;
 - ``scatter.py``: splitting a batch along dim 0 and combining the replicas' outputs;
 - ``replicas.py``: building the replicas and routing each step's calls into them;
-- ``lockstep.py``: running the replicas' steps in threads that meet at each optimizer call;
-- ``metrics.py``: ``self.log`` values and torchmetrics states merged across replicas.
+- ``threads.py``: ``ReplicaThreads``, running the replicas' step calls at the same time;
+- ``lockstep.py``: manual optimization, the replicas' threads meeting at each optimizer call;
+- ``metrics.py``: torchmetrics states merged across replicas (``self.log`` values: ``replicas.py``).
+
+Set ``logging.getLogger("lightning_mgpu.strategies.dp").setLevel(logging.DEBUG)`` to see how each
+batch is split and how the replicas run.
 """
 
 from lightning_mgpu.strategies.dp.strategy import MGPUDataParallelStrategy

@@ -34,6 +34,10 @@ def batch_rows(batch: Any) -> int | None:
 
     Returns ``None`` when the batch holds no tensor with at least one dimension.
 
+    Stricter than Lightning's ``extract_batch_size``, which guesses a size for logging: that one
+    counts a 0-dim tensor as one row and only warns when sizes disagree (or a string sits beside
+    the tensors). Splitting needs every tensor to agree, and 0-dim tensors go whole to every replica.
+
     Raises:
         ValueError: if the tensors disagree on their first dimension.
     """
@@ -116,8 +120,9 @@ def _combine_tensors(values: list[Tensor], sizes: list[int], device: torch.devic
             " tensors (first dimension = batch size), scalars, or tensors of a fixed shape."
         )
     if not (values[0].is_floating_point() or values[0].is_complex()):
-        # integer results are counts: the whole batch holds the sum of its chunks
-        return torch.stack([v.to(device) for v in values]).sum(0)
+        # integer results are counts: the whole batch holds the sum of its chunks, in the dtype one
+        # device returns (torch.sum would promote int32 to int64; for booleans the sum is "any")
+        return torch.stack([v.to(device) for v in values]).sum(0, dtype=values[0].dtype)
     return weighted_mean(values, sizes, device)
 
 
@@ -128,7 +133,7 @@ def combine_outputs(values: list[Any], sizes: list[int], device: torch.device) -
     - floating-point tensors of equal shape (a mean loss, a mean metric) are averaged, each
       weighted by its replica's share of the batch, so a mean over chunks equals the mean
       over the whole batch;
-    - integer tensors (counts) are summed;
+    - integer tensors (counts) are summed, keeping their dtype; boolean tensors are or-ed;
     - mappings, sequences, namedtuples and dataclasses are combined entry by entry;
     - Python integers are summed and other Python numbers averaged, like tensors; any other
       value comes from the first replica.

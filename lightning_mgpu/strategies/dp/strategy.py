@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+import logging
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -19,12 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_mgpu.strategies.dp.lockstep import (
-    Lockstep,
-    manual_optimization_hooks,
-    raise_first,
-    record_exit,
-)
+from lightning_mgpu.strategies.dp.lockstep import Lockstep, manual_optimization_hooks, record_exit
 from lightning_mgpu.strategies.dp.metrics import ReplicaMetrics
 from lightning_mgpu.strategies.dp.replicas import (
     LogCapture,
@@ -36,9 +30,9 @@ from lightning_mgpu.strategies.dp.replicas import (
     replicate,
 )
 from lightning_mgpu.strategies.dp.scatter import batch_rows, combine_outputs, scatter_batch, split_sizes
+from lightning_mgpu.strategies.dp.threads import ReplicaThreads
 
-# other backends warn when the thread count changes after parallel work started
-_OPENMP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+log = logging.getLogger(__name__)
 
 
 class MGPUDataParallelStrategy(ParallelStrategy):
@@ -60,7 +54,7 @@ class MGPUDataParallelStrategy(ParallelStrategy):
       and when it has fewer rows than there are devices (fewer replicas run).
     - **Step outputs.** Per-sample tensors (first dimension = the replica's rows) are
       concatenated; floating-point values of equal shape are averaged by batch share;
-      integer values (counts) are summed.
+      integer values (counts) are summed in their own dtype.
     - **``self.log``.** Calls made in replicas become one call: the mean of the replicas'
       values weighted by their rows (or by the ``batch_size`` they passed), or the sum / max /
       min when ``reduce_fx`` says so.
@@ -155,7 +149,7 @@ class MGPUDataParallelStrategy(ParallelStrategy):
         self.last_chunk_sizes: list[int] = []
         self.replica_saved_bytes: list[int] = []
         self._metrics = ReplicaMetrics()
-        self._pool: ThreadPoolExecutor | None = None
+        self._threads: ReplicaThreads | None = None
         self._warned_uneven = False
         self._checked_compiled = False
 
@@ -271,8 +265,16 @@ class MGPUDataParallelStrategy(ParallelStrategy):
     def _chunk_sizes(self, batch: Any) -> list[int]:
         rows = batch_rows(batch)
         if rows is None:
+            log.debug("the batch holds no tensor with a batch dimension: one replica runs it whole")
             return [0]
         sizes = split_sizes(rows, len(self.replica_devices))
+        log.debug(
+            "batch of %d rows split over %d of %d devices as %s",
+            rows,
+            len(sizes),
+            len(self.replica_devices),
+            sizes,
+        )
         if len(set(sizes)) > 1 and not self._warned_uneven:
             self._warned_uneven = True
             rank_zero_warn(
@@ -312,6 +314,13 @@ class MGPUDataParallelStrategy(ParallelStrategy):
         lockstep = Lockstep(len(sizes)) if manual else None
         # replicas on one device share the module's parameters; elsewhere they hold copies
         copies = len(set(devices)) > 1
+        log.debug(
+            "%s on %d replicas (%s), %s",
+            method,
+            len(sizes),
+            "parameter copies per device" if copies else "sharing the module's parameters on one device",
+            "manual optimization in lockstep" if lockstep is not None else "automatic optimization",
+        )
         after_step = (
             functools.partial(refresh_parameters, module, replicas) if manual and copies else _nothing
         )
@@ -326,9 +335,9 @@ class MGPUDataParallelStrategy(ParallelStrategy):
             on_exit = functools.partial(record_exit, errors, index, lockstep)
             calls.append(ReplicaCall(replica, method, step_context, self.track_replica_memory, on_exit))
 
-        outputs = self._parallel_apply(
-            calls, [(chunk, *args[1:]) for chunk in chunks], kwargs, devices, errors
-        )
+        if self._threads is None:
+            self._threads = ReplicaThreads(len(self.replica_devices))
+        outputs = self._threads.run(calls, [(chunk, *args[1:]) for chunk in chunks], kwargs, devices, errors)
 
         originals = self._metrics.merge()
         logged = {
@@ -353,52 +362,11 @@ class MGPUDataParallelStrategy(ParallelStrategy):
                 " code use `strategy='mgpu_ddp'` (one process per device). This warning is shown once."
             )
 
-    def _parallel_apply(
-        self,
-        calls: list[ReplicaCall],
-        inputs: list[tuple[Any, ...]],
-        kwargs: dict[str, Any],
-        devices: Sequence[torch.device],
-        errors: list[BaseException | None],
-    ) -> list[Any]:
-        if devices[0].type == "cuda":
-            from torch.nn.parallel import parallel_apply
-
-            try:
-                return parallel_apply(calls, inputs, [kwargs] * len(calls), list(devices))  # type: ignore[arg-type]
-            except Exception:
-                raise_first(errors)
-                raise
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                max_workers=len(self.replica_devices) - 1, thread_name_prefix="mgpu_dp"
-            )
-        # the replicas share the cores: each runs its ops with its part of the intra-op threads
-        # (with OpenMP a thread takes the process-wide setting when it first runs a parallel op)
-        threads = torch.get_num_threads()
-        if _OPENMP:
-            torch.set_num_threads(max(1, threads // len(calls)))
-        try:
-            futures = [
-                self._pool.submit(call, *inp, **kwargs)
-                for call, inp in zip(calls[1:], inputs[1:], strict=True)
-            ]
-            # a replica's exception is recorded in `errors`: wait for all, then raise the one that matters
-            first = None
-            with contextlib.suppress(Exception):
-                first = calls[0](*inputs[0], **kwargs)
-            wait(futures)
-        finally:
-            if _OPENMP:
-                torch.set_num_threads(threads)
-        raise_first(errors)
-        return [first, *(future.result() for future in futures)]
-
     @override
     def teardown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        if self._threads is not None:
+            self._threads.close()
+            self._threads = None
         self._metrics.clear()
         super().teardown()
 

@@ -177,7 +177,10 @@ class Classifier(L.LightningModule):
 
     def predict_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
         x, y = batch
-        return {"probs": self.net(x).softmax(-1), "correct": (self.net(x).argmax(-1) == y).sum()}
+        hits = self.net(x).argmax(-1) == y
+        # counts in two integer dtypes: summing over the replicas must keep each dtype
+        probs = self.net(x).softmax(-1)
+        return {"probs": probs, "correct": hits.sum(), "correct32": hits.sum(dtype=torch.int32)}
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.5)
