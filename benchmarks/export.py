@@ -10,12 +10,15 @@ Each method runs in its own process; its peak RSS comes from ``os.wait4`` (the k
 "work" time: the same run without interpreter start-up and ``import torch``, which every Python
 method pays alike. With ``--repeat N`` each time is the fastest of N runs and the RSS the largest.
 
-- ``lightning_mgpu``: ``export_state_dict(src, out.safetensors)``; also its ``.pt`` output;
+- ``lightning_mgpu``: ``export_state_dict(src, out.safetensors)``; also its ``.pt`` output, and the
+  same weights read from a ``.safetensors`` source instead of the torch zip file;
 - ``tutorial recipe``: ``torch.load`` + a dict comprehension removing ``module.`` + ``torch.save``;
 - ``cp``: a plain copy of the file, the floor for moving those bytes; ``cp + fsync`` adds the
   flush to disk that an atomic export does.
 
-Targets: export time <= 2x cp, export peak RSS <= 1.2x the file size and well below the recipe.
+Targets: export time <= 2x cp (the torch zip source's records are checked against their CRC-32
+within that time), export peak RSS to safetensors <= 0.3x the file size from either source format,
+and well below the recipe.
 The export's time is its "work" time, the call as a Python user makes it; the whole process also
 pays interpreter start-up and ``import torch`` (seconds on a small machine), a fixed cost no
 torch-based tool avoids and ``cp`` does not have, so it is printed apart.
@@ -57,6 +60,10 @@ METHODS = {
         "from lightning_mgpu import export_state_dict",
         "export_state_dict(sys.argv[1], sys.argv[2] + '.pt')",
     ),
+    "lightning_mgpu .safetensors -> .safetensors": (
+        "from lightning_mgpu import export_state_dict",
+        "export_state_dict(sys.argv[1].replace('.pt', '.safetensors'), sys.argv[2] + '.safetensors')",
+    ),
     "tutorial recipe (.pt)": (
         "import torch",
         textwrap.dedent(
@@ -79,6 +86,9 @@ for i in range(count):
     state_dict[f"module.layers.{i}.weight"] = torch.randn(2048, 2048, generator=generator)
     state_dict[f"module.layers.{i}.bias"] = torch.randn(2048, generator=generator)
 torch.save(state_dict, sys.argv[1])
+# the same weights as safetensors, the other source format an export reads
+from safetensors.torch import save_file
+save_file(state_dict, sys.argv[1].replace(".pt", ".safetensors"))
 print(len(state_dict))
 """
 
@@ -156,6 +166,7 @@ def main() -> None:
                 f"{r['rss_mib'] / size_mib:>10.2f}{r['wall_s'] / cp:>9.2f}"
             )
         ours, recipe = results["lightning_mgpu -> .safetensors"], results["tutorial recipe (.pt)"]
+        from_st = results["lightning_mgpu .safetensors -> .safetensors"]
         synced = results["cp + fsync"]["wall_s"]
         start_up = ours["wall_s"] - ours["work_s"]
         print(
@@ -164,7 +175,9 @@ def main() -> None:
             f"\n  export call / (cp + fsync) = {ours['work_s'] / synced:.2f}  (cp as durable as the export)"
             f"\n  whole process / cp         = {ours['wall_s'] / cp:.2f}  (adds {start_up:.2f} s:"
             " interpreter start and `import torch`)"
-            f"\n  peak RSS / file size       = {ours['rss_mib'] / size_mib:.2f}  (target <= 1.2)"
+            f"\n  peak RSS / file size       = {ours['rss_mib'] / size_mib:.2f}  (target <= 0.3)"
+            f"\n  from .safetensors: RSS / file size = {from_st['rss_mib'] / size_mib:.2f}  (target <= 0.3),"
+            f" export call / cp = {from_st['work_s'] / cp:.2f}"
             f"\n  peak RSS / tutorial recipe = {ours['rss_mib'] / recipe['rss_mib']:.2f}  (target < 1)"
         )
 

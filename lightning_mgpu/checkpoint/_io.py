@@ -98,7 +98,7 @@ def read_file(
         if torch.device(map_location).type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"map_location={str(map_location)!r}, but CUDA is not available here")
         tensors, metadata = read_safetensors(path, device=str(map_location))
-        return LoadedFile(tensors, kind, metadata)
+        return LoadedFile(tensors, kind, metadata, mapped=MappedFile(path, archive=False))
     obj = _torch_load(path, kind, map_location, trust_pickle)
     return LoadedFile(obj, kind, mapped=MappedFile(path) if kind == "torch zip" else None)
 
@@ -283,11 +283,14 @@ class MappedFile:
     file). Elsewhere than Linux it copies nothing and the writer writes from memory.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, archive: bool = True) -> None:
         self.path = path
         self._ranges: list[tuple[int, int, int]] = []  # start, end, file offset of start
         self._fd: int | None = None
-        if not sys.platform.startswith("linux") or _byteorder(path) not in (None, sys.byteorder):
+        if not sys.platform.startswith("linux"):
+            return
+        # a torch archive records its byte order; safetensors is mapped only where it is native
+        if archive and _byteorder(path) not in (None, sys.byteorder):
             return
         real = os.path.realpath(path)
         inode = os.stat(real).st_ino

@@ -26,6 +26,7 @@ from typing import Any, BinaryIO, Protocol
 import torch
 
 from lightning_mgpu._atomic import WRITEBACK_BYTES, start_writeback
+from lightning_mgpu.checkpoint._safetensors_read import describe_header_problem, parse_list
 
 __all__ = ["ORDER_KEY", "PREFIXES_KEY", "dedupe", "read_safetensors", "view_key", "write_safetensors"]
 
@@ -164,21 +165,27 @@ def read_safetensors(
 ) -> tuple[OrderedDict[str, torch.Tensor], dict[str, str]]:
     """Read a safetensors file, restoring aliases of tied weights and the recorded key order.
 
+    The library memory-maps the file: a tensor's pages are read only when it is used, and an
+    export copies them file-to-file (``_io.MappedFile``) without faulting them in.
+
     Returns:
         ``(state_dict, metadata)``.
 
     Raises:
-        ValueError: the file is truncated or corrupt.
+        ValueError: the file is truncated or corrupt, or its metadata is malformed; the message
+            names the file and the field.
     """
     from safetensors import SafetensorError, safe_open
 
+    path = Path(path)
     try:
         with safe_open(os.fspath(path), framework="pt", device=device) as f:
             metadata: dict[str, str] = dict(f.metadata() or {})
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - not a dict
     except SafetensorError as err:
-        raise ValueError(f"{Path(path)} is truncated or corrupt: {err}") from None
-    listed = json.loads(metadata.get(ORDER_KEY, "null"))
+        problem = describe_header_problem(path)
+        raise ValueError(problem or f"{path} is truncated or corrupt: {err}") from None
+    listed = parse_list(path, metadata, ORDER_KEY)
     for alias, target in metadata.items():
         if alias not in tensors and target in tensors and _is_alias(alias, listed):
             tensors[alias] = tensors[target]
