@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# sizes read the same in every report of the package: ``"512 B"``, ``"3.40 KiB"``
+from lightning_mgpu.devices import format_bytes as human_size
+
 __all__ = ["LoadReport", "Shape", "human_size"]
 
 _SHOW = 10  # names listed per problem before "... and N more"
@@ -14,18 +17,6 @@ class Shape(tuple[int, ...]):
 
     def __str__(self) -> str:
         return "[" + ", ".join(str(d) for d in self) + "]"
-
-
-def human_size(size: int) -> str:
-    """``"512 B"``, ``"3.4 KiB"``, ``"1.2 GiB"``."""
-    if size < 1024:
-        return f"{size} B"
-    value = size / 1024
-    for unit in ("KiB", "MiB"):
-        if value < 1024:
-            return f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"
 
 
 def _names(keys: list[str]) -> str:
