@@ -3,9 +3,24 @@
 - ``predict.py``: ``estimate_memory`` and its ``MemoryEstimate`` report (public);
 - ``training.py``: one warm-up and two measured training steps on copies of the module;
 - ``inference.py``: two measured forward passes under ``torch.no_grad()``;
-- ``live_bytes.py``: the one counter of bytes held by live tensors, on any device including ``meta``.
+- ``live_bytes.py``: the one counter of bytes held by live tensors, on any device including ``meta``,
+  and of bytes saved for backward (also used by ``mgpu_dp`` for each replica).
+
+The public names load on first use, so ``mgpu_dp`` can use ``live_bytes`` without loading the rest.
 """
 
-from lightning_mgpu.estimate.predict import STRATEGIES, MemoryEstimate, estimate_memory
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_mgpu.estimate.predict import STRATEGIES, MemoryEstimate, estimate_memory
 
 __all__ = ["STRATEGIES", "MemoryEstimate", "estimate_memory"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return getattr(importlib.import_module("lightning_mgpu.estimate.predict"), name)
+    raise AttributeError(f"module 'lightning_mgpu.estimate' has no attribute {name!r}")

@@ -1,17 +1,21 @@
-"""Count the bytes of live tensors while ops run, on any device, including ``meta``.
+"""Count the bytes tensors hold, on any device including ``meta``: live while ops run, saved for backward.
 
-A ``TorchDispatchMode`` sees every op's outputs; each new storage is counted once and
+``LiveBytes``: a ``TorchDispatchMode`` sees every op's outputs; each new storage is counted once and
 uncounted when it is freed (a weak reference on the storage, which torch keeps unique
 while the storage lives). This is what a device's caching allocator would hold, minus
 its rounding and cache, so it works on CPU and on meta tensors where no allocator
 statistics exist.
+
+``SavedBytes``: the bytes autograd keeps for backward, counted once per storage. The one
+counter of them: the estimate's activations per sample and ``mgpu_dp``'s per-replica
+``replica_saved_bytes`` both come from it.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["LiveBytes", "storage_bytes", "storage_of"]
+__all__ = ["LiveBytes", "SavedBytes", "storage_bytes", "storage_of"]
 
 
 def storage_of(t: torch.Tensor) -> Any | None:
@@ -90,3 +94,59 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.track(t)
         return out
+
+
+class SavedBytes:
+    """Bytes of the storages autograd saves for backward, each storage counted once.
+
+    A storage counts for the span its saved tensors cover: a whole activation, or a chunk of a
+    batch that several ``mgpu_dp`` replicas share (each replica counts its own rows). Storages of
+    ``exclude`` (parameters, buffers, the batch: memory that lives anyway) do not count.
+
+    Install with ``torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack)``.
+
+    Args:
+        exclude: tensors whose storages are not counted.
+
+    Example::
+
+        import torch
+        from lightning_mgpu.estimate.live_bytes import SavedBytes
+
+        w = torch.randn(8, 8, requires_grad=True)
+        counter = SavedBytes(exclude=[w])
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            (torch.randn(4, 8) @ w).tanh().sum()
+        counter.total  # 128 + 128: the input and tanh's output, 4 x 8 float32 each
+    """
+
+    def __init__(self, exclude: Sequence[torch.Tensor] = ()) -> None:
+        self.total = 0
+        self._spans: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> (start, end) bytes counted
+        self._excluded: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        for t in exclude:
+            st = storage_of(t)
+            if st is not None:
+                self._excluded[st] = True
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = storage_of(t)
+        if st is None:  # no storage to share (sparse, nested): its own elements
+            self.total += t.numel() * t.element_size()
+            return t
+        if st in self._excluded or t.numel() == 0:
+            return t
+        size = t.element_size()
+        start = int(t.storage_offset()) * size
+        end = start + (1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True))) * size
+        old = self._spans.get(st)
+        if old is not None:
+            start, end = min(start, old[0]), max(end, old[1])
+            self.total -= old[1] - old[0]
+        self._spans[st] = (start, end)
+        self.total += end - start
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t

@@ -22,7 +22,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_mgpu.estimate.live_bytes import LiveBytes, storage_bytes, storage_of
+from lightning_mgpu.estimate.live_bytes import LiveBytes, SavedBytes, storage_bytes, storage_of
 
 __all__ = ["Line", "MeasuredStep", "measure_steps"]
 
@@ -200,26 +200,6 @@ def _loss_of(out: Any) -> torch.Tensor:
     return out if out.numel() == 1 else out.sum()
 
 
-class _SavedBytes:
-    """Bytes of the storages autograd saves for backward, except the ones in ``exclude``."""
-
-    def __init__(self, exclude: list[torch.Tensor]) -> None:
-        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        for t in exclude:
-            st = storage_of(t)
-            if st is not None:
-                self._seen[st] = True
-        self.total = 0
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        st = storage_of(t)
-        if st is None or st not in self._seen:
-            if st is not None:
-                self._seen[st] = True
-            self.total += storage_bytes(t)
-        return t
-
-
 def _step(
     call: Callable[[Any], Any],
     batch: Any,
@@ -228,9 +208,9 @@ def _step(
     tracker: LiveBytes,
     static: list[torch.Tensor],
 ) -> dict[str, int]:
-    saved = _SavedBytes(static + _tensors(batch))
+    saved = SavedBytes(static + _tensors(batch))
     with tracker.phase() as forward_backward:
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             out = call(batch)
         loss = _loss_of(out)
         for opt in optimizers:

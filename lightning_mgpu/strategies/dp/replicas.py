@@ -31,6 +31,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torchmetrics import Metric
 
+from lightning_mgpu.estimate.live_bytes import SavedBytes
 from lightning_mgpu.strategies.dp.scatter import weighted_mean
 
 __all__ = [
@@ -238,28 +239,6 @@ def prepare_replica(replica: nn.Module, device: torch.device, hooks: dict[str, C
     replica.__dict__.update(hooks)
 
 
-class _SavedBytes:
-    """Counts the bytes of the distinct tensors autograd saves for backward."""
-
-    def __init__(self) -> None:
-        self.total = 0
-        self._seen: set[tuple[Any, ...]] = set()
-
-    def pack(self, tensor: Tensor) -> Tensor:
-        try:
-            key = (tensor.device, tensor.data_ptr(), tensor.numel(), tensor.dtype)
-        except RuntimeError:  # tensors without storage (sparse, nested, meta)
-            return tensor
-        if key not in self._seen:
-            self._seen.add(key)
-            self.total += tensor.numel() * tensor.element_size()
-        return tensor
-
-    @staticmethod
-    def unpack(tensor: Tensor) -> Tensor:
-        return tensor
-
-
 class ReplicaCall:
     """Calls ``method`` of one replica with the caller's thread-local modes.
 
@@ -289,7 +268,7 @@ class ReplicaCall:
         self._inference = torch.is_inference_mode_enabled()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        counter = _SavedBytes() if self._track else None
+        counter = SavedBytes() if self._track else None
         error: BaseException | None = None
         try:
             with ExitStack() as stack:
