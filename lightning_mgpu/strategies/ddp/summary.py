@@ -7,7 +7,7 @@ them), which backend, who started the processes, and the per-device and global b
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from lightning.fabric.plugins.environments import (
     ClusterEnvironment,
@@ -42,8 +42,9 @@ def format_summary(
     launcher: str,
     batch_size: int | None,
     accumulate: int = 1,
+    extra_lines: Sequence[str] = (),
 ) -> str:
-    """Several lines: the layout, then one line per node with its devices, then the batch sizes."""
+    """Several lines: layout, one line per node with its devices, batch sizes, then ``extra_lines``."""
     world = num_nodes * processes_per_node
     lines = [
         f"{name}: {num_nodes} node(s) x {processes_per_node} process(es) per node = {world} process(es),"
@@ -61,4 +62,5 @@ def format_summary(
             per_step = batch_size * world * accumulate
             line += f" ({per_step} per optimizer step with accumulate_grad_batches={accumulate})"
         lines.append(line)
+    lines.extend(f"  {extra}" for extra in extra_lines)
     return "\n".join(lines)
