@@ -6,14 +6,19 @@
   ``ModelCheckpoint`` (to ``<run_dir>/checkpoints``), the plain weights export (the network's
   weights next to each checkpoint and ``final.safetensors``) and early stopping as the
   ``callbacks`` section says.
-- ``build_trainer`` gives the Trainer a ``CSVLogger`` writing ``<run_dir>/metrics.csv``.
+- ``build_trainer`` gives the Trainer a ``CSVLogger`` writing ``<run_dir>/metrics.csv``; when
+  standard output is not a terminal (``make demo > log``) progress comes as one line per epoch
+  instead of a redrawn bar (``config/progress.py``), and Lightning's warnings about its own
+  use of torch are hidden.
 
 Lightning's configuration errors become ``ValueError`` so the command line prints them in one line.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, cast
@@ -24,6 +29,7 @@ from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_mgpu.config.progress import hide_unactionable_warnings, progress_bar_for
 from lightning_mgpu.config.schema import CPU_DEVICE_CAP, RunConfig
 
 __all__ = [
@@ -34,6 +40,8 @@ __all__ = [
     "load_weights",
     "resolve_devices",
 ]
+
+log = logging.getLogger(__name__)
 
 
 def resolve_devices(accelerator: str, devices: Any) -> tuple[str, Any]:
@@ -59,9 +67,11 @@ def resolve_devices(accelerator: str, devices: Any) -> tuple[str, Any]:
     if devices not in ("auto", -1):
         return accelerator, devices
     if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
+        log.debug("devices=%s: every visible GPU (%d)", devices, torch.cuda.device_count())
         return ("gpu" if accelerator == "auto" else accelerator), torch.cuda.device_count()
     if accelerator in ("auto", "cpu"):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        log.debug("devices=%s: no GPU, %d usable cores, at most %d processes", devices, cores, CPU_DEVICE_CAP)
         return "cpu", max(1, min(cores, CPU_DEVICE_CAP))
     return accelerator, "auto"
 
@@ -184,6 +194,9 @@ def build_trainer(cfg: RunConfig, run_dir: Path, callbacks: list[Callback]) -> L
     t = cfg.trainer
     accelerator, devices = resolve_devices(t.accelerator, t.devices)
     kwargs = {k: v for k, v in asdict(t).items() if k not in ("accelerator", "devices")}
+    hide_unactionable_warnings()
+    bar = progress_bar_for(sys.stdout) if t.enable_progress_bar else None
+    callbacks = [*callbacks, bar] if bar is not None else callbacks
     try:
         return L.Trainer(
             accelerator=accelerator,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -25,3 +26,26 @@ def test_device_indices_on_cpu_say_what_to_give_instead() -> None:
     with pytest.raises(ValueError, match=r"^trainer.devices=\[0, 3\]: device indices select GPUs, and "):
         resolve_devices("cpu", [0, 3])
     assert resolve_devices("cpu", 2) == ("cpu", 2)
+
+
+def test_progress_in_a_log_is_one_line_per_epoch_without_lightnings_own_warnings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_mgpu.config.instantiate import build_data, build_module
+
+    cfg = load_config(
+        "linear",
+        ["trainer.accelerator=cpu", "trainer.devices=1", "trainer.strategy=auto", "trainer.max_epochs=2"],
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = build_trainer(cfg, tmp_path, [])  # pytest's captured stdout is not a terminal
+        trainer.fit(build_module(cfg), datamodule=build_data(cfg))
+        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning, stacklevel=1)
+    out = capsys.readouterr().out
+    assert "\r" not in out  # no redrawn bar frames
+    lines = [line for line in out.splitlines() if line.startswith("epoch ")]
+    assert [line.split(":")[0] for line in lines] == ["epoch 1/2", "epoch 2/2"]
+    assert all(" batches in " in line and "val/loss=" in line for line in lines)
+    leaf = [str(w.message) for w in caught if "LeafSpec" in str(w.message)]
+    assert leaf == ["`isinstance(treespec, LeafSpec)` is deprecated"]  # only the one raised here, by a test
