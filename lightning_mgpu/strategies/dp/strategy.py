@@ -65,6 +65,10 @@ class MGPUDataParallelStrategy(ParallelStrategy):
       with the statistics of its own chunk, and the running statistics are updated from the
       first replica's chunk only. Use ``mgpu_ddp`` with ``sync_batchnorm=True`` on GPUs
       (torch's SyncBatchNorm runs on CUDA only) for whole-batch statistics.
+    - **When it is exact.** The equalities above hold (to float rounding) when a step does not
+      depend on how the batch is cut: no dropout, or dropout seeded per sample (each replica
+      draws its own masks), no BatchNorm in training mode (below), and a loss that is a mean
+      over rows rather than a statistic of the chunk.
     - **Manual optimization.** ``manual_backward``, ``opt.step()``, ``opt.zero_grad()``,
       ``sch.step()``, ``clip_gradients`` and ``toggle_optimizer`` called inside the replicas
       happen once per step on the combined loss; every replica must call them in the same
