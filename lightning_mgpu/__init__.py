@@ -1,6 +1,6 @@
 """Lightning strategies, callbacks and checkpoint tools for training on several GPUs.
 
-Importing the package registers ``mgpu_ddp``, ``mgpu_dp`` and ``mgpu_auto`` in
+Importing the package registers ``mgpu_ddp``, ``mgpu_dp``, ``mgpu_fsdp`` and ``mgpu_auto`` in
 Lightning's ``StrategyRegistry``::
 
     import lightning as L
@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "MGPUDDPStrategy": "lightning_mgpu.strategies.ddp.strategy",
     "MGPUDataParallelStrategy": "lightning_mgpu.strategies.dp.strategy",
+    "MGPUFSDPStrategy": "lightning_mgpu.strategies.fsdp.strategy",
     "choose_strategy": "lightning_mgpu.strategies.auto",
     "StrategyChoice": "lightning_mgpu.strategies.auto",
     "DeviceMemoryMonitor": "lightning_mgpu.callbacks.memory",

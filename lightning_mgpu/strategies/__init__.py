@@ -2,7 +2,8 @@
 
 - ``auto.py``: ``mgpu_auto`` and ``choose_strategy``, which pick one of the others and say why;
 - ``ddp/``: ``mgpu_ddp``, its launcher, checks, start-up summary and watchdog;
-- ``dp/``: ``mgpu_dp``, DataParallel in one process: replicas, scatter/gather, log and metric merging.
+- ``dp/``: ``mgpu_dp``, DataParallel in one process: replicas, scatter/gather, log and metric merging;
+- ``fsdp/``: ``mgpu_fsdp``, FSDP2 sharding with an automatic plan, on ``ddp/``'s process-group services.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 _STRATEGIES = (
     ("lightning_mgpu.strategies.ddp", "MGPUDDPStrategy"),
     ("lightning_mgpu.strategies.dp", "MGPUDataParallelStrategy"),
+    ("lightning_mgpu.strategies.fsdp", "MGPUFSDPStrategy"),
     ("lightning_mgpu.strategies.auto", "MGPUAutoStrategy"),
 )
 

@@ -1,0 +1,22 @@
+"""``mgpu_fsdp``: sharded training on torch's FSDP2, with ``mgpu_ddp``'s process-group services.
+
+- ``strategy.py``: ``MGPUFSDPStrategy``, on Lightning's ``ModelParallelStrategy`` (launcher,
+  device mesh, sharded checkpoints) and ``ddp/services.py``'s ``ProcessGroupServices``;
+- ``plan.py``: which submodules become units of their own (a pure function of the module tree);
+- ``sharding.py``: the options, the Trainer precision's dtypes, and the ``fully_shard`` calls;
+- ``state.py``: bytes of parameters, gradients and optimizer state held by this rank and by the whole model.
+"""
+
+from lightning_mgpu.strategies.fsdp.plan import ShardingPlan, find_blocks, plan_sharding
+from lightning_mgpu.strategies.fsdp.state import ModelState, StateBytes, measure_model_state
+from lightning_mgpu.strategies.fsdp.strategy import MGPUFSDPStrategy
+
+__all__ = [
+    "MGPUFSDPStrategy",
+    "ModelState",
+    "ShardingPlan",
+    "StateBytes",
+    "find_blocks",
+    "measure_model_state",
+    "plan_sharding",
+]

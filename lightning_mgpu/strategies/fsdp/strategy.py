@@ -1,0 +1,325 @@
+"""``mgpu_fsdp``: each process holds 1/N of the model state (FSDP2), sharded without a ``configure_model``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch.distributed.fsdp import FSDPModule
+from typing_extensions import override
+
+from lightning_mgpu.devices import format_bytes
+from lightning_mgpu.strategies.ddp.services import ProcessGroupServices
+from lightning_mgpu.strategies.fsdp.plan import ShardingPlan, plan_sharding, validate_block_classes
+from lightning_mgpu.strategies.fsdp.sharding import (
+    ShardingOptions,
+    apply_plan,
+    broadcast_from_rank0,
+    is_sharded,
+    mixed_precision_policy,
+)
+from lightning_mgpu.strategies.fsdp.state import measure_model_state
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["MGPUFSDPStrategy"]
+
+log = logging.getLogger(__name__)
+
+_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
+"""What FSDP2 under Lightning's ``ModelParallelStrategy`` supports (fp16 AMP needs a sharded grad scaler)."""
+
+
+class _ShardingModelParallel(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` whose ``setup`` shards the model (``_shard_model``) itself.
+
+    Lightning's ``setup`` refuses a LightningModule without ``configure_model``; this one runs
+    the same steps, with Lightning's own helpers, after ``_shard_model``.
+    """
+
+    def _shard_model(self, trainer: pl.Trainer) -> None:
+        raise NotImplementedError
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self._shard_model(trainer)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+
+class MGPUFSDPStrategy(ProcessGroupServices, _ShardingModelParallel):
+    """Fully sharded data parallel training (torch's FSDP2): each process keeps 1/N of the model state.
+
+    Each process holds a shard of every parameter, of its gradient and of the optimizer
+    state, and gathers one block's parameters at a time for its forward and backward. Built
+    on Lightning's ``ModelParallelStrategy`` (its launcher, device mesh and sharded
+    checkpoints), with everything ``mgpu_ddp`` adds: the start-up summary (here with the
+    sharding plan and the bytes of model state per process), the user's ``shuffle`` kept,
+    the watchdog, the backend by device and the device checks before any process starts.
+
+    - **Automatic sharding**: a LightningModule without ``configure_model`` needs nothing:
+      each repeated block (the same-class entries of an ``nn.ModuleList`` / ``nn.Sequential``,
+      transformer blocks, ResNet blocks, user-defined stages; see
+      ``lightning_mgpu.strategies.fsdp.plan``) is sharded, then the root. ``block_classes``
+      names the blocks instead. A ``configure_model`` that calls ``fully_shard`` itself is
+      left as it is; one that only builds layers is sharded afterwards.
+    - **Mixed precision from the Trainer**: ``precision="bf16-mixed"`` gathers the parameters
+      in bfloat16 and reduces gradients in float32, the shards and the optimizer step staying
+      in float32; ``"bf16-true"`` / ``"16-true"`` keep the whole model in that dtype.
+
+    Args:
+        block_classes: The classes (or class names) of the blocks to shard one by one, e.g.
+            ``[Block]`` or ``["Block"]``; ``None`` uses the automatic policy.
+        reshard_after_forward: ``True`` frees each block's gathered parameters after its
+            forward (least memory); ``False`` keeps them until its backward (less
+            communication); an int reshards over that many processes (a divisor of the
+            process count, between 1 and it).
+        cpu_offload: Keep the parameter shards, gradients and optimizer state in CPU memory
+            and copy each block to the GPU when it runs (for GPUs only).
+        activation_checkpointing: Recompute each block's activations in the backward
+            instead of keeping them from the forward.
+        save_distributed_checkpoint: ``True`` saves a folder with one file per process
+            (``torch.distributed.checkpoint``); ``False`` gathers one full file on rank 0.
+        process_group_backend: ``"nccl"``, ``"gloo"``, ...; by default NCCL on CUDA, gloo on CPU.
+        timeout: Timeout of the process group's collectives.
+        stall_timeout: Seconds without progress on every rank after which the run stops
+            (see ``MGPUDDPStrategy``); ``None`` turns stall detection off.
+
+    Raises:
+        TypeError: If ``block_classes``, ``reshard_after_forward``, ``cpu_offload`` or
+            ``activation_checkpointing`` has the wrong type.
+        ValueError: Inside ``Trainer(...)``: ``cpu_offload`` on CPU devices, a
+            ``reshard_after_forward`` count that does not divide the processes, or a precision
+            FSDP2 cannot run. In ``setup``: a model without parameters, ``block_classes`` that
+            match nothing, sharding options beside a ``configure_model`` that shards itself.
+
+    Example::
+
+        # run as a script (python train.py): every process re-runs the script
+        import lightning as L
+        import torch
+        from torch import nn
+        from torch.utils.data import DataLoader, TensorDataset
+
+        import lightning_mgpu  # registers "mgpu_fsdp"
+
+        class Net(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.layers = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                return nn.functional.mse_loss(self.layers(x), y)
+            def configure_optimizers(self):
+                return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        loader = DataLoader(TensorDataset(torch.randn(64, 8), torch.randn(64, 1)), batch_size=16)
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy="mgpu_fsdp", max_epochs=1)
+        # on GPUs: strategy=MGPUFSDPStrategy(activation_checkpointing=True), precision="bf16-mixed"
+        trainer.fit(Net(), train_dataloaders=loader)
+    """
+
+    strategy_name = "mgpu_fsdp"
+
+    def __init__(
+        self,
+        block_classes: Any = None,
+        *,
+        reshard_after_forward: bool | int = True,
+        cpu_offload: bool = False,
+        activation_checkpointing: bool = False,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        stall_timeout: float | None = 300.0,
+    ) -> None:
+        self.block_classes = validate_block_classes(block_classes)
+        self.options = ShardingOptions(reshard_after_forward, cpu_offload, activation_checkpointing)
+        self._given = [
+            name
+            for name, value, default in (
+                ("block_classes", block_classes, None),
+                ("reshard_after_forward", reshard_after_forward, True),
+                ("cpu_offload", cpu_offload, False),
+                ("activation_checkpointing", activation_checkpointing, False),
+            )
+            if value is not default
+        ]
+        super().__init__(
+            stall_timeout=stall_timeout,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.plan: ShardingPlan | None = None
+        """The plan applied by the last ``setup``; ``None`` before, and when ``configure_model`` shards."""
+
+    # ------------------------------------------------------------ checks
+    @override
+    def _configure_launcher(self) -> None:
+        # runs inside Trainer(...), before any process starts
+        self._check_choices()
+        super()._configure_launcher()
+
+    def _check_choices(self) -> None:
+        devices = self.parallel_devices or []
+        if self.options.cpu_offload and devices and all(d.type == "cpu" for d in devices):
+            raise ValueError(
+                f"{self.strategy_name}: cpu_offload=True keeps the model state in CPU memory while GPUs"
+                " compute, but this run computes on CPU: its model state is in CPU memory already. Remove"
+                " cpu_offload=True, or train on GPUs (accelerator='gpu')."
+            )
+        world = self.num_nodes * self.num_processes
+        reshard = self.options.reshard_after_forward
+        if not isinstance(reshard, bool) and (reshard >= world or world % reshard):
+            raise ValueError(
+                f"{self.strategy_name}: reshard_after_forward={reshard} must divide the {world} processes and"
+                f" be smaller than {world}; use True, False, or one of"
+                f" {[n for n in range(2, world) if world % n == 0] or 'none at this size'}"
+            )
+        precision = getattr(self.precision_plugin, "precision", "32-true")
+        if precision not in _PRECISIONS:
+            raise ValueError(
+                f"{self.strategy_name} does not support precision={precision!r}:"
+                f" choose one of {', '.join(_PRECISIONS)}"
+            )
+
+    @override
+    def setup_environment(self) -> None:
+        # one data-parallel dimension over every process: FSDP alone, no tensor parallelism
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    # ----------------------------------------------------------- sharding
+    @override
+    def _shard_model(self, trainer: pl.Trainer) -> None:
+        module = self.lightning_module
+        assert module is not None
+        if is_sharded(module):
+            if self._given:
+                raise ValueError(
+                    f"{self.strategy_name}: {type(module).__name__}.configure_model calls fully_shard itself,"
+                    f" so {', '.join(self._given)} (for the automatic sharding) cannot apply. Pass these"
+                    f" options to your own fully_shard calls, or remove them from {type(self).__name__}(...)."
+                )
+            self.plan = None
+            log.info("%s: the model's configure_model sharded it; its sharding is kept", self.strategy_name)
+            return
+        plan = plan_sharding(module, self.block_classes)
+        if self.options.activation_checkpointing and not plan.blocks:
+            raise ValueError(
+                f"{self.strategy_name}: activation_checkpointing=True checkpoints the model's blocks, but no"
+                f" repeated block was found in {type(module).__name__}. Name the block classes with"
+                " block_classes=[...], or remove activation_checkpointing=True."
+            )
+        precision = getattr(self.precision_plugin, "precision", "32-true")
+        if precision.endswith("-true"):
+            # the shards take the model's dtype: convert first (Lightning's convert_module is then a no-op)
+            self.precision_plugin.convert_module(module)  # in place: nn.Module.to
+        broadcast_from_rank0(module, self.root_device)
+        mesh = self.device_mesh["data_parallel"]
+        pin = self.root_device.type == "cuda"
+        apply_plan(module, plan, mesh, self.options, mixed_precision_policy(precision), pin_memory=pin)
+        self.plan = plan
+        log.info(
+            "%s: %s by the %s", self.strategy_name, plan.describe(limit=len(plan.blocks)), plan.chosen_by
+        )
+
+    @override
+    def model_to_device(self) -> None:
+        if self.options.cpu_offload and self.plan is not None:
+            return  # fully_shard put the buffers on the device and keeps the parameter shards in CPU memory
+        super().model_to_device()
+
+    # ------------------------------------------------------------- steps
+    def _step(
+        self, name: str, context: Callable[[], AbstractContextManager], *args: Any, **kwargs: Any
+    ) -> Any:
+        """Run the LightningModule's ``name`` step through its ``__call__`` when the module itself is sharded.
+
+        FSDP2 gathers a unit's parameters in hooks around its ``forward``, and Lightning calls
+        ``training_step`` directly, so the root unit (the LightningModule: embeddings, heads,
+        whatever no block holds) would never be gathered. Lightning's forward redirection
+        calls the step from inside the module's ``forward``, where the hooks run.
+        """
+        module = self.lightning_module
+        if not isinstance(module, FSDPModule) or self.model is not module:
+            return getattr(super(), name)(*args, **kwargs)
+        with context():
+            return self._forward_redirection(module, module, name, *args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._step("training_step", self.precision_plugin.train_step_context, *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
+
+    # ------------------------------------------------------------ summary
+    @override
+    def _summary_extra_lines(self) -> list[str]:
+        if self.model is None:
+            return []
+        if self.plan is None:
+            how = "sharding: by the model's own configure_model"
+        else:
+            options = [f"reshard_after_forward={self.options.reshard_after_forward}"]
+            options += [
+                name for name in ("cpu_offload", "activation_checkpointing") if getattr(self.options, name)
+            ]
+            policy = mixed_precision_policy(getattr(self.precision_plugin, "precision", "32-true"))
+            if policy is not None:
+                options.append(
+                    f"parameters gathered in {policy.param_dtype}, gradients reduced in {policy.reduce_dtype}"
+                )
+            chosen = f"{self.plan.describe()}, blocks chosen by the {self.plan.chosen_by}"
+            how = f"sharding: {chosen}; {', '.join(options)}"
+        state = measure_model_state(self.model, self.optimizers)
+        share = state.local.parameters / state.whole.parameters if state.whole.parameters else 1.0
+        return [
+            how,
+            f"model state per process: parameters {format_bytes(state.local.parameters)} of"
+            f" {format_bytes(state.whole.parameters)} ({share:.0%}) on rank {self.global_rank}; gradients and"
+            " optimizer state are sharded alike",
+        ]
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="FSDP2: each process holds 1/N of the model state; blocks sharded automatically",
+            override=True,
+        )

@@ -1,0 +1,182 @@
+"""``mgpu_fsdp`` on real gloo processes: the same weights as one process, and 1/N of the state per rank.
+
+One launch of two processes runs every fit of ``FIT_SCRIPT`` (Lightning's launcher starts
+the second rank once and later Trainers reuse the process group), so this file pays for one
+process start-up. Each rank builds its model from its own seed: the strategy must start
+both from rank 0's weights, as DDP does.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import run_script
+
+FIT_SCRIPT = """
+import json, os, torch, lightning as L
+from dataclasses import asdict
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning_mgpu import MGPUFSDPStrategy
+from lightning_mgpu.strategies.fsdp import measure_model_state
+
+RANK = int(os.environ.get("LOCAL_RANK", 0))
+
+class Regression(L.LightningModule):
+    def __init__(self, optimizer):
+        super().__init__()
+        self.optimizer = optimizer
+        self.net = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 33), nn.Tanh())
+        self.head = nn.Linear(33, 2)  # held by the root unit, gathered around the step
+        self.forward_dtypes = set()
+        self.net[2].register_forward_hook(lambda m, i, o: self.forward_dtypes.add(str(m.weight.dtype)))
+
+    def forward(self, x):
+        return self.head(self.net(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x).float(), y)
+
+    def configure_optimizers(self):
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+
+class Measure(Callback):
+    # what this rank holds at the second optimizer step, when AdamW's state exists
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == 1:
+            state = measure_model_state(pl_module, [optimizer])
+            rows = sum(p.numel() // p.shape[0] * p.element_size() for p in pl_module.parameters())
+            with open(f"state_rank{RANK}.json", "w") as f:
+                json.dump({**asdict(state), "rows": rows}, f)
+
+def fit(name, optimizer, precision="32-true", epochs=2, callbacks=(), ckpt_path=None, **strategy):
+    torch.manual_seed(RANK)  # a different init on each rank
+    model = Regression(optimizer)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=MGPUFSDPStrategy(**strategy), max_epochs=epochs,
+        precision=precision, logger=False, enable_checkpointing=bool(callbacks), callbacks=list(callbacks),
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False), ckpt_path=ckpt_path)
+    sharded = {k: (type(v).__name__, str(v.dtype)) for k, v in model.state_dict().items()}
+    final = {k: v.full_tensor() for k, v in model.state_dict().items()}  # a collective: every rank
+    if RANK == 0:
+        torch.save({"initial": initial, "final": final, "sharded": sharded,
+                    "forward_dtypes": sorted(model.forward_dtypes)}, f"{name}.pt")
+
+torch.manual_seed(1234)
+x, y = torch.randn(64, 6), torch.randn(64, 2)
+if RANK == 0:
+    torch.save({"x": x, "y": y}, "data.pt")
+fit("sgd", "sgd")
+fit("adamw", "adamw", callbacks=[Measure()])
+fit("bf16", "sgd", precision="bf16-mixed")
+# resume: one epoch saved as a sharded folder, then a second epoch from it
+fit("first_epoch", "adamw", epochs=1, callbacks=[ModelCheckpoint(dirpath="ckpt", save_last=True)])
+fit("resumed", "adamw", ckpt_path="ckpt/last.ckpt", reshard_after_forward=False)
+"""
+
+
+class Reference(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 33), nn.Tanh())
+        self.head = nn.Linear(33, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.net(x))
+
+
+def reference(data: dict, initial: dict, optimizer: str, epochs: int = 2) -> dict[str, torch.Tensor]:
+    """One process, plain torch, batches of 8 = the two ranks' batches of 4 together."""
+    model = Reference()
+    model.load_state_dict(initial)
+    if optimizer == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    for _ in range(epochs):
+        for start in range(0, 64, 8):
+            loss = nn.functional.mse_loss(model(data["x"][start : start + 8]), data["y"][start : start + 8])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory: pytest.TempPathFactory):
+    tmp_path = tmp_path_factory.mktemp("fsdp")
+    result = run_script(FIT_SCRIPT, tmp_path, timeout=400)
+    assert result.returncode == 0, result.output
+    return tmp_path, result
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_two_processes_end_with_the_weights_of_one(fsdp_run, optimizer: str) -> None:
+    tmp_path, _ = fsdp_run
+    run = torch.load(tmp_path / f"{optimizer}.pt")
+    expected = reference(torch.load(tmp_path / "data.pt"), run["initial"], optimizer)
+    assert run["final"].keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(run["final"][name], value, atol=1e-5, rtol=0)
+    assert not torch.equal(run["final"]["net.0.weight"], run["initial"]["net.0.weight"])
+    # every parameter was a sharded DTensor, kept in float32
+    assert set(run["sharded"].values()) == {("DTensor", "torch.float32")}
+
+
+def test_each_rank_holds_half_of_the_model_state(fsdp_run) -> None:
+    tmp_path, _ = fsdp_run
+    ranks = [json.loads((tmp_path / f"state_rank{r}.json").read_text()) for r in (0, 1)]
+    whole = ranks[0]["whole"]
+    assert whole == ranks[1]["whole"]
+    assert whole["parameters"] == whole["gradients"] == 1381 * 4
+    for rank in ranks:
+        local, rows = rank["local"], rank["rows"]  # rows: one row of each parameter, the most padding adds
+        assert local["parameters"] <= whole["parameters"] / 2 + rows
+        assert local["gradients"] <= whole["gradients"] / 2 + rows
+        # AdamW: two moments per parameter, sharded, plus a one-number step per parameter on each rank
+        assert local["optimizer"] <= whole["optimizer"] / 2 + 2 * rows + 6 * 4
+        assert sum(local.values()) <= 0.55 * sum(whole.values())
+    for kind in ("parameters", "gradients"):  # the shards add up to the whole, nothing held twice
+        assert ranks[0]["local"][kind] + ranks[1]["local"][kind] == whole[kind]
+
+
+def test_bf16_mixed_computes_in_bf16_and_keeps_float32_shards(fsdp_run) -> None:
+    tmp_path, _ = fsdp_run
+    run = torch.load(tmp_path / "bf16.pt")
+    assert run["forward_dtypes"] == ["torch.bfloat16"]
+    assert set(run["sharded"].values()) == {("DTensor", "torch.float32")}
+    expected = reference(torch.load(tmp_path / "data.pt"), run["initial"], "sgd")
+    for name, value in expected.items():
+        torch.testing.assert_close(run["final"][name], value, atol=1e-2, rtol=0)
+    assert not torch.equal(run["final"]["net.0.weight"], run["initial"]["net.0.weight"])
+
+
+def test_a_sharded_checkpoint_resumes_to_the_same_weights(fsdp_run) -> None:
+    tmp_path, _ = fsdp_run
+    assert (tmp_path / "ckpt" / "last.ckpt" / ".metadata").is_file()  # a torch.distributed.checkpoint folder
+    straight = torch.load(tmp_path / "adamw.pt")["final"]
+    resumed = torch.load(tmp_path / "resumed.pt")["final"]
+    for name, value in straight.items():
+        torch.testing.assert_close(resumed[name], value, atol=1e-6, rtol=0)
+
+
+def test_the_summary_shows_the_plan_and_each_rank_share(fsdp_run) -> None:
+    _, result = fsdp_run
+    assert result.output.count("mgpu_fsdp: 1 node(s) x 2 process(es) per node = 2 process(es)") == 5
+    plan = "sharding: 3 unit(s): net.0, net.2 and the root, blocks chosen by the automatic policy"
+    assert f"{plan}; reshard_after_forward=True\n" in result.output
+    assert f"{plan}; reshard_after_forward=False\n" in result.output  # the resumed run's option
+    bf16 = "parameters gathered in torch.bfloat16, gradients reduced in torch.float32"
+    assert f"{plan}; reshard_after_forward=True, {bf16}\n" in result.output
+    assert "model state per process: parameters 2.76 KiB of 5.39 KiB (51%) on rank 0" in result.output
