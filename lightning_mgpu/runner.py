@@ -16,37 +16,41 @@ it starts through ``LIGHTNING_MGPU_RUN_DIR``, and only rank 0 writes the config 
 
 from __future__ import annotations
 
-import csv
+import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import lightning as L
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import OmegaConf
-from typing_extensions import override
 
+from lightning_mgpu.callbacks.predictions import PredictionCSV
 from lightning_mgpu.config.instantiate import build_callbacks, build_data, build_module, build_trainer
 from lightning_mgpu.config.schema import RunConfig
 
 RUN_DIR_ENV = "LIGHTNING_MGPU_RUN_DIR"
 
+log = logging.getLogger(__name__)
+
 
 def resolve_run_dir(cfg: RunConfig) -> Path:
     """The config's ``run_dir``, the launching process's (in a process Lightning started), or a new one."""
     if cfg.run_dir:
+        log.debug("run folder %s: the config's run_dir", cfg.run_dir)
         return Path(cfg.run_dir).expanduser()
     if os.environ.get(RUN_DIR_ENV):
+        log.debug("run folder %s: the launching process's (%s)", os.environ[RUN_DIR_ENV], RUN_DIR_ENV)
         return Path(os.environ[RUN_DIR_ENV])
     base = Path("runs") / f"{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
     path, n = base, 1
     while path.exists():
         n += 1
         path = base.with_name(f"{base.name}-{n}")
+    log.debug("run folder %s: a new one, as run_dir is unset", path)
     return path
 
 
@@ -69,39 +73,6 @@ def check_run_dir_unused(cfg: RunConfig, run_dir: Path) -> None:
     if weights is None or not weights.is_relative_to(run_dir.resolve()):
         fix += f", or delete {run_dir} first"
     raise ValueError(f"run_dir {run_dir} already holds files ({shown}) that this run's would mix with; {fix}")
-
-
-class PredictionCSV(BasePredictionWriter):
-    """Writes ``predictions.csv`` (index, name, pred, prob): every rank's predictions, merged on rank 0."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(write_interval="epoch")
-        self.path = path
-
-    @override
-    def write_on_epoch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, predictions: Any, batch_indices: Any
-    ) -> None:
-        rows: dict[int, tuple[int, float]] = {}
-        indices = batch_indices[0] if batch_indices and isinstance(batch_indices[0], list) else batch_indices
-        offset = 0
-        for batch_idx, out in enumerate(predictions):
-            ids = indices[batch_idx] if indices else list(range(offset, offset + len(out["pred"])))
-            offset += len(out["pred"])
-            for i, pred, prob in zip(ids, out["pred"].tolist(), out["prob"].tolist(), strict=True):
-                rows[int(i)] = (int(pred), float(prob))
-        if trainer.world_size > 1 and torch.distributed.is_initialized():
-            gathered: list[Any] = [None] * trainer.world_size
-            torch.distributed.all_gather_object(gathered, rows)
-            rows = {k: v for part in gathered for k, v in part.items()}  # padded repeats collapse by index
-        if not trainer.is_global_zero:
-            return
-        names = getattr(getattr(trainer, "datamodule", None), "predict_names", [])
-        with self.path.open("w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["index", "name", "pred", "prob"])
-            for i in sorted(rows):
-                writer.writerow([i, names[i] if i < len(names) else "", rows[i][0], f"{rows[i][1]:.6f}"])
 
 
 def run_job(cfg: RunConfig) -> int:

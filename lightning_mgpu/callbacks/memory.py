@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
+import logging
 import math
 import os
 import re
@@ -15,15 +15,29 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.memory import is_oom_error
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils._pytree import tree_flatten
 from typing_extensions import override
 
+from lightning_mgpu._atomic import atomic_write
 from lightning_mgpu.callbacks import memory_report as report
+from lightning_mgpu.callbacks._distributed import all_gather_objects
+from lightning_mgpu.callbacks.memory_readings import (
+    PlannedReading,
+    device_label,
+    plan_readings,
+    replica_devices,
+    strategy_kind,
+    take_readings,
+)
 from lightning_mgpu.callbacks.memory_report import Facts, OOMContext, Reading, Summary
-from lightning_mgpu.devices import allocator_memory, cuda_devices, nvml_memory, process_memory
+from lightning_mgpu.devices import cuda_devices
+from lightning_mgpu.estimate.batch import batch_rows
 
 __all__ = ["DeviceMemoryMonitor"]
+
+log = logging.getLogger(__name__)
 
 
 class DeviceMemoryMonitor(Callback):
@@ -112,7 +126,7 @@ class DeviceMemoryMonitor(Callback):
         self._every = 1
         self._batches = 0
         self._layouts: list[list[tuple[str, str, int, str]]] | None = None  # per rank
-        self._device_plan: list[tuple[str, str, torch.device, str, int]] | None = None
+        self._device_plan: list[PlannedReading] | None = None
         self._pending: tuple[Any, list[torch.Tensor], list[int]] | None = None
         self._buffer: list[tuple[int, list[Reading]]] = []  # (step, readings) not handed over yet
         self._flushed_at = 0
@@ -133,7 +147,7 @@ class DeviceMemoryMonitor(Callback):
                 " the end-of-fit table, the summary JSON and the OOM guidance still work."
             )
         strategy = trainer.strategy
-        if self._replicas(trainer) and strategy.root_device.type == "cpu":
+        if replica_devices(trainer) and strategy.root_device.type == "cpu":
             # CPU replicas share one RSS; the strategy then counts what each saved for backward
             strategy.track_replica_memory = True  # type: ignore[attr-defined]
 
@@ -145,7 +159,7 @@ class DeviceMemoryMonitor(Callback):
         self._buffer = []
         self._flushed_at = 0
         local = self._read(trainer, reset_peak=False)
-        everyone = _all_gather_objects(trainer, [(r.layout(), r.vector()) for r in local])
+        everyone = all_gather_objects(trainer, [(r.layout(), r.vector()) for r in local])
         self._layouts = [[layout for layout, _ in rank] for rank in everyone]
         # what the OOM guidance shows of the other ranks until the first gather
         self.latest = [report.from_vector(layout, vec) for rank in everyone for layout, vec in rank]
@@ -157,7 +171,7 @@ class DeviceMemoryMonitor(Callback):
     ) -> None:
         # a gather started at the end of the last step ran while this batch was fetched
         self._finish_gather(trainer)
-        self._rows = _rows(batch)
+        self._rows = batch_rows(batch)
         self._step_at_start = trainer.global_step
 
     @override
@@ -189,8 +203,7 @@ class DeviceMemoryMonitor(Callback):
         if self.print_summary:
             print(report.table(rows, title="Device memory over the fit (peaks):"), flush=True)
         if self.summary_file is not None:
-            path = os.path.join(log_dir, self.summary_file)
-            _write_json(path, self.summary.as_json())
+            _write_json(os.path.join(log_dir, self.summary_file), self.summary.as_json())
 
     # ------------------------------------------------------------------ OOM
     @override
@@ -200,6 +213,7 @@ class DeviceMemoryMonitor(Callback):
             with contextlib.suppress(Exception):
                 self._flush(trainer)
         if not _is_oom(exception):
+            log.debug("not an out-of-memory error, no guidance: %s", type(exception).__name__)
             return
         try:  # the original error must surface whatever happens here
             message = self._oom_message(trainer, exception)
@@ -216,8 +230,8 @@ class DeviceMemoryMonitor(Callback):
         failed = local[0].device if local else str(root)
         match = re.search(r"GPU (\d+)", str(exception))
         if isinstance(exception, torch.cuda.OutOfMemoryError) and match:
-            failed = _device_label(trainer, torch.device("cuda", int(match.group(1))))
-        replicas = self._replicas(trainer)
+            failed = device_label(trainer, torch.device("cuda", int(match.group(1))))
+        replicas = replica_devices(trainer)
         if root.type == "cuda":
             available = torch.cuda.device_count() * trainer.num_nodes
         else:
@@ -226,7 +240,7 @@ class DeviceMemoryMonitor(Callback):
             failed_device=failed,
             rank=trainer.global_rank,
             step=trainer.global_step,
-            strategy=self._strategy_kind(trainer),
+            strategy=strategy_kind(trainer),
             devices_used=len(replicas) if replicas else trainer.world_size,
             devices_available=available,
             accelerator=root.type,
@@ -238,21 +252,8 @@ class DeviceMemoryMonitor(Callback):
         return report.oom_guidance(exception, ctx, readings)
 
     # ------------------------------------------------------------------ reading
-    @staticmethod
-    def _replicas(trainer: Trainer) -> list[torch.device]:
-        """The devices of a single-process data-parallel strategy (``mgpu_dp``); empty for any other."""
-        try:
-            return list(getattr(trainer.strategy, "replica_devices", None) or [])
-        except RuntimeError:  # a strategy without devices yet
-            return []
-
-    def _strategy_kind(self, trainer: Trainer) -> str:
-        if self._replicas(trainer):
-            return "mgpu_dp"
-        return "ddp" if trainer.world_size > 1 else "single"
-
     def _per_device_batch(self, trainer: Trainer) -> int | None:
-        replicas = self._replicas(trainer)
+        replicas = replica_devices(trainer)
         if not replicas:
             return self._rows
         chunks = list(getattr(trainer.strategy, "last_chunk_sizes", None) or [])
@@ -260,49 +261,10 @@ class DeviceMemoryMonitor(Callback):
             return int(max(chunks))
         return math.ceil(self._rows / len(replicas)) if self._rows else None
 
-    def _plan(self, trainer: Trainer) -> list[tuple[str, str, torch.device, str, int]]:
-        """What to read each time: (label, kind, device, name, replica index or -1), fixed for the fit."""
-        if self._device_plan is None:
-            replicas = self._replicas(trainer)
-            devices = replicas or [trainer.strategy.root_device]
-            plan = []
-            if any(d.type == "cpu" for d in devices):
-                index = -1 if replicas else 0  # under mgpu_dp the process is shared by every replica
-                plan.append(
-                    (f"cpu:rank{trainer.global_rank}", "cpu", torch.device("cpu"), "CPU process", index)
-                )
-            for i, device in enumerate(devices):
-                if device.type == "cuda":
-                    name = torch.cuda.get_device_name(device)
-                    plan.append((_device_label(trainer, device), "cuda", device, name, i))
-                elif replicas and device.type == "cpu":
-                    plan.append((f"cpu:replica{i}", "replica", device, "CPU replica", i))
-            self._device_plan = plan
-        return self._device_plan
-
     def _read(self, trainer: Trainer, reset_peak: bool) -> list[Reading]:
-        strategy = trainer.strategy
-        chunks = getattr(strategy, "last_chunk_sizes", None) or []
-        readings = []
-        for label, kind, device, name, index in self._plan(trainer):
-            if index < 0:
-                rows = math.nan
-            elif chunks:  # replicas beyond the chunks got no rows (a batch smaller than the device count)
-                rows = float(chunks[index]) if index < len(chunks) else 0.0
-            else:
-                rows = float(self._rows) if self._rows is not None else math.nan
-            if kind == "cpu":
-                values = {k: float(v) for k, v in process_memory().items()}
-            elif kind == "cuda":
-                values = {k: float(v) for k, v in allocator_memory(device, reset_peak=reset_peak).items()}
-                nvml = nvml_memory(device)
-                values["nvml_used"] = float(nvml[0]) if nvml else math.nan
-                values["total"] = float(nvml[1]) if nvml else float(_total_memory(device))
-            else:
-                saved = getattr(strategy, "replica_saved_bytes", None) or []
-                values = {"saved": float(saved[index]) if index < len(saved) else math.nan}
-            readings.append(Reading(label, kind, trainer.global_rank, name, values, rows))
-        return readings
+        if self._device_plan is None:
+            self._device_plan = plan_readings(trainer)
+        return take_readings(trainer, self._device_plan, self._rows, reset_peak)
 
     def _collect_and_log(self, trainer: Trainer, last: bool = False) -> None:
         """Read this process's devices and keep the reading; hand the kept ones over when due.
@@ -366,6 +328,12 @@ class DeviceMemoryMonitor(Callback):
         self.latest = readings
         self.summary.update(readings, ratio)
         if ratio > self.imbalance_threshold and not self._warned and fullest is not None:
+            log.debug(
+                "%s holds %.2fx the mean (threshold %.2f): warning once",
+                fullest.device,
+                ratio,
+                self.imbalance_threshold,
+            )
             self._warned = True
             facts = self._facts(trainer, readings)  # collective: every rank reaches it with the same data
             message = report.imbalance_warning(
@@ -386,15 +354,15 @@ class DeviceMemoryMonitor(Callback):
             for state in opt.state.values():
                 for t in tree_flatten(state)[0]:
                     if isinstance(t, torch.Tensor) and t.dim() > 0 and t.device != root:
-                        label = _device_label(trainer, t.device)
+                        label = device_label(trainer, t.device)
                         mine["state"][label] = mine["state"].get(label, 0) + t.numel() * t.element_size()
         if root.type == "cuda" and torch.cuda.is_initialized():
             for i in range(torch.cuda.device_count()):
                 held = torch.cuda.memory_allocated(i)
                 if i != root.index and held > 0:
-                    mine["allocated"][_device_label(trainer, torch.device("cuda", i))] = held
-        everyone = _all_gather_objects(trainer, mine)
-        facts = Facts(strategy=self._strategy_kind(trainer), root_device=_device_label(trainer, root))
+                    mine["allocated"][device_label(trainer, torch.device("cuda", i))] = held
+        everyone = all_gather_objects(trainer, mine)
+        facts = Facts(strategy=strategy_kind(trainer), root_device=device_label(trainer, root))
         facts.chunk_sizes = [int(c) for c in getattr(strategy, "last_chunk_sizes", None) or []]
         facts.rows_per_rank = {r.rank: r.rows for r in readings if r.kind != "replica"}
         facts.optimizer_state_elsewhere = {m["rank"]: m["state"] for m in everyone if m["state"]}
@@ -404,33 +372,13 @@ class DeviceMemoryMonitor(Callback):
             for info in cuda_devices():
                 ranks = [rank_of[p.pid] for p in info.processes if p.pid in rank_of]
                 if ranks:
-                    facts.contexts[_device_label(trainer, torch.device("cuda", info.index))] = ranks
+                    facts.contexts[device_label(trainer, torch.device("cuda", info.index))] = ranks
         return facts
 
 
-def _rows(batch: Any) -> int | None:
-    """Rows of the batch's first tensor with a batch dimension; ``None`` when it has none."""
-    first = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
-    if isinstance(first, torch.Tensor) and first.dim() > 0:  # the usual (x, y): skip the tree walk
-        return int(first.shape[0])
-    sizes = [t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
-    return int(sizes[0]) if sizes else None
-
-
 def _is_oom(exception: BaseException) -> bool:
-    if isinstance(exception, (MemoryError, torch.cuda.OutOfMemoryError)):
-        return True
-    return isinstance(exception, RuntimeError) and "out of memory" in str(exception).lower()
-
-
-def _device_label(trainer: Trainer, device: torch.device) -> str:
-    label = f"{device.type}:{device.index or 0}"
-    return f"node{trainer.node_rank}:{label}" if trainer.num_nodes > 1 else label
-
-
-@functools.lru_cache(maxsize=64)
-def _total_memory(device: torch.device) -> int:
-    return int(torch.cuda.get_device_properties(device).total_memory)
+    """Out of memory as torch and Lightning tell it (CUDA, cuDNN, the CPU allocator), or a ``MemoryError``."""
+    return isinstance(exception, (MemoryError, torch.OutOfMemoryError)) or is_oom_error(exception)
 
 
 def _accumulating(trainer: Trainer, pl_module: LightningModule) -> bool:
@@ -438,18 +386,7 @@ def _accumulating(trainer: Trainer, pl_module: LightningModule) -> bool:
     return pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1
 
 
-def _all_gather_objects(trainer: Trainer, obj: Any) -> list[Any]:
-    if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _write_json(path: str, data: dict[str, Any]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    with atomic_write(path) as file:
+        file.write((json.dumps(data, indent=2) + "\n").encode())

@@ -462,3 +462,48 @@ def test_cuda_keys_table_and_oom(tmp_path: Path, capsys: pytest.CaptureFixture) 
         assert float(rows[0][f"memory/cuda:0/{key}_MiB"]) >= 0
     assert float(rows[0]["memory/cuda:0/peak_allocated_MiB"]) > 0
     assert float(rows[0]["memory/cuda:0/total_MiB"]) > 1000
+
+
+def test_cpu_allocator_failure_gets_the_guidance(tmp_path: Path) -> None:
+    """torch's CPU allocator says "can't allocate memory", not "out of memory": it is still an OOM."""
+    code = """
+import resource, sys
+import lightning as L, torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from lightning_mgpu import DeviceMemoryMonitor
+
+class Greedy(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:
+            # the address space this process has, plus 1 GiB: the allocator then fails for real
+            status = open("/proc/self/status").read()
+            size = int(status.split("VmSize:")[1].split()[0]) * 1024
+            hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+            resource.setrlimit(resource.RLIMIT_AS, (size + (1 << 30), hard))
+            torch.empty(1 << 36, dtype=torch.uint8)  # 64 GiB
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+trainer = L.Trainer(
+    accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+    callbacks=[DeviceMemoryMonitor(every_n_steps=1)], enable_progress_bar=False, enable_model_summary=False,
+)
+trainer.fit(Greedy(), DataLoader(TensorDataset(torch.randn(32, 8), torch.randn(32, 1)), batch_size=4))
+"""
+    result = run_script(code, tmp_path, timeout=120)
+    assert result.returncode != 0
+    err = result.output
+    assert "DefaultCPUAllocator: can't allocate memory" in err  # the original error, re-raised
+    assert "Out of memory on cpu:rank0 (rank 0) at step 2: RuntimeError: [enforce fail" in err
+    assert (
+        "4 rows per device now; the largest that finished a step so far is 4; try 2 rows per device." in err
+    )
+    assert "| cpu:rank0 | CPU process |" in err

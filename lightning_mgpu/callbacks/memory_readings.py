@@ -1,0 +1,126 @@
+"""What ``DeviceMemoryMonitor`` reads in one process, and how: the plan fixed for a fit, then readings.
+
+- ``plan_readings`` decides once per fit which devices this process reads: its CUDA device (or,
+  under ``mgpu_dp``, every replica's), its CPU process, and under ``mgpu_dp`` on CPU each replica's
+  bytes saved for backward (the replicas are threads of one process and share its RSS);
+- ``take_readings`` reads them, as plain ``Reading`` records (``memory_report.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from lightning.pytorch import Trainer
+
+from lightning_mgpu.callbacks.memory_report import Reading
+from lightning_mgpu.devices import allocator_memory, nvml_memory, process_memory
+
+__all__ = [
+    "PlannedReading",
+    "device_label",
+    "plan_readings",
+    "replica_devices",
+    "strategy_kind",
+    "take_readings",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlannedReading:
+    """One device this process reads at every log of a fit."""
+
+    label: str
+    """The device's name in metrics, e.g. ``cuda:0``, ``cpu:rank1``, ``cpu:replica0``."""
+    kind: str
+    """``"cuda"``, ``"cpu"`` (a process) or ``"replica"`` (a CPU ``mgpu_dp`` replica)."""
+    device: torch.device
+    name: str
+    """What the table shows: the GPU's name, ``CPU process`` or ``CPU replica``."""
+    index: int | None
+    """Which of this process's devices it is (its rows are that device's batch); ``None`` for the
+    process that ``mgpu_dp``'s replicas share."""
+
+
+def replica_devices(trainer: Trainer) -> list[torch.device]:
+    """The devices of a single-process data-parallel strategy (``mgpu_dp``); empty for any other."""
+    try:
+        return list(getattr(trainer.strategy, "replica_devices", None) or [])
+    except RuntimeError:  # a strategy without devices yet
+        return []
+
+
+def strategy_kind(trainer: Trainer) -> str:
+    """``"mgpu_dp"`` (replicas in one process), ``"ddp"`` (several processes) or ``"single"``."""
+    if replica_devices(trainer):
+        return "mgpu_dp"
+    return "ddp" if trainer.world_size > 1 else "single"
+
+
+def device_label(trainer: Trainer, device: torch.device) -> str:
+    """``cuda:1``; ``node<n>:cuda:1`` when the run spans several machines."""
+    label = f"{device.type}:{device.index or 0}"
+    return f"node{trainer.node_rank}:{label}" if trainer.num_nodes > 1 else label
+
+
+def plan_readings(trainer: Trainer) -> list[PlannedReading]:
+    """What this process reads at each log, fixed for the fit."""
+    replicas = replica_devices(trainer)
+    devices = replicas or [trainer.strategy.root_device]
+    plan = []
+    if any(d.type == "cpu" for d in devices):
+        # under mgpu_dp the process is shared by every replica; otherwise it is rank's one device
+        label = f"cpu:rank{trainer.global_rank}"
+        plan.append(PlannedReading(label, "cpu", torch.device("cpu"), "CPU process", None if replicas else 0))
+    for i, device in enumerate(devices):
+        if device.type == "cuda":
+            name = torch.cuda.get_device_name(device)
+            plan.append(PlannedReading(device_label(trainer, device), "cuda", device, name, i))
+        elif replicas and device.type == "cpu":
+            plan.append(PlannedReading(f"cpu:replica{i}", "replica", device, "CPU replica", i))
+    log.debug(
+        "rank %d reads %s (%s)",
+        trainer.global_rank,
+        ", ".join(p.label for p in plan),
+        "mgpu_dp replicas in this process" if replicas else "this process's device",
+    )
+    return plan
+
+
+def take_readings(
+    trainer: Trainer, plan: list[PlannedReading], rows: int | None, reset_peak: bool
+) -> list[Reading]:
+    """Read every planned device now; ``rows`` is the batch this process got in the last step."""
+    strategy = trainer.strategy
+    chunks = getattr(strategy, "last_chunk_sizes", None) or []
+    readings = []
+    for item in plan:
+        if item.index is None:
+            batch_rows = math.nan
+        elif chunks:  # replicas beyond the chunks got no rows (a batch smaller than the device count)
+            batch_rows = float(chunks[item.index]) if item.index < len(chunks) else 0.0
+        else:
+            batch_rows = float(rows) if rows is not None else math.nan
+        if item.kind == "cpu":
+            values = {k: float(v) for k, v in process_memory().items()}
+        elif item.kind == "cuda":
+            values = {k: float(v) for k, v in allocator_memory(item.device, reset_peak=reset_peak).items()}
+            nvml = nvml_memory(item.device)
+            values["nvml_used"] = float(nvml[0]) if nvml else math.nan
+            values["total"] = float(nvml[1]) if nvml else float(_total_memory(item.device))
+        else:
+            saved = getattr(strategy, "replica_saved_bytes", None) or []
+            index = item.index or 0
+            values = {"saved": float(saved[index]) if index < len(saved) else math.nan}
+        readings.append(Reading(item.label, item.kind, trainer.global_rank, item.name, values, batch_rows))
+    return readings
+
+
+@functools.lru_cache(maxsize=64)
+def _total_memory(device: torch.device) -> int:
+    return int(torch.cuda.get_device_properties(device).total_memory)
