@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mgpu.estimate.batch import resized, tensors
 from lightning_mgpu.estimate.live_bytes import LiveBytes
 from lightning_mgpu.estimate.training import (
     Line,
@@ -20,9 +21,7 @@ from lightning_mgpu.estimate.training import (
     _copies,
     _forward,
     _quiet_lightning,
-    _resized,
     _sizes,
-    _tensors,
     _unique_bytes,
 )
 
@@ -38,8 +37,8 @@ def _inference(call: Callable[[Any], Any], batch: Any, tracker: LiveBytes) -> di
         out = call(batch)
     return {
         "forward": forward["peak"],
-        "outputs": _unique_bytes(_tensors(out), min_dim=1),
-        "batch": _unique_bytes(_tensors(batch)),
+        "outputs": _unique_bytes(tensors(out), min_dim=1),
+        "batch": _unique_bytes(tensors(batch)),
     }
 
 
@@ -62,13 +61,13 @@ def measure_inference(
     b1, b2 = _sizes(sample_batch)
     copies, batch1 = _copies(module, sample_batch, step, device, param_dtype, autocast_dtype)
     tracker = LiveBytes(device)
-    tracker.track_all(copies.static + _tensors(batch1))
+    tracker.track_all(copies.static + tensors(batch1))
     was_training = module.training
     module.eval()
     try:
         with torch.random.fork_rng(devices=[]), _quiet_lightning(), tracker, torch.no_grad():
             m1 = _inference(copies.call, batch1, tracker)
-            batch2 = _resized(batch1, b1, b2)
+            batch2 = resized(batch1, b1, b2)
             del batch1
             m2 = _inference(copies.call, batch2, tracker)
     finally:

@@ -9,7 +9,6 @@ step's gradients still alive), ``zero_grad(set_to_none=True)``, backward, optimi
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -19,9 +18,9 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.func import functional_call
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lightning_mgpu.estimate.batch import batch_rows, resized, tensors
 from lightning_mgpu.estimate.live_bytes import LiveBytes, SavedBytes, storage_bytes, storage_of
 
 __all__ = ["Line", "MeasuredStep", "measure_steps"]
@@ -163,10 +162,6 @@ def _quiet_lightning() -> Iterator[None]:
         yield
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
-
-
 def _unique_bytes(tensors: list[torch.Tensor], min_dim: int = 0) -> int:
     seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
     total = 0
@@ -178,13 +173,6 @@ def _unique_bytes(tensors: list[torch.Tensor], min_dim: int = 0) -> int:
             seen[st] = True
         total += storage_bytes(t)
     return total
-
-
-def _batch_size(batch: Any) -> int:
-    sizes = [t.shape[0] for t in _tensors(batch) if t.dim() > 0]
-    if not sizes:
-        raise ValueError("the sample batch holds no tensor with a batch dimension")
-    return int(sizes[0])
 
 
 def _loss_of(out: Any) -> torch.Tensor:
@@ -208,7 +196,7 @@ def _step(
     tracker: LiveBytes,
     static: list[torch.Tensor],
 ) -> dict[str, int]:
-    saved = SavedBytes(static + _tensors(batch))
+    saved = SavedBytes(static + tensors(batch))
     with tracker.phase() as forward_backward:
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             out = call(batch)
@@ -226,20 +214,9 @@ def _step(
         "forward_backward": forward_backward["peak"],
         "optimizer_step": step["peak"],
         "saved": saved.total,
-        "outputs": _unique_bytes(_tensors(out), min_dim=1),
-        "batch": _unique_bytes(_tensors(batch)),
+        "outputs": _unique_bytes(tensors(out), min_dim=1),
+        "batch": _unique_bytes(tensors(batch)),
     }
-
-
-def _resized(batch: Any, b1: int, b2: int) -> Any:
-    def resize(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() == 0 or t.shape[0] != b1:
-            return t
-        if b2 < b1:
-            return t[:b2].clone()
-        return t.repeat(math.ceil(b2 / b1), *([1] * (t.dim() - 1)))[:b2]
-
-    return apply_to_collection(batch, torch.Tensor, resize)
 
 
 @dataclass
@@ -288,7 +265,9 @@ def _copies(
 
 
 def _sizes(sample_batch: Any) -> tuple[int, int]:
-    b1 = _batch_size(sample_batch)
+    b1 = batch_rows(sample_batch)
+    if b1 is None:
+        raise ValueError("the sample batch holds no tensor: give one batch as the DataLoader yields it")
     return b1, b1 // 2 if b1 >= 2 else 2
 
 
@@ -311,7 +290,7 @@ def measure_steps(
     params, static, call = copies.params, copies.static, copies.call
     optimizers = [_copy_optimizer(o, copies.leaf_of) for o in originals]
     tracker = LiveBytes(device)
-    tracker.track_all(static + _tensors(batch1))
+    tracker.track_all(static + tensors(batch1))
     was_training = module.training
     module.train()
     try:
@@ -320,12 +299,12 @@ def measure_steps(
             # the warm-up creates the gradients and the optimizer state, as Lightning's first step does
             _step(call, batch1, optimizers, trainable, tracker, static)
             m1 = _step(call, batch1, optimizers, trainable, tracker, static)
-            batch2 = _resized(batch1, b1, b2)
+            batch2 = resized(batch1, b1, b2)
             del batch1
             m2 = _step(call, batch2, optimizers, trainable, tracker, static)
     finally:
         module.train(was_training)
-    state = [t for o in optimizers for s in o.state.values() for t in _tensors(s) if t.device == device]
+    state = [t for o in optimizers for s in o.state.values() for t in tensors(s) if t.device == device]
     return MeasuredStep(
         device=device.type,
         optimizer=", ".join(type(o).__name__ for o in originals) or "none",
