@@ -89,54 +89,16 @@ def _device_count(accelerator: str, devices: Any) -> int:
 def report(est: Any, recipe: str, batch_size: int, devices: int, task: str = "fit") -> str:
     """The estimate in the config's terms: ``batch_size`` is the global batch of every strategy."""
     from lightning_mgpu.devices import format_bytes
-    from lightning_mgpu.estimate.predict import _per_sample
+    from lightning_mgpu.estimate.report import format_estimate
 
     memory = f", {format_bytes(est.device_memory)} per device" if est.device_memory else ""
-    what = f"optimizer {est.optimizer}"
-    held = [
-        f"gradients {format_bytes(est.gradient_bytes)}",
-        f"optimizer state {format_bytes(est.optimizer_state_bytes)}",
-    ]
-    if est.inference:
-        what = f"task {task}: inference, no gradients or optimizer state"
-        held = []
-    lines = [
+    what = (
+        f"task {task}: inference, no gradients or optimizer state"
+        if est.inference
+        else f"optimizer {est.optimizer}"
+    )
+    heading = (
         f"{recipe}: {est.model}, data.batch_size={batch_size} (global), {devices} device(s){memory},"
-        f" {est.precision}, {what}, measured on {est.measured_on}",
-        "  "
-        + ", ".join(
-            [
-                f"parameters {format_bytes(est.parameter_bytes)}",
-                *held,
-                f"buffers {format_bytes(est.buffer_bytes)}",
-            ]
-        ),
-        f"  per sample: {_per_sample(est)}",
-        "",
-        f"  {'strategy':<10} {'batch/device':>12} {'peak/device':>13}"
-        + (f" {'fits':>5} {'largest data.batch_size':>24}" if est.device_memory else ""),
-    ]
-    split = -(-batch_size // devices)  # ceil: mgpu_dp's largest chunk
-    rows = [
-        ("single", batch_size, 1),
-        ("mgpu_dp", split, devices),
-        ("mgpu_ddp", batch_size // devices, devices),
-    ]
-    for strategy, per_device, n in rows:
-        if strategy != "single" and devices == 1:
-            continue
-        peak = est.peak(strategy, per_device_batch=per_device)
-        row = f"  {strategy:<10} {per_device:>12} {format_bytes(peak):>13}"
-        if est.device_memory:
-            fits = "yes" if peak <= est.device_memory else "NO"
-            row += f" {fits:>5} {est.largest_per_device_batch(strategy) * n:>24}"
-        lines.append(row)
-    if devices > 1:
-        lines.append(
-            f"  mgpu_dp: the row is card 0, the fullest; the others peak near"
-            f" {format_bytes(est.other_device_peak(split))} each"
-        )
-        if batch_size % devices:
-            lines.append(f"  mgpu_ddp needs data.batch_size divisible by {devices}; {batch_size} is not")
-    lines += [f"  note: {note}" for note in est.notes]
-    return "\n".join(lines)
+        f" {est.precision}, {what}, measured on {est.measured_on}"
+    )
+    return format_estimate(est, heading=heading, global_batch=True)

@@ -24,6 +24,7 @@ and the forward's live peak, with no gradients, optimizer state or saved activat
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mgpu.devices import cuda_devices, format_bytes, parse_bytes
+from lightning_mgpu.devices import cuda_devices, parse_bytes
 from lightning_mgpu.estimate.inference import measure_inference
 from lightning_mgpu.estimate.training import MeasuredStep, measure_steps
 from lightning_mgpu.precision import ALIASES, PRECISIONS, precision_names
@@ -40,6 +41,8 @@ from lightning_mgpu.precision import ALIASES, PRECISIONS, precision_names
 __all__ = ["MemoryEstimate", "estimate_memory"]
 
 STRATEGIES = ("single", "mgpu_dp", "mgpu_ddp")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -153,58 +156,9 @@ class MemoryEstimate:
         return int(best) if math.isfinite(best) else 1 << 31
 
     def __str__(self) -> str:
-        gib = f", {format_bytes(self.device_memory)} per device" if self.device_memory else ""
-        kind, what = "Memory", f"optimizer {self.optimizer}"
-        if self.inference:
-            kind, what = "Inference memory", "no gradients or optimizer state"
-        lines = [
-            f"{kind} estimate for {self.model} ({self.precision}, {what}, measured on {self.measured_on})",
-            f"  parameters           {format_bytes(self.parameter_bytes):>12}",
-            f"  buffers              {format_bytes(self.buffer_bytes):>12}",
-        ]
-        if not self.inference:
-            lines += [
-                f"  gradients            {format_bytes(self.gradient_bytes):>12}",
-                f"  optimizer state      {format_bytes(self.optimizer_state_bytes):>12}",
-            ]
-        lines += [
-            f"  per sample: {_per_sample(self)}",
-            "",
-            f"Predicted peak per device, DataLoader batch {self.batch_size}, {self.devices} device(s){gib}:",
-            f"  {'strategy':<10} {'batch/device':>12} {'global batch':>12} {'peak/device':>14}"
-            + (f" {'fits':>5} {'largest batch/device':>21}" if self.device_memory else ""),
-        ]
-        for strategy in STRATEGIES:
-            b = self.per_device_batch(strategy)
-            total = b * self.devices if strategy == "mgpu_ddp" else self.batch_size
-            peak = self.peak(strategy)
-            row = f"  {strategy:<10} {b:>12} {total:>12} {format_bytes(peak):>14}"
-            if self.device_memory:
-                row += f" {'yes' if peak <= self.device_memory else 'NO':>5}"
-                row += f" {self.largest_per_device_batch(strategy):>21}"
-            lines.append(row)
-        if self.devices > 1:
-            lines.append(
-                f"  mgpu_dp: card 0 is the fullest; the other cards peak near"
-                f" {format_bytes(self.other_device_peak())} each."
-            )
-            if not self.inference:
-                lines.append(
-                    "  mgpu_ddp: includes one extra copy of the gradients (DDP's all-reduce buckets)."
-                )
-        lines.extend(f"  note: {note}" for note in self.notes)
-        return "\n".join(lines)
+        from lightning_mgpu.estimate.report import format_estimate
 
-
-def _per_sample(est: MemoryEstimate) -> str:
-    """What one more sample on a device adds: the batch, then saved activations or the forward's peak."""
-    held = (
-        f"live at the forward's peak {format_bytes(est.forward_backward[1])} (the batch included)"
-        if est.inference
-        else f"activations saved for backward {format_bytes(est.activation_bytes_per_sample)}"
-    )
-    batch, outputs = format_bytes(est.batch_bytes_per_sample), format_bytes(est.output_bytes_per_sample)
-    return f"batch {batch}, {held}, outputs {outputs}"
+        return format_estimate(self)
 
 
 def _check_strategy(strategy: str) -> None:
@@ -314,6 +268,7 @@ def estimate_memory(
                 " use measure_on='cpu'"
             )
         places = ["cpu"]
+        log.debug("precision %s needs autocast, which meta tensors ignore: measuring on cpu", precision_name)
     measure = measure_inference if inference else functools.partial(measure_steps, optimizer=optimizer)
     measured: MeasuredStep | None = None
     for place in places:
@@ -330,6 +285,9 @@ def estimate_memory(
         except (RuntimeError, NotImplementedError, TypeError, AttributeError) as err:
             if place == places[-1]:
                 raise
+            log.debug(
+                "measuring on %s failed (%s: %s); trying %s", place, type(err).__name__, err, places[-1]
+            )
             notes.append(f"could not step on meta tensors ({type(err).__name__}: {err}); measured on CPU")
     assert measured is not None  # the loop either measured or raised
     notes.extend(measured.notes)

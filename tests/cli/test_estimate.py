@@ -21,7 +21,8 @@ def test_estimate_reports_each_strategy_for_the_global_batch(capsys: pytest.Capt
     assert main(["estimate", "linear", "data.batch_size=64", "--devices", "2", "--gpu-memory", "1GiB"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("linear: LinearRegression, data.batch_size=64 (global), 2 device(s), 1.00 GiB per")
-    assert "  parameters 44 B, gradients 44 B," in out  # nn.Linear(10, 1): 11 float32 values
+    assert "  parameters                   44 B\n" in out  # nn.Linear(10, 1): 11 float32 values
+    assert "  gradients                    44 B\n" in out
 
     cfg = load_config("linear", ["data.batch_size=64"])
     module = build_module(cfg)
@@ -29,20 +30,23 @@ def test_estimate_reports_each_strategy_for_the_global_batch(capsys: pytest.Capt
     est = estimate_memory(
         module, sample, devices=2, device_memory="1GiB", batch_size=64, optimizer=module.make_optimizer()
     )
+    # columns: batch/device, global batch, peak (number, unit), fits, largest batch/device and global
     table = rows(out)
-    assert table["single"][:2] == ["64", *format_bytes(est.peak("single", per_device_batch=64)).split()[:1]]
-    assert table["mgpu_ddp"][0] == "32"  # each of 2 processes loads half the global batch
-    assert " ".join(table["mgpu_ddp"][1:3]) == format_bytes(est.peak("mgpu_ddp", per_device_batch=32))
-    assert table["mgpu_dp"][0] == "32"
-    assert table["mgpu_ddp"][3] == "yes"
-    assert int(table["mgpu_ddp"][4]) == est.largest_per_device_batch("mgpu_ddp") * 2
+    assert table["single"][:2] == ["64", "64"]
+    assert " ".join(table["single"][2:4]) == format_bytes(est.peak("single", per_device_batch=64))
+    assert table["mgpu_ddp"][:2] == ["32", "64"]  # each of 2 processes loads half the global batch
+    assert " ".join(table["mgpu_ddp"][2:4]) == format_bytes(est.peak("mgpu_ddp", per_device_batch=32))
+    assert table["mgpu_dp"][:2] == ["32", "64"]
+    assert table["mgpu_ddp"][4] == "yes"
+    assert int(table["mgpu_ddp"][5]) == est.largest_per_device_batch("mgpu_ddp")
+    assert int(table["mgpu_ddp"][6]) == est.largest_per_device_batch("mgpu_ddp") * 2
 
 
 def test_options_may_follow_the_overrides(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", "digits", "--devices", "4", "data.batch_size=30"]) == 0
     out = capsys.readouterr().out
     assert "data.batch_size=30 (global), 4 device(s)" in out
-    assert "mgpu_ddp needs data.batch_size divisible by 4; 30 is not" in out
+    assert "mgpu_ddp needs the global batch divisible by 4; 30 is not" in out
     assert rows(out)["mgpu_dp"][0] == "8"  # ceil(30 / 4) on card 0
 
 
@@ -80,14 +84,28 @@ def test_validate_and_predict_configs_get_an_inference_estimate(capsys: pytest.C
     overrides = ["task=validate", "callbacks.memory.enabled=false"]
     assert main(["estimate", "linear", *overrides, "--devices", "2"]) == 0
     out = capsys.readouterr().out
-    first, held = out.splitlines()[:2]
+    first, *held = out.splitlines()[:4]
     assert first.endswith(", task validate: inference, no gradients or optimizer state, measured on meta")
-    assert held == "  parameters 44 B, buffers 0 B"
+    assert held[:2] == ["  parameters                   44 B", "  buffers                       0 B"]
+    assert held[2].startswith("  per sample:")  # no gradients or optimizer state
 
     cfg = load_config("linear", overrides)
     sample = build_data(cfg).example_batch(8)  # type: ignore[attr-defined]
     est = estimate_memory(
         build_module(cfg), sample, devices=2, batch_size=64, inference=True, step_fn=lambda m, b: m(b[0])
     )
-    assert " ".join(rows(out)["single"][1:3]) == format_bytes(est.peak("single", per_device_batch=64))
-    assert " ".join(rows(out)["mgpu_ddp"][1:3]) == format_bytes(est.peak("mgpu_ddp", per_device_batch=32))
+    assert " ".join(rows(out)["single"][2:4]) == format_bytes(est.peak("single", per_device_batch=64))
+    assert " ".join(rows(out)["mgpu_ddp"][2:4]) == format_bytes(est.peak("mgpu_ddp", per_device_batch=32))
+
+
+def test_nothing_fits_says_so_and_what_would(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "digits", "--devices", "2", "--gpu-memory", "64KiB"]) == 0
+    out = capsys.readouterr().out
+    table = rows(out)
+    assert all(table[s][4:] == ["NO", "none", "none"] for s in ("single", "mgpu_dp", "mgpu_ddp"))
+    assert "largest batch 0" not in out
+    assert "  Nothing fits: one sample per device needs " in out
+    assert "  - a smaller model: its parameters, gradients and optimizer state alone take " in out
+    assert "more devices do not help" in out
+    assert "'bf16-true' also halves the weights, gradients and optimizer state" in out
+    assert "  - an optimizer with less state: AdamW keeps " in out

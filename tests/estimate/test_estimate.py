@@ -304,3 +304,22 @@ def test_prediction_matches_cuda_peak_within_15_percent() -> None:
     error = abs(predicted - Peak.peak) / Peak.peak
     print(f"predicted {predicted} measured {Peak.peak} error {error:.1%}")
     assert error < 0.15
+
+
+def test_report_says_when_nothing_fits_and_what_would() -> None:
+    model = mlp()
+    adam = torch.optim.Adam(model.parameters())
+    est = estimate_memory(model, torch.randn(B, D), devices=2, device_memory=PARAM_BYTES, optimizer=adam)
+    assert est.largest_per_device_batch("single") == 0
+    report = str(est)
+    one_sample = min(est.peak(s, 1) for s in ("single", "mgpu_dp", "mgpu_ddp"))
+    assert f"  Nothing fits: one sample per device needs {format_bytes(one_sample)}," in report
+    # weights, gradients and Adam's two moments: four copies of the parameters
+    assert f"optimizer state alone take {format_bytes(4 * PARAM_BYTES)};" in report
+    assert f"  - an optimizer with less state: Adam keeps {format_bytes(2 * PARAM_BYTES)}" in report
+    single = next(line for line in report.splitlines() if line.startswith("  single "))
+    assert single.split()[-3:] == ["NO", "none", "none"]
+
+    roomy = estimate_memory(model, torch.randn(B, D), devices=2, device_memory="1GiB", optimizer=adam)
+    assert "Nothing fits" not in str(roomy)
+    assert "none" not in str(roomy)
