@@ -1,5 +1,11 @@
 """The tutorial models as recipes: a LightningModule, its LightningDataModule and YAML configs.
 
+- one module per recipe (``linear.py``, ``seq_linear.py``, ``heatmap.py``, ``digits.py``,
+  ``mnist.py``, ``resnet.py``), each defining ``RECIPE`` and its ``ModelConfig``/``DataConfig``;
+- ``_base.py``: what they share (the optimizer built from the config, the global batch,
+  regression and classification steps);
+- ``configs/``: the shipped YAML configs, each opening with the command that runs it.
+
 Installed as ``lightning_mgpu.recipes``; the configs ship in ``configs/``. Run one with
 ``lightning-mgpu run digits`` and list them with ``lightning-mgpu recipes``. Importing this
 package does not import torch; ``load_recipe`` imports one recipe's module.

@@ -1,5 +1,15 @@
 """Recipe configs: parse (YAML, ``key=value`` overrides), validate (every error at once), instantiate.
 
+- ``schema.py``: the run config's dataclasses, the one source of defaults (``RunConfig``,
+  ``TrainerConfig``, ``DataConfig``); the ``optimizer`` section lives in ``optimizer.py`` (a class
+  path such as ``torch.optim.AdamW``, checked and built there) and the ``callbacks`` sections in
+  ``callbacks.py``; ``checks.py`` holds the small value checks they share. Precision names come
+  from ``lightning_mgpu.precision``.
+- ``parse.py``: finding a shipped config or a file, reading overrides, merging them.
+- ``validate.py``: unknown keys with "did you mean", wrong types, impossible values, in one error.
+- ``instantiate.py``: the recipe's module and data, callbacks, logger and Trainer; ``progress.py``:
+  one progress line per epoch where standard output is not a terminal.
+
 ``load_config`` does the first two steps::
 
     from lightning_mgpu.config import load_config
