@@ -8,18 +8,42 @@ Keys, under a prefix unique to the run:
 - ``stopped``: how many ranks have read the verdict and are stopping.
 
 All of it runs on the watchdog thread (and once on the main thread at set-up); the
-training step never touches the store.
+training step never touches the store. ``Idleness`` turns this rank's progress counter into
+the idle seconds and the waiting flag that its beats carry.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_mgpu.strategies.ddp.watchdog import processes
 from lightning_mgpu.strategies.ddp.watchdog.verdicts import Beat, Judge, RankInfo, Verdict
 
-__all__ = ["Heartbeats"]
+__all__ = ["Heartbeats", "Idleness"]
+
+
+@dataclass
+class Idleness:
+    """Since when this rank's progress counter has not moved, and whether its main thread waits meanwhile."""
+
+    wait_after: float
+    """Idle seconds after which the main thread's stack is read to see whether it waits in a collective."""
+    last: int | None = None
+    changed: float = 0.0
+
+    def reset(self, now: float) -> None:
+        self.last, self.changed = None, now
+
+    def look(self, progress: int | None, now: float) -> Beat:
+        """This rank's state as an unsent beat; ``progress=None``: the counter cannot be read."""
+        if progress is not None and progress != self.last:
+            self.last, self.changed = progress, now
+        idle = now - self.changed
+        waiting = idle >= self.wait_after and processes.main_thread_waits()
+        return Beat(0, self.last or 0, idle, waiting, done=False)
 
 
 @dataclass
@@ -37,6 +61,24 @@ class Heartbeats:
     """Ranks whose heartbeat key exists (keys are never deleted, so each is checked once)."""
     seq: int = 0
 
+    @classmethod
+    def open(
+        cls,
+        store: Any,
+        rank: int,
+        world_size: int,
+        progress: Callable[[], int],
+        stall_timeout: float | None,
+        dead_after: float,
+    ) -> Heartbeats:
+        """The exchange seen from ``rank``: rank 0 watches all and judges stalls, the others watch rank 0."""
+        now = time.monotonic()
+        if rank == 0:
+            judge = Judge(list(range(1, world_size)), now, dead_after, stall_timeout)
+        else:
+            judge = Judge([0], now, dead_after, None)
+        return cls(store, rank, world_size, progress, stall_timeout, judge)
+
     def introduce(self, info: RankInfo) -> None:
         self.store.set(f"info/{self.rank}", info.to_json())
 
@@ -49,6 +91,15 @@ class Heartbeats:
         for rank in range(self.world_size):
             if rank not in self.infos and self.store.check([f"info/{rank}"]):
                 self.infos[rank] = RankInfo.from_json(self.store.get(f"info/{rank}"))
+
+    def wait_for_infos(self, timeout: float) -> dict[int, RankInfo]:
+        """Every rank's :class:`RankInfo`, waiting up to ``timeout`` seconds for late ones."""
+        deadline = time.monotonic() + timeout
+        while len(self.infos) < self.world_size and time.monotonic() < deadline:
+            self.read_infos()
+            if len(self.infos) < self.world_size:
+                time.sleep(0.05)
+        return dict(self.infos)
 
     def read_beats(self, ranks: Sequence[int]) -> dict[int, Beat]:
         """The latest heartbeat of each of ``ranks`` that has sent one, in one round trip."""

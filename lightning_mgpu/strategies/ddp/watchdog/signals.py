@@ -18,7 +18,7 @@ import select
 import signal
 import threading
 
-__all__ = ["SignalPipe"]
+__all__ = ["SignalPipe", "quiet_sigterm"]
 
 _WATCHED = (signal.SIGTERM, signal.SIGINT)
 
@@ -78,3 +78,17 @@ class SignalPipe:
             with contextlib.suppress(OSError):
                 os.write(previous, data)
         return next((signum for signum in data if signum in _WATCHED), None)
+
+
+def quiet_sigterm() -> None:
+    """Put a handler that does nothing in place of the SIGTERM handler (from the main thread only).
+
+    A Python-level handler must stay, so that the interpreter still writes the signal to the
+    wakeup descriptor that ``SignalPipe`` reads.
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _note_signal)
+
+
+def _note_signal(signum: int, frame: object) -> None:
+    """Nothing to do: the watchdog thread sees the signal through the wakeup descriptor."""

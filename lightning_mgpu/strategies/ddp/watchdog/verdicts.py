@@ -5,6 +5,8 @@
 - ``Beat``: written once a second by every rank's watchdog: a sequence number, the
   progress counter, seconds since it last moved, whether the main thread waits in a
   collective, and whether the rank finished the run.
+- ``Suspect``: a reason to stop that waits a moment for a better one (a rank 0 that ended
+  cleanly too early, a lost store) before it becomes the ``Verdict``.
 - ``Judge`` turns beats into a ``Verdict``:
 
   * a watched rank whose sequence number has not moved for ``dead_after`` seconds is
@@ -26,7 +28,7 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
-__all__ = ["Beat", "Judge", "RankInfo", "Verdict", "finished_early", "left_behind"]
+__all__ = ["Beat", "Judge", "RankInfo", "Suspect", "Verdict", "finished_early", "left_behind"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,23 @@ class Verdict:
     def from_json(cls, text: bytes | str) -> Verdict:
         data = json.loads(text)
         return cls(data["message"], tuple(data["stuck"]), tuple(data["dead"]), data["origin"])
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """A likely reason to stop, not yet certain: a failed rank may still publish a better one.
+
+    It becomes the verdict after ``DEAD_AFTER`` seconds, or at once when a collective fails.
+    """
+
+    since: float
+    """``time.monotonic()`` when it was noticed."""
+    message: str
+    dead: tuple[int, ...]
+    """Ranks it takes to be gone."""
+
+    def verdict(self) -> Verdict:
+        return Verdict(self.message, dead=self.dead)
 
 
 @dataclass(frozen=True)

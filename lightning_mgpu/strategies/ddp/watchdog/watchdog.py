@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -34,19 +35,22 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lightning_mgpu.strategies.ddp.watchdog import processes
-from lightning_mgpu.strategies.ddp.watchdog.heartbeats import Heartbeats
+from lightning_mgpu.strategies.ddp.watchdog import processes, shutdown, signals
+from lightning_mgpu.strategies.ddp.watchdog.heartbeats import Heartbeats, Idleness
+from lightning_mgpu.strategies.ddp.watchdog.local_checks import LocalChecks, Parent
 from lightning_mgpu.strategies.ddp.watchdog.signals import SignalPipe
 from lightning_mgpu.strategies.ddp.watchdog.verdicts import (
     Beat,
-    Judge,
     RankInfo,
+    Suspect,
     Verdict,
     finished_early,
     left_behind,
 )
 
 __all__ = ["GRACE", "INTERVAL", "Verdict", "Watchdog", "watchdog"]
+
+log = logging.getLogger(__name__)
 
 INTERVAL = 1.0
 """Seconds between two checks (and two heartbeats)."""
@@ -67,16 +71,13 @@ class Watchdog:
         self._stop = threading.Event()
         self._verdict_event = threading.Event()
         self.rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
-        self._children: dict[int, subprocess.Popen] = {}
-        self._parent: tuple[int, int, str | None] | None = None  # rank, pid, start time
+        self._local = LocalChecks()
         self._run: Heartbeats | None = None
         self._verdict: Verdict | None = None
         self._verdict_at = 0.0
-        self._suspect: tuple[float, str, tuple[int, ...]] | None = None
+        self._suspect: Suspect | None = None
         self._exit_code = 1
-        self._last_progress: int | None = None
-        self._last_change = time.monotonic()
-        self._peer_started: dict[int, str | None] = {}
+        self._idleness = Idleness(wait_after=2 * INTERVAL, changed=time.monotonic())
         self._signals = SignalPipe()
         self._dead_man = processes.DeadManSwitch()
         self._rank0_done = False
@@ -88,9 +89,11 @@ class Watchdog:
 
     # ----------------------------------------------------------------- set-up
     def watch_children(self, procs: list[subprocess.Popen], ranks: list[int], own_rank: int) -> None:
-        """Watch the ranks this process launched (call right after starting them)."""
+        """Watch the ranks this process launched (call right after starting them; none: nothing to do)."""
         self.rank = own_rank
-        self._children = dict(zip(ranks, procs, strict=True))
+        self._local.children = dict(zip(ranks, procs, strict=True))
+        if not procs:
+            return  # one process per node: its run starts and stops the thread
         if not self._waits_at_exit:
             atexit.register(self._wait_for_children)
             self._waits_at_exit = True
@@ -106,7 +109,7 @@ class Watchdog:
         launcher_pid = os.environ.get(PARENT_PID_ENV)
         if launcher_pid and launcher_pid.isdigit() and int(launcher_pid) != os.getpid() and local_rank > 0:
             pid = int(launcher_pid)
-            self._parent = (rank - local_rank, pid, processes.start_time(pid))
+            self._local.parent = Parent(rank - local_rank, pid, processes.start_time(pid))
             if os.getppid() != pid:
                 parent = rank - local_rank
                 self._decide(Verdict(f"rank {parent} (pid {pid}, which launched this rank) has ended"))
@@ -122,20 +125,14 @@ class Watchdog:
         stall_timeout: float | None,
     ) -> None:
         """Join the run's heartbeat exchange through ``store`` (after the process group exists)."""
-        # rank 0 watches every rank and judges stalls; the others only watch rank 0
-        now = time.monotonic()
-        if self.rank == 0:
-            judge = Judge([r for r in range(1, world_size)], now, DEAD_AFTER, stall_timeout)
-        else:
-            judge = Judge([0], now, DEAD_AFTER, None)
-        run = Heartbeats(store, self.rank, world_size, progress, stall_timeout, judge)
+        run = Heartbeats.open(store, self.rank, world_size, progress, stall_timeout, DEAD_AFTER)
         run.introduce(info)
         if not self._exit_guarded:
             # registered after the process group, so it runs before the atexit handler that
             # destroys the group, which with NCCL can hang on a lost peer
             atexit.register(self._bound_exit)
             self._exit_guarded = True
-        self._last_progress, self._last_change = None, time.monotonic()
+        self._idleness.reset(time.monotonic())
         self._progress, self._rank0_done, self._ended_cleanly = progress, False, False
         self._done_peers = []
         with self._lock:
@@ -145,14 +142,7 @@ class Watchdog:
     def infos(self, timeout: float = 30.0) -> dict[int, RankInfo]:
         """Every rank's :class:`RankInfo`, waiting up to ``timeout`` seconds for late ones."""
         run = self._run
-        if run is None:
-            return {}
-        deadline = time.monotonic() + timeout
-        while len(run.infos) < run.world_size and time.monotonic() < deadline:
-            run.read_infos()
-            if len(run.infos) < run.world_size:
-                time.sleep(0.05)
-        return dict(run.infos)
+        return run.wait_for_infos(timeout) if run is not None else {}
 
     def detach(self) -> None:
         """The run ended on this rank: say so, stop beating, give SIGTERM back to Lightning."""
@@ -160,7 +150,7 @@ class Watchdog:
             run, self._run = self._run, None
         if run is not None:
             with contextlib.suppress(Exception):
-                run.beat(self._last_progress or 0, 0.0, waiting=False, done=True)
+                run.beat(self._idleness.last or 0, 0.0, waiting=False, done=True)
         self._dead_man.disarm()
         self._ended_cleanly = run is not None and self._verdict is None
         if self._verdict is None or self._verdict.origin == self.rank:
@@ -182,7 +172,7 @@ class Watchdog:
         while self._verdict is None and self._thread is not None and time.monotonic() < deadline:
             suspect, done = self._suspect, self._done_peers
             if suspect is not None:
-                self._decide(Verdict(suspect[1], dead=suspect[2]))
+                self._decide(suspect.verdict())
             elif done:
                 self._decide(Verdict(finished_early(done), dead=tuple(done)))
             else:
@@ -196,8 +186,7 @@ class Watchdog:
         Lightning's handler broadcasts a tensor, which with a lost peer only fails or hangs.
         The watchdog still sees the signal and ends the process if it does not end by itself.
         """
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, _note_signal)
+        signals.quiet_sigterm()
 
     def report_own_error(self, message: str) -> Verdict:
         """This rank failed by itself: tell the others, but let this process end its own way."""
@@ -210,6 +199,7 @@ class Watchdog:
             self._verdict = verdict
             self._verdict_at = time.monotonic()
             run = self._run
+        log.debug("rank %d: the run must stop: %s", self.rank, verdict)
         if run is not None:
             try:
                 self._verdict = run.publish(verdict)
@@ -237,7 +227,7 @@ class Watchdog:
     def _tick(self, now: float, signum: int | None = None) -> None:
         run = self._run
         if self._verdict is None:
-            found = self._check_children() or self._check_parent()
+            found = self._local.check_children() or self._check_parent()
             if found is not None:
                 self._decide(found)
         if run is not None:
@@ -247,8 +237,8 @@ class Watchdog:
             if found is not None:
                 self._decide(found)
         suspect = self._suspect
-        if self._verdict is None and suspect is not None and now - suspect[0] >= DEAD_AFTER:
-            self._decide(Verdict(suspect[1], dead=suspect[2]))
+        if self._verdict is None and suspect is not None and now - suspect.since >= DEAD_AFTER:
+            self._decide(suspect.verdict())
         # a signal is the reason only when nothing else is: torchrun, for one, sends SIGTERM
         # to the other ranks because one rank died
         if signum is not None and self._verdict is None:
@@ -259,57 +249,25 @@ class Watchdog:
             self._enforce(now)
 
     # ---------------------------------------------------------- local checks
-    def _check_children(self) -> Verdict | None:
-        for rank, proc in self._children.items():
-            code = proc.poll()
-            if code:
-                return Verdict(f"rank {rank} (pid {proc.pid}) {processes.describe_exit(code)}", dead=(rank,))
-        return None
-
     def _check_parent(self) -> Verdict | None:
-        if self._parent is None:
+        ended = self._local.parent_ended()
+        if ended is None:
             return None
-        rank, pid, started = self._parent
-        status = processes.pid_status(pid, started)
-        if status.alive:
-            return None
-        self._parent = None
-        what = processes.describe_exit(status.returncode)
-        message = f"rank {rank} (pid {pid}, which launched this rank) {what}"
-        if rank == 0:
+        if ended.rank == 0:
             with self._lock:
                 self._run = None  # rank 0 held the store: touching it now only prints socket errors
-        if status.returncode:
-            return Verdict(message, dead=(rank,))
-        if not (rank == 0 and self._rank0_done):
-            self._suspect = (time.monotonic(), f"{message} before the run ended", (rank,))
-        return None
-
-    def _check_same_host(self, run: Heartbeats) -> Verdict | None:
-        me = run.infos.get(self.rank)
-        if me is None:
-            return None
-        for rank, info in run.infos.items():
-            if rank == self.rank or info.host != me.host or rank in self._children:
-                continue
-            if self._parent is not None and rank == self._parent[0]:
-                continue
-            if any(other.pid == info.parent_pid for other in run.infos.values()):
-                continue  # launched by another rank, which reports its exact exit code
-            started = self._peer_started.setdefault(rank, processes.start_time(info.pid))
-            status = processes.pid_status(info.pid, started)
-            if not status.alive and not run.finished(rank):
-                what = processes.describe_exit(status.returncode)
-                return Verdict(f"rank {rank} (pid {info.pid} on {info.host}) {what}", dead=(rank,))
+        if ended.returncode:
+            return Verdict(ended.message, dead=(ended.rank,))
+        if not (ended.rank == 0 and self._rank0_done):
+            # ended cleanly: a failed rank 0 may still publish why, so wait before judging
+            self._suspect = Suspect(time.monotonic(), f"{ended.message} before the run ended", (ended.rank,))
+            log.debug("rank %d: suspect: %s", self.rank, self._suspect.message)
         return None
 
     # ------------------------------------------------------------ heartbeats
     def _beat(self, run: Heartbeats, now: float) -> None:
-        progress = run.progress()
-        if progress != self._last_progress:
-            self._last_progress, self._last_change = progress, now
-        idle = now - self._last_change
-        run.beat(progress, idle, waiting=idle >= 2 * INTERVAL and processes.main_thread_waits())
+        state = self._idleness.look(run.progress(), now)
+        run.beat(state.progress, state.idle, waiting=state.waiting)
         if run.stall_timeout is not None:
             # if this thread cannot run (the main thread holds the GIL in C code), the
             # interpreter's C-level timer still dumps every stack and ends the process
@@ -323,7 +281,7 @@ class Watchdog:
                 self._adopt(published)
             run.read_infos()
             if self._verdict is None:
-                found = self._check_same_host(run)
+                found = self._local.check_same_host(run, self.rank)
                 if found is not None:
                     self._decide(found)
             if self._verdict is None:
@@ -339,27 +297,19 @@ class Watchdog:
         if 0 in beats:
             self._rank0_done = beats[0].done
         self._done_peers = [r for r, b in beats.items() if b.done and r != self.rank]
-        return run.judge.look(beats, now, run.infos, self._child_finished)
+        return run.judge.look(beats, now, run.infos, self._local.child_finished)
 
     def _left_behind_rank0(self, now: float) -> Verdict | None:
         """Once rank 0 finished the run and its store is gone: is this rank still waiting in a collective?"""
-        if self._progress is not None:
-            progress = self._progress()
-            if progress != self._last_progress:
-                self._last_progress, self._last_change = progress, now
-        idle = now - self._last_change
-        waiting = idle >= 2 * INTERVAL and processes.main_thread_waits()
-        beats = {0: Beat(0, 0, 0.0, waiting=False, done=True), self.rank: Beat(0, 0, idle, waiting, False)}
+        own = self._idleness.look(self._progress() if self._progress is not None else None, now)
+        beats = {0: Beat(0, 0, 0.0, waiting=False, done=True), self.rank: own}
         return left_behind(beats, DEAD_AFTER)
-
-    def _child_finished(self, rank: int) -> bool:
-        proc = self._children.get(rank)
-        return proc is not None and proc.poll() == 0
 
     def _adopt(self, verdict: Verdict) -> None:
         with self._lock:
             if self._verdict is None:
                 self._verdict, self._verdict_at = verdict, time.monotonic()
+        log.debug("rank %d: the run must stop, as another rank published: %s", self.rank, verdict)
         self._verdict_event.set()
 
     def _store_lost(self, run: Heartbeats) -> None:
@@ -376,7 +326,8 @@ class Watchdog:
             f"rank {self.rank} lost the connection to the run's store at {addr}: the process that held it"
             " (rank 0, or torchrun's agent on the first node) has ended"
         )
-        self._suspect = (time.monotonic(), message, (0,))
+        self._suspect = Suspect(time.monotonic(), message, (0,))
+        log.debug("rank %d: suspect: %s", self.rank, message)
 
     # ------------------------------------------------------------- stopping
     def _enforce(self, now: float) -> None:
@@ -389,82 +340,19 @@ class Watchdog:
             self._exit(verdict, stuck)
 
     def _exit(self, verdict: Verdict, stuck: bool) -> None:
-        out = sys.stderr
-        out.write(f"[rank {self.rank}] lightning_mgpu: {verdict.message}\n")
-        if stuck:
-            out.write(f"[rank {self.rank}] this rank is stuck here (main thread, innermost call last):\n")
-            out.write(processes.main_thread_stack())
-        out.write(f"[rank {self.rank}] stopping this process (pid {os.getpid()}) so the run does not hang\n")
-        out.flush()
         run = self._run
-        with contextlib.suppress(Exception):
-            if run is not None:
-                run.stopping()
-        deadline = time.monotonic() + GRACE + 2 * INTERVAL
-        while time.monotonic() < deadline:
-            children_done = all(p.poll() is not None for p in self._children.values())
-            expected = run.world_size - 1 - len(verdict.dead) if run is not None else 0
-            others_done = run is None or self.rank != 0 or run.stopped() >= expected
-            if children_done and others_done:
-                break
-            time.sleep(0.1)
-        for proc in self._children.values():
-            if proc.poll() is None:
-                with contextlib.suppress(OSError):
-                    proc.kill()
-                with contextlib.suppress(Exception):
-                    proc.wait(timeout=5)
-        os._exit(self._exit_code)
+        children = self._local.children
+        shutdown.stop_process(self.rank, verdict, stuck, run, children, self._exit_code, GRACE + 2 * INTERVAL)
 
     def _wait_for_children(self) -> None:
-        """At exit of the launching process after a clean run: end with an error if a rank it started failed.
-
-        Lightning's launcher lets this process end while the ranks it started still run, so a
-        rank that fails after the last collective (or that was left behind in one) would leave
-        the command's exit status 0. After a failed run the watchdog stops the ranks itself.
-        """
-        if not self._ended_cleanly or not self._children:
-            return
-        # Lightning ignores Ctrl+C while it destroys the process group; a wait must stay interruptible
-        with contextlib.suppress(ValueError):  # not the main thread
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-        failed: list[str] = []
-        told = False
-        started = time.monotonic()
-        try:
-            for rank, proc in self._children.items():
-                while proc.poll() is None:
-                    if not told and time.monotonic() - started >= DEAD_AFTER:
-                        told = True
-                        sys.stderr.write(
-                            f"[rank {self.rank}] lightning_mgpu: this rank finished; waiting for rank {rank}"
-                            f" (pid {proc.pid}) to end\n"
-                        )
-                    time.sleep(0.1)
-                if proc.returncode:
-                    failed.append(f"rank {rank} (pid {proc.pid}) {processes.describe_exit(proc.returncode)}")
-        except KeyboardInterrupt:
-            for proc in self._children.values():
-                if proc.poll() is None:
-                    with contextlib.suppress(OSError):
-                        proc.kill()
-            failed.append("interrupted while waiting for the other ranks to end")
-        if failed:
-            reasons = "; ".join(failed)
-            who = f"[rank {self.rank}] lightning_mgpu"
-            sys.stderr.write(f"{who}: the run failed after this rank ended: {reasons}\n")
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
+        """At exit of the launching process: after a clean run, fail if a rank it started failed."""
+        if self._ended_cleanly and self._local.children:
+            shutdown.wait_for_children(self.rank, self._local.children, tell_after=DEAD_AFTER)
 
     def _bound_exit(self) -> None:
         """At interpreter exit after a failed run: end the process even if clean-up hangs."""
         if self._verdict is not None:
             self._dead_man.arm(GRACE + DEAD_AFTER, time.monotonic(), force=True)
-
-
-def _note_signal(signum: int, frame: object) -> None:
-    """A Python-level handler, so that the interpreter still reports the signal to the watchdog."""
 
 
 _WATCHDOG: Watchdog | None = None

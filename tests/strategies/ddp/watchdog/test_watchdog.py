@@ -16,9 +16,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from lightning_mgpu.strategies.ddp.watchdog.local_checks import LocalChecks, Parent
 from lightning_mgpu.strategies.ddp.watchdog.processes import describe_exit, pid_status, start_time
 from lightning_mgpu.strategies.ddp.watchdog.signals import SignalPipe
-from lightning_mgpu.strategies.ddp.watchdog.verdicts import Beat, Judge, RankInfo
+from lightning_mgpu.strategies.ddp.watchdog.verdicts import Beat, Judge, RankInfo, Suspect, Verdict
 
 INFOS = {r: RankInfo(r, 1000 + r, 1, "node-a", 0, r, f"cuda:{r}", "GPU") for r in range(3)}
 
@@ -144,6 +145,36 @@ def test_exit_status_of_a_zombie_is_read_from_proc() -> None:
         exited.wait()
         sleeping.wait()
     assert not pid_status(sleeping.pid, started).alive
+
+
+def test_local_checks_name_a_failed_child_and_the_launcher_once() -> None:
+    failed = subprocess.Popen(["sh", "-c", "exit 3"])
+    finished = subprocess.Popen(["true"])
+    launcher = subprocess.Popen(["sh", "-c", "exit 0"])
+    parent = Parent(0, launcher.pid, start_time(launcher.pid))
+    local = LocalChecks(children={1: finished, 2: failed}, parent=parent)
+    try:
+        deadline = time.monotonic() + 30
+        while failed.poll() is None or finished.poll() is None or pid_status(launcher.pid).alive:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        verdict = local.check_children()
+        assert verdict is not None
+        assert (verdict.message, verdict.dead) == (f"rank 2 (pid {failed.pid}) exited with code 3", (2,))
+        assert local.child_finished(1)
+        assert not local.child_finished(2)
+        ended = local.parent_ended()  # a zombie still: its exit status is known
+        assert ended is not None
+        assert ended.message == f"rank 0 (pid {launcher.pid}, which launched this rank) exited with code 0"
+        assert (ended.rank, ended.returncode) == (0, 0)
+        assert local.parent_ended() is None  # reported once
+    finally:
+        launcher.wait()
+
+
+def test_a_suspect_becomes_a_verdict_that_names_the_same_ranks() -> None:
+    suspect = Suspect(since=5.0, message="rank 0 ended before the run ended", dead=(0,))
+    assert suspect.verdict() == Verdict("rank 0 ended before the run ended", dead=(0,))
 
 
 def test_describe_exit() -> None:

@@ -1,0 +1,110 @@
+"""How a rank's process ends once the run must stop, and how the launching process ends after a clean run.
+
+- ``stop_process``: prints the reason (and a stuck rank's Python stack), counts this rank
+  among those stopping, gives the other ranks and the child processes a moment to end, kills
+  the children still running and ends the process with ``os._exit``;
+- ``wait_for_children``: at exit of the launching process after a clean run, waits for the
+  ranks it started and ends with an error if one of them failed;
+- ``kill_children``: stops the child processes still running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from typing import NoReturn
+
+from lightning_mgpu.strategies.ddp.watchdog import processes
+from lightning_mgpu.strategies.ddp.watchdog.heartbeats import Heartbeats
+from lightning_mgpu.strategies.ddp.watchdog.verdicts import Verdict
+
+__all__ = ["kill_children", "stop_process", "wait_for_children"]
+
+log = logging.getLogger(__name__)
+
+
+def kill_children(children: Iterable[subprocess.Popen], wait: float | None = None) -> None:
+    """SIGKILL every child still running; with ``wait``, collect each for up to ``wait`` seconds."""
+    for proc in children:
+        if proc.poll() is None:
+            with contextlib.suppress(OSError):
+                proc.kill()
+            if wait is not None:
+                with contextlib.suppress(Exception):
+                    proc.wait(timeout=wait)
+
+
+def stop_process(
+    rank: int,
+    verdict: Verdict,
+    stuck: bool,
+    run: Heartbeats | None,
+    children: Mapping[int, subprocess.Popen],
+    exit_code: int,
+    grace: float,
+) -> NoReturn:
+    """Say why this rank stops, wait up to ``grace`` s for the others to read it, then end the process."""
+    out = sys.stderr
+    out.write(f"[rank {rank}] lightning_mgpu: {verdict.message}\n")
+    if stuck:
+        out.write(f"[rank {rank}] this rank is stuck here (main thread, innermost call last):\n")
+        out.write(processes.main_thread_stack())
+    out.write(f"[rank {rank}] stopping this process (pid {os.getpid()}) so the run does not hang\n")
+    out.flush()
+    with contextlib.suppress(Exception):
+        if run is not None:
+            run.stopping()
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        children_done = all(p.poll() is not None for p in children.values())
+        expected = run.world_size - 1 - len(verdict.dead) if run is not None else 0
+        others_done = run is None or rank != 0 or run.stopped() >= expected
+        if children_done and others_done:
+            break
+        time.sleep(0.1)
+    kill_children(children.values(), wait=5)
+    log.debug("rank %d: ending the process with exit code %d", rank, exit_code)
+    os._exit(exit_code)
+
+
+def wait_for_children(rank: int, children: Mapping[int, subprocess.Popen], tell_after: float) -> None:
+    """At exit of the launching process after a clean run: end with an error if a rank it started failed.
+
+    Lightning's launcher lets this process end while the ranks it started still run, so a
+    rank that fails after the last collective (or that was left behind in one) would leave
+    the command's exit status 0. After a failed run the watchdog stops the ranks itself.
+    """
+    # Lightning ignores Ctrl+C while it destroys the process group; a wait must stay interruptible
+    with contextlib.suppress(ValueError):  # not the main thread
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    failed: list[str] = []
+    told = False
+    started = time.monotonic()
+    try:
+        for child_rank, proc in children.items():
+            while proc.poll() is None:
+                if not told and time.monotonic() - started >= tell_after:
+                    told = True
+                    sys.stderr.write(
+                        f"[rank {rank}] lightning_mgpu: this rank finished; waiting for rank {child_rank}"
+                        f" (pid {proc.pid}) to end\n"
+                    )
+                time.sleep(0.1)
+            if proc.returncode:
+                how = processes.describe_exit(proc.returncode)
+                failed.append(f"rank {child_rank} (pid {proc.pid}) {how}")
+    except KeyboardInterrupt:
+        kill_children(children.values())
+        failed.append("interrupted while waiting for the other ranks to end")
+    if failed:
+        reasons = "; ".join(failed)
+        sys.stderr.write(f"[rank {rank}] lightning_mgpu: the run failed after this rank ended: {reasons}\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
