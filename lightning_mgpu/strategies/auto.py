@@ -32,6 +32,7 @@ ordinary ``MGPUDDPStrategy``, ``DDPStrategy``, ``SingleDeviceStrategy`` or
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -46,6 +47,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 __all__ = ["EnvironmentFacts", "MGPUAutoStrategy", "StrategyChoice", "choose_strategy", "decide"]
+
+log = logging.getLogger(__name__)
 
 
 def _interactive() -> bool:
@@ -158,6 +161,8 @@ def decide(devices: int, num_nodes: int, device_type: str, facts: EnvironmentFac
         ):
             options["process_group_backend"] = "gloo"
             reason += "; NCCL is missing from this torch build, so the gloo backend is used"
+        log.debug("%d %s device(s) x %d node(s), %s", devices, device_type, num_nodes, facts)
+        log.debug("-> %s: %s", strategy, reason)
         return StrategyChoice(strategy, reason, devices, num_nodes, options)
 
     if num_nodes > 1 or facts.launcher is not None:
@@ -281,7 +286,8 @@ class MGPUAutoStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         devices = list(self.parallel_devices or [])
-        device_type = devices[0].type if devices else "cpu"
+        # a custom accelerator may list objects of its own (strings, say) rather than torch.device
+        device_type = str(getattr(devices[0], "type", devices[0])) if devices else "cpu"
         facts = self.facts if self.facts is not None else EnvironmentFacts.detect()
         choice = decide(len(devices), self.num_nodes, device_type, facts)
         rank_zero_info(f"mgpu_auto chose {choice.strategy}: {choice.reason}")

@@ -122,6 +122,21 @@ def _records(caplog_target: list[str]) -> logging.Handler:
     return Collect()
 
 
+def test_the_debug_log_gives_the_facts_and_the_reason(caplog: pytest.LogCaptureFixture) -> None:
+    # the user-facing line stays one INFO line; the reasoning is there for whoever turns on DEBUG
+    caplog.set_level(logging.DEBUG, logger="lightning_mgpu")
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="mgpu_auto", **QUIET)
+    assert type(trainer.strategy) is MGPUDDPStrategy
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    facts = "2 cpu device(s) x 1 node(s), EnvironmentFacts(interactive=False,"
+    assert any(m.startswith(facts) for m in debug), debug
+    assert "-> mgpu_ddp: 2 devices in a script: one process per device" in debug, debug
+    # and the strategy it became says how it will launch and which backend it takes
+    assert "mgpu_ddp: start_method='popen': the watched subprocess launcher" in debug
+    trainer.strategy._get_process_group_backend()
+    assert "backend gloo for cpu: torch's default for cpu devices" in [r.getMessage() for r in caplog.records]
+
+
 def test_trainer_gets_the_chosen_strategy() -> None:
     messages: list[str] = []
     handler = _records(messages)

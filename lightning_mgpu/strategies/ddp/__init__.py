@@ -1,12 +1,14 @@
-"""``mgpu_ddp``: Lightning's DDP with a start-up summary, device checks and a watchdog.
+"""``mgpu_ddp`` and what every multi-process ``mgpu_*`` strategy shares: checks, launcher, summary, watchdog.
 
-- ``strategy.py``: ``MGPUDDPStrategy``, registered as ``mgpu_ddp``;
+- ``strategy.py``: ``MGPUDDPStrategy``, registered as ``mgpu_ddp`` (and ``..._find_unused_parameters_true``);
 - ``services.py``: ``ProcessGroupServices``, what every multi-process ``mgpu_*`` strategy adds to
   its Lightning base (checks, backend, watchdog, kept shuffle, summary); ``fsdp/`` uses it too;
 - ``launcher.py``: Lightning's subprocess launcher, watched so a failed rank fails the command;
-- ``checks.py``: device and backend checks made before any process starts;
+- ``checks.py``: the backend for a device, and the device, backend and ``sync_batchnorm`` checks
+  made before any process starts;
 - ``summary.py``: the start-up summary printed by rank 0;
-- ``errors.py``: DDP's own errors rewritten to name the parameter or the lost peer;
+- ``errors.py``: DDP's unused-parameter error rewritten to name the parameters; communication
+  errors told from a rank's own;
 - ``watchdog/``: dead, stalled and left-behind ranks found and stopped within seconds.
 """
 

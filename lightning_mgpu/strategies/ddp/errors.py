@@ -2,7 +2,9 @@
 
 - ``unused_parameters_message``: DDP's "Expected to have finished reduction in the prior
   iteration" names no parameter (only reducer indices, unless ``TORCH_DISTRIBUTED_DEBUG``
-  is set); this maps the indices back to parameter names and gives both fixes.
+  is set); this maps the indices back to parameter names and gives both fixes. The
+  indices follow the module's own parameter order, so a process that holds an unwrapped
+  copy of the model (the one that spawned the ranks) names them as well as the rank.
 - ``is_communication_error``: whether an exception came from a collective losing a peer
   (gloo's "Connection reset by peer", NCCL errors, store timeouts), as opposed to an error
   of this rank's own code.
@@ -33,12 +35,19 @@ _COMMUNICATION_WORDS = (
 )
 
 
-def _reducer_parameter_names(ddp: nn.parallel.DistributedDataParallel) -> list[str]:
-    """Parameter names in the order DDP's reducer numbers them (``_build_params_for_reducer``)."""
-    ignore: set[str] = set(getattr(ddp, "parameters_to_ignore", ()))
+def _reducer_parameter_names(model: nn.Module) -> list[str]:
+    """Parameter names in the order DDP's reducer numbers them (``_build_params_for_reducer``).
+
+    ``model`` is the DDP wrapper or the module it wraps (or an identical copy of it).
+    """
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        ignore: set[str] = set(getattr(model, "parameters_to_ignore", ()))
+        model = model.module
+    else:  # what DDP would read from the module when wrapping it
+        ignore = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
     seen: set[int] = set()
     names = []
-    for module_name, module in ddp.module.named_modules():
+    for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
             if not param.requires_grad or f"{module_name}.{param_name}" in ignore or id(param) in seen:
                 continue
@@ -53,27 +62,40 @@ def unused_parameter_names(text: str, model: nn.Module | None) -> list[str]:
     if detail:
         return [name.strip() for name in detail.group(1).split(",") if name.strip()]
     indices = _INDICES.search(text)
-    if indices and isinstance(model, nn.parallel.DistributedDataParallel):
+    if indices and model is not None:
         names = _reducer_parameter_names(model)
         return [names[int(i)] for i in indices.group(1).split() if int(i) < len(names)]
-    if model is None:
-        return []
-    module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    return [name for name, p in module.named_parameters() if p.requires_grad and p.grad is None]
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        return []  # only the rank that ran the step knows which gradients are missing
+    return [name for name, p in model.module.named_parameters() if p.requires_grad and p.grad is None]
 
 
-def unused_parameters_message(text: str, model: nn.Module | None, strategy_name: str) -> str:
-    """The replacement for DDP's unused-parameter error."""
+def unused_parameters_message(
+    text: str, model: nn.Module | None, strategy_name: str, manual_optimization: bool = False
+) -> str:
+    """The replacement for DDP's unused-parameter error.
+
+    Under manual optimization DDP checks at every ``manual_backward``, so the parameters
+    were missed by the previous backward pass, which may be an earlier one of the same step.
+    """
     names = unused_parameter_names(text, model)
-    listed = ", ".join(names) if names else "(DDP did not say which)"
+    listed = ", ".join(names) if names else "(DDP did not say which; TORCH_DISTRIBUTED_DEBUG=INFO names them)"
+    if manual_optimization:
+        when = (
+            "the previous backward pass (an earlier manual_backward of this training step, or the last"
+            " one of the previous step)"
+        )
+        each, loss = "backward", "every loss you pass to manual_backward"
+    else:
+        when, each, loss = "the previous training step", "step", "the loss that training_step returns"
     return (
-        f"These parameters received no gradient in the previous training step: {listed}.\n"
+        f"These parameters received no gradient in {when}: {listed}.\n"
         "DDP all-reduces every parameter's gradient after each backward, so each parameter must take part"
-        " in the loss of every step unless DDP is told to look for unused ones. Fix it one of two ways:\n"
+        f" in the loss of every {each} unless DDP is told to look for unused ones. Fix it one of two ways:\n"
         f"  1. let DDP find them (costs an extra pass over the autograd graph per step):"
         f' Trainer(strategy="{strategy_name}_find_unused_parameters_true")'
         f" or {type_name(strategy_name)}(find_unused_parameters=True);\n"
-        "  2. change the model: use these parameters in the loss that training_step returns,"
+        f"  2. change the model: use these parameters in {loss},"
         " or remove them, or freeze them with param.requires_grad_(False) before fit."
     )
 

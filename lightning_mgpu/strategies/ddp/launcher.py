@@ -8,6 +8,7 @@ moment to print the reason before they stop.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,8 @@ from lightning_mgpu.strategies.ddp.watchdog.watchdog import PARENT_PID_ENV, watc
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
 
 
 class _WatchedSubprocessScriptLauncher(_SubprocessScriptLauncher):
@@ -37,6 +40,9 @@ class _WatchedSubprocessScriptLauncher(_SubprocessScriptLauncher):
                 del os.environ[PARENT_PID_ENV]
             first = self.cluster_environment.node_rank() * self.num_processes
             ranks = [first + local_rank for local_rank in range(1, self.num_processes)]
+            log.debug("rank %d started ranks %s (pids %s)", first, ranks, [proc.pid for proc in self.procs])
             watchdog().watch_children(self.procs, ranks, own_rank=first)
+        else:
+            log.debug("the processes were started by %s", type(self.cluster_environment).__name__)
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import _is_dataloader_shuffled
@@ -142,7 +143,8 @@ class ProcessGroupServices(_Base):
     @override
     def _configure_launcher(self) -> None:
         # runs inside Trainer(...), before any process starts
-        checks.check_devices(self.parallel_devices or [], self._process_group_backend)
+        sync_batchnorm = isinstance(getattr(self, "_layer_sync", None), TorchSyncBatchNorm)
+        checks.check_devices(self.parallel_devices or [], self._process_group_backend, sync_batchnorm)
         start_method = getattr(self, "_start_method", "popen")
         if start_method == "popen":
             assert self.cluster_environment is not None

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
@@ -71,11 +76,40 @@ class MGPUDDPStrategy(ProcessGroupServices, DDPStrategy):
     strategy_name = "mgpu_ddp"
 
     # ---------------------------------------------------------- failures
+    # DDP raises its unused-parameter error in the forward of the next step, or under manual
+    # optimization in the next manual_backward; it is explained there, in the rank, where the
+    # model is still wrapped. Under start_method="spawn" the launching process only sees the
+    # error after the rank ended, through torch.multiprocessing, with the rank's traceback.
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._unused_parameters_explained():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        with self._unused_parameters_explained():
+            super().pre_backward(closure_loss)
+
+    @contextlib.contextmanager
+    def _unused_parameters_explained(self) -> Iterator[None]:
+        try:
+            yield
+        except RuntimeError as error:
+            self._explain_unused_parameters(error)
+            raise
+
+    def _explain_unused_parameters(self, exception: BaseException) -> None:
+        if UNUSED_PATTERN not in str(exception):
+            return
+        module = self.lightning_module
+        manual = module is not None and not module.automatic_optimization
+        text = unused_parameters_message(str(exception), self.model, self.strategy_name, manual)
+        # DDP's own error is replaced; one that carries it inside (a spawned rank's traceback) keeps it
+        add_to_message(exception, text, replace=str(exception).lstrip().startswith(UNUSED_PATTERN))
+
     @override
     def on_exception(self, exception: BaseException) -> None:
-        if UNUSED_PATTERN in str(exception):
-            text = unused_parameters_message(str(exception), self.model, self.strategy_name)
-            add_to_message(exception, text, replace=True)
+        self._explain_unused_parameters(exception)  # raised outside the hooks above
         super().on_exception(exception)
 
     @classmethod

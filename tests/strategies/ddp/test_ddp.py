@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -31,7 +33,7 @@ from tests.helpers import free_port, group_alive, kill_group, run_command, run_s
 # A tiny regression fit. Rank 0 saves the data, the initial and the final weights, so the
 # test can train the single-process reference on the same global batches.
 FIT_SCRIPT = """
-import sys, torch, lightning as L
+import sys, threading, torch, lightning as L
 import lightning_mgpu
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -74,6 +76,9 @@ trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True))
 # one file per rank: two processes printing to one pipe can interleave their lines
 with open(f"shuffled_rank{trainer.global_rank}.txt", "w") as f:
     f.write(str(model.seen))
+# nothing started for the runs outlives them
+with open(f"threads_rank{trainer.global_rank}.txt", "w") as f:
+    f.write("\\n".join(t.name for t in threading.enumerate()))
 """
 
 
@@ -119,6 +124,11 @@ def test_two_processes_match_one_and_keep_shuffle(tmp_path: Path) -> None:
     assert not seen[0].startswith("[[0.0, 2.0, 4.0, 6.0]")
     assert not seen[1].startswith("[[1.0, 3.0, 5.0, 7.0]")
 
+    # the launching rank and the launched one: no watchdog thread once fit returned
+    threads = [(tmp_path / f"threads_rank{rank}.txt").read_text().splitlines() for rank in (0, 1)]
+    assert all("MainThread" in names for names in threads), threads
+    assert not any("lightning-mgpu-watchdog" in names for names in threads), threads
+
 
 SPAWN_SCRIPT = """
 import time, torch, lightning as L
@@ -142,13 +152,28 @@ class Slow(L.LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
+class Unused(Slow):
+    def __init__(self):
+        super().__init__()
+        self.extra = nn.Linear(4, 1)  # never reaches the loss
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
 if __name__ == "__main__":
     steps = int((DEAD_AFTER + 4) / 0.1)  # longer than a missing heartbeat takes to be noticed
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=MGPUDDPStrategy(start_method="spawn"), max_steps=steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )
-    trainer.fit(Slow(), DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=2))
+    loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=2)
+    quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    strategy = MGPUDDPStrategy(start_method="spawn")
+    L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, **quiet).fit(Slow(), loader)
+
+    # the launching process holds an unwrapped model: the ranks must name the unused parameters
+    strategy = MGPUDDPStrategy(start_method="spawn")
+    try:
+        L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=3, **quiet).fit(Unused(), loader)
+    except Exception as error:
+        with open("unused.txt", "w") as f:
+            f.write(f"{type(error).__name__}: {error}")
 """
 
 
@@ -158,6 +183,13 @@ def test_spawned_ranks_are_watched_under_their_own_rank(tmp_path: Path) -> None:
     assert "never sent a heartbeat" not in result.output
     assert "`max_steps=140` reached" in result.output
     assert [(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)] == ["0", "1"]
+
+    # the rank's error, explained in the rank, reaches the launching process with its traceback
+    unused = (tmp_path / "unused.txt").read_text()
+    assert "received no gradient in the previous training step: extra.weight, extra.bias.\n" in unused, unused
+    assert "Traceback (most recent call last)" in unused
+    assert "in training_step" in unused
+    assert "Expected to have finished reduction" not in unused
 
 
 def test_torchrun_two_nodes_match_one_process(tmp_path: Path) -> None:
@@ -477,8 +509,28 @@ class TwoHeads(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class TwoBackwards(TwoHeads):
+    """Manual optimization: the first backward of each step leaves ``unused`` out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        assert isinstance(optimizer, L.pytorch.core.optimizer.LightningOptimizer)
+        self.manual_backward(nn.functional.mse_loss(self.used(batch[0]), batch[1]))
+        self.manual_backward(nn.functional.mse_loss(self.unused(batch[0]), batch[1]))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def _loader() -> DataLoader:
     return DataLoader(TensorDataset(torch.randn(16, 2), torch.randn(16, 1)), batch_size=4)
+
+
+def _watchdog_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "lightning-mgpu-watchdog"]
 
 
 def test_unused_parameters_are_named_with_both_fixes() -> None:
@@ -494,12 +546,47 @@ def test_unused_parameters_are_named_with_both_fixes() -> None:
     assert "change the model" in message
     assert "Expected to have finished reduction" not in message
 
-    # the first fix works
+    # under manual optimization the previous backward can be one of the same step
+    trainer = _trainer(accelerator="cpu", devices="auto", strategy="mgpu_ddp", max_steps=3)
+    with pytest.raises(RuntimeError) as error:
+        trainer.fit(TwoBackwards(), _loader())
+    message = str(error.value)
+    backward = "an earlier manual_backward of this training step, or the last one of the previous step"
+    assert f"received no gradient in the previous backward pass ({backward}): unused.weight," in message
+    assert "use these parameters in every loss you pass to manual_backward" in message
+
+    # the first fix works, and nothing started for the run outlives it
     strategy = "mgpu_ddp_find_unused_parameters_true"
     trainer = _trainer(accelerator="cpu", devices="auto", strategy=strategy, max_steps=3)
     trainer.fit(TwoHeads(), _loader())
     assert trainer.world_size == 1
     assert trainer.global_step == 3
+    assert _watchdog_threads() == []
+
+
+class _StringDevices(CPUAccelerator):
+    """An accelerator that lists its devices as strings, as some custom accelerators do."""
+
+    @staticmethod
+    def get_parallel_devices(devices: int | str | list[int]) -> list[str]:  # type: ignore[override]
+        return ["cpu"] * int(devices) if not isinstance(devices, list) else ["cpu"] * len(devices)
+
+
+def test_devices_that_are_not_torch_devices_are_left_to_their_accelerator() -> None:
+    # Lightning's DDPStrategy takes them inside Trainer(...); so must mgpu_ddp and mgpu_auto
+    for strategy in ("ddp", "mgpu_ddp", "mgpu_auto"):
+        trainer = _trainer(accelerator=_StringDevices(), devices=2, strategy=strategy)
+        assert trainer.strategy.parallel_devices == ["cpu", "cpu"]
+    assert type(trainer.strategy) is MGPUDDPStrategy
+    check_devices(["cpu", object(), torch.device("cpu")], "gloo")
+
+
+def test_sync_batchnorm_on_cpu_fails_inside_trainer() -> None:
+    # torch's SyncBatchNorm refuses CPU tensors; found in Trainer(...), not in every started rank
+    match = r"sync_batchnorm=True needs GPUs: .* on cpu devices\. Train on GPUs"
+    with pytest.raises(ValueError, match=match):
+        _trainer(accelerator="cpu", devices=2, strategy="mgpu_ddp", sync_batchnorm=True)
+    _trainer(accelerator="cpu", devices=2, strategy="mgpu_ddp")  # without it, the same Trainer is fine
 
 
 # ----------------------------------------------------------------------- GPU only
