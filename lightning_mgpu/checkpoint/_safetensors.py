@@ -138,10 +138,11 @@ def write_safetensors(
         if not tensor.numel():
             continue
         copied = mapped.copy_to(tensor, file) if mapped is not None else 0
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        if copied < data.numel():
+        nbytes = tensor.numel() * tensor.element_size()
+        if copied < nbytes:  # a placeholder of a sharded folder (a meta tensor) is always copied whole
+            data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
             file.write(data[copied:].numpy().data)
-        unsynced += data.numel()
+        unsynced += nbytes
         if unsynced >= WRITEBACK_BYTES:
             start_writeback(file)
             unsynced = 0

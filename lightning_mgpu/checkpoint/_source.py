@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mgpu.checkpoint._dcp import FORMAT, ShardedFolder
 from lightning_mgpu.checkpoint._io import MappedFile, read_file
 from lightning_mgpu.checkpoint._prefixes import (
     find_wrappers,
@@ -65,7 +66,7 @@ class Source:
     format: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     ordered: bool = True
-    mapped: MappedFile | None = None
+    mapped: MappedFile | ShardedFolder | None = None
     wrappers: list[str] | None = None
 
 
@@ -133,6 +134,12 @@ def resolve(
 
 
 def _from_file(path: Path, map_location: Any, trust_pickle: bool, key: str | None) -> Source:
+    if path.is_dir():  # a sharded checkpoint folder: tensors stay placeholders until read one by one
+        folder = ShardedFolder(path, trust_pickle=trust_pickle)
+        sharded = _from_mapping(folder.entries, str(path), key)
+        # the folder's order is the ranks' save plans', not the model's
+        sharded.path, sharded.format, sharded.mapped, sharded.ordered = path, FORMAT, folder, False
+        return sharded
     loaded = read_file(path, map_location=map_location, trust_pickle=trust_pickle)
     obj = loaded.obj
     if isinstance(obj, nn.Module):  # torch.save(model): only readable with trust_pickle

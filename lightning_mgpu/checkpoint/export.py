@@ -12,6 +12,7 @@ from typing import Any, BinaryIO, cast
 import torch
 
 from lightning_mgpu._atomic import WritebackWriter, atomic_write
+from lightning_mgpu.checkpoint._dcp import ShardedFolder
 from lightning_mgpu.checkpoint._prefixes import WRAPPERS, add_prefix
 from lightning_mgpu.checkpoint._report import human_size
 from lightning_mgpu.checkpoint._safetensors import (
@@ -123,7 +124,8 @@ def export_state_dict(
 ) -> ExportReport:
     """Write the plain weights of ``source`` to ``path``, atomically.
 
-    - ``source`` is a checkpoint path (Lightning ``.ckpt``, ``.pt``, ``.safetensors``), an
+    - ``source`` is a checkpoint path (Lightning ``.ckpt``, ``.pt``, ``.safetensors``, or the
+      folder of a sharded checkpoint that FSDP or ``ModelParallelStrategy`` saved), an
       ``nn.Module`` (wrapped in DataParallel, DDP or ``torch.compile`` in any order), a
       LightningModule, or a state_dict / training checkpoint dict;
     - wrapper prefixes (``module.``, ``_orig_mod.``, ``_forward_module.``) are removed, and a
@@ -136,7 +138,8 @@ def export_state_dict(
     - the file is written to a temporary file in the same folder, fsynced, then renamed over
       ``path``: on any error ``path`` is unchanged and no temporary file is left;
     - a checkpoint file is memory-mapped and streamed, so memory stays near one tensor, not one
-      copy of the weights (safetensors output).
+      copy of the weights (safetensors output); a sharded folder's tensors are assembled from
+      their shards and written one at a time, its optimizer state left unread.
 
     Args:
         source: What to export (see above).
@@ -180,6 +183,8 @@ def export_state_dict(
     to_dtype = _choose_dtype(dtype)
     src = resolve(source, trust_pickle=trust_pickle, key=key)
     state_dict, removed = plain_state_dict(src, submodule)
+    if isinstance(src.mapped, ShardedFolder):  # placeholders: the writer reads them one by one
+        state_dict, to_dtype = src.mapped.prepare(state_dict, to_dtype, stream=fmt == "safetensors"), None
     if to_dtype is not None:
         state_dict = _cast(state_dict, to_dtype)
     if prefix:

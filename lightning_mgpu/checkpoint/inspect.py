@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from lightning_mgpu.checkpoint._dcp import ShardedFolder
 from lightning_mgpu.checkpoint._prefixes import WRAPPERS, plain_names, split_top
 from lightning_mgpu.checkpoint._report import Shape, human_size
 from lightning_mgpu.checkpoint._safetensors import PREFIXES_KEY
@@ -176,7 +177,7 @@ def inspect_checkpoint(source: Any, *, trust_pickle: bool = False, key: str | No
     Files are memory-mapped, so inspecting a large checkpoint reads little of it.
 
     Args:
-        source: A checkpoint path, a module or a state_dict.
+        source: A checkpoint path (a sharded checkpoint's folder too), a module or a state_dict.
         trust_pickle: Unpickle arbitrary Python objects from a legacy file. Only for files you trust.
         key: The entry of a training checkpoint that holds the weights, when it holds several.
 
@@ -193,7 +194,10 @@ def inspect_checkpoint(source: Any, *, trust_pickle: bool = False, key: str | No
     """
     src = resolve(source, trust_pickle=trust_pickle, key=key)
     info = CheckpointInfo(src.description, src.kind, src.format, weights_key=src.weights_key, chosen_key=key)
-    if src.path is not None:
+    if isinstance(src.mapped, ShardedFolder):  # a sharded folder: all its files, and who wrote them
+        info.size = src.mapped.size
+        info.details.append(src.mapped.describe())
+    elif src.path is not None:
         info.size = src.path.stat().st_size
     if src.checkpoint is not None:
         _describe_checkpoint(src.checkpoint, src.weights_key, info)

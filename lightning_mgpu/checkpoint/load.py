@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mgpu.checkpoint._dcp import ShardedFolder
 from lightning_mgpu.checkpoint._match import Mapping, match_names
 from lightning_mgpu.checkpoint._prefixes import (
     WRAPPERS,
@@ -105,7 +106,10 @@ def load_state_dict(
         several = src.lightning and not submodule and len(split_top(source_sd)) > 1
         raise ValueError(_failure(model, report, source_sd, target, by_order, several))
     to_load = OrderedDict((actual[t], source_sd[s]) for s, t in pairs)
-    model.load_state_dict(to_load, strict=False)
+    if isinstance(src.mapped, ShardedFolder):  # a sharded folder's tensors are read one at a time
+        src.mapped.load_into(model, to_load)
+    else:
+        model.load_state_dict(to_load, strict=False)
     report.loaded = len(to_load)
     return report
 

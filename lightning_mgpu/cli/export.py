@@ -14,7 +14,11 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="checkpoint to read: Lightning .ckpt, .pt/.pth, or .safetensors")
+    parser.add_argument(
+        "checkpoint",
+        help="checkpoint to read: Lightning .ckpt, .pt/.pth, .safetensors, or the folder of a sharded "
+        "checkpoint (FSDP, ModelParallelStrategy)",
+    )
     parser.add_argument("out", help="file to write; the format follows the suffix unless --format is given")
     parser.add_argument(
         "--dataparallel",

@@ -13,7 +13,10 @@ from lightning_mgpu.cli.export import add_key, add_trust_pickle
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", help="checkpoint or weights file: .ckpt, .pt/.pth or .safetensors")
+    parser.add_argument(
+        "file",
+        help="checkpoint or weights file (.ckpt, .pt/.pth, .safetensors) or a sharded checkpoint's folder",
+    )
     parser.add_argument("--all", action="store_true", help="list every entry (default: 20 per group)")
     add_key(parser)
     add_trust_pickle(parser)

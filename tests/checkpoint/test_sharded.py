@@ -1,0 +1,310 @@
+"""Sharded checkpoint folders (``torch.distributed.checkpoint``) exported, loaded, inspected as plain weights.
+
+One real 2-process run of Lightning's ``ModelParallelStrategy`` (FSDP2 on gloo) writes the folder
+that most checks share, with every tensor split over both ranks' files; the rest save folders in
+this process, which ``torch.distributed.checkpoint`` does without a process group.
+"""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from lightning_mgpu import export_state_dict, inspect_checkpoint, load_state_dict
+from lightning_mgpu.cli.main import main
+from tests.helpers import run_command, run_script, script_env
+
+_FIT = """
+import sys
+import lightning as L
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Lit(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def configure_model(self):
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.model(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.1)
+
+
+torch.manual_seed(1)
+data = TensorDataset(torch.randn(16, 8), torch.randn(16, 4))
+trainer = L.Trainer(
+    accelerator="cpu",
+    devices=2,
+    strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+    max_steps=2,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+)
+lit = Lit()
+trainer.fit(lit, DataLoader(data, batch_size=4))
+trainer.save_checkpoint("last.ckpt")
+full = get_model_state_dict(lit.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+if trainer.global_rank == 0:
+    torch.save(full, "reference.pt")
+"""
+
+
+def plain_model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The folder a 2-rank ``ModelParallelStrategy`` saved, and its full weights gathered by torch."""
+    folder = tmp_path_factory.mktemp("fsdp")
+    result = run_script(_FIT, folder, timeout=300)
+    assert result.returncode == 0, result.output[-3000:]
+    return folder / "last.ckpt", torch.load(folder / "reference.pt", weights_only=True)
+
+
+def copy_of(folder: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(folder, tmp_path / folder.name))
+
+
+def only_inputs_left(folder: Path, *names: str) -> None:
+    assert sorted(p.name for p in folder.iterdir()) == sorted(names)
+
+
+def test_the_run_wrote_shards_of_every_tensor(fsdp_run: tuple[Path, dict]) -> None:
+    folder, _ = fsdp_run
+    assert sorted(p.name for p in folder.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "meta.pt",
+    ]
+    chunks = (
+        dcp.FileSystemReader(folder).read_metadata().state_dict_metadata["state_dict.model.0.weight"].chunks
+    )
+    assert len(chunks) == 2  # so export assembles each tensor from both ranks' files
+
+
+def test_export_loads_strictly_into_a_plain_model(fsdp_run: tuple[Path, dict], tmp_path: Path) -> None:
+    folder, reference = fsdp_run
+    report = export_state_dict(folder, tmp_path / "model.safetensors")
+    assert report.removed_prefixes == ["model."]
+    assert report.tensors == 4  # the AdamW state beside the weights is not exported
+
+    model = plain_model()
+    safetensors.torch.load_model(model, tmp_path / "model.safetensors", strict=True)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, reference[name], rtol=0, atol=0)
+
+    export_state_dict(folder, tmp_path / "model_bf16.pt", dtype="bfloat16")
+    half = torch.load(tmp_path / "model_bf16.pt", weights_only=True)
+    assert {k: v.dtype for k, v in half.items()} == dict.fromkeys(reference, torch.bfloat16)
+    torch.testing.assert_close(half["0.weight"], reference["0.weight"].bfloat16(), rtol=0, atol=0)
+
+
+def test_load_state_dict_reads_the_folder(fsdp_run: tuple[Path, dict]) -> None:
+    folder, reference = fsdp_run
+    model = plain_model()
+    report = load_state_dict(model, folder, strict=True)
+    assert report.loaded == 4
+    assert report.removed_prefixes == ["model."]
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, reference[name], rtol=0, atol=0)
+
+    dp = nn.DataParallel(plain_model())
+    load_state_dict(dp, folder)
+    torch.testing.assert_close(dp.module[2].bias, reference["2.bias"], rtol=0, atol=0)
+
+
+def test_inspect_and_the_command_line(
+    fsdp_run: tuple[Path, dict], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    folder, reference = fsdp_run
+    info = inspect_checkpoint(folder)
+    assert (info.kind, info.format, info.weights_key) == (
+        "Lightning checkpoint",
+        "torch.distributed.checkpoint",
+        "state_dict",
+    )
+    assert info.details[0] == "saved by 2 ranks in 2 shard files"
+    assert "optimizer_0" in info.other_entries
+    assert [(t.name, list(t.shape)) for t in info.tensors] == [
+        ("model." + k, list(v.shape)) for k, v in reference.items()
+    ]
+    assert info.lightning_attribute == "model."
+    assert info.size == sum(p.stat().st_size for p in folder.iterdir())
+
+    assert main(["inspect", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "saved by 2 ranks in 2 shard files" in out
+    assert f"lightning-mgpu export {folder} {folder.with_name('last.safetensors')}" in out
+
+    assert main(["export", str(folder), str(tmp_path / "cli.safetensors")]) == 0
+    assert "removed prefixes: model." in capsys.readouterr().out
+    weights = safetensors.torch.load_file(tmp_path / "cli.safetensors")
+    assert weights.keys() == reference.keys()
+
+
+def test_a_missing_shard_is_named_and_nothing_written(fsdp_run: tuple[Path, dict], tmp_path: Path) -> None:
+    folder = copy_of(fsdp_run[0], tmp_path)
+    (folder / "__1_0.distcp").unlink()
+    with pytest.raises(FileNotFoundError, match=r"1 of its 2 shard files is missing: __1_0\.distcp \(holds"):
+        export_state_dict(folder, tmp_path / "out.safetensors")
+    assert main(["export", str(folder), str(tmp_path / "out.safetensors")]) == 1
+    with pytest.raises(FileNotFoundError, match=r"__1_0\.distcp"):
+        load_state_dict(plain_model(), folder)
+    only_inputs_left(tmp_path, folder.name)
+
+
+def test_a_truncated_or_damaged_shard(fsdp_run: tuple[Path, dict], tmp_path: Path) -> None:
+    folder = copy_of(fsdp_run[0], tmp_path)
+    shard = folder / "__0_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"__0_0\.distcp is truncated"):
+        export_state_dict(folder, tmp_path / "out.safetensors")
+
+    # same length, bytes overwritten: found only when the tensor is read, halfway through the export
+    shard.write_bytes(bytes(len(data)))
+    with pytest.raises(ValueError, match=r"__0_0\.distcp is corrupt: 'state_dict\.model\."):
+        export_state_dict(folder, tmp_path / "out.safetensors")
+    only_inputs_left(tmp_path, folder.name)
+
+
+def test_missing_or_corrupt_metadata(fsdp_run: tuple[Path, dict], tmp_path: Path) -> None:
+    folder = copy_of(fsdp_run[0], tmp_path)
+    index = folder / ".metadata"
+    data = index.read_bytes()
+    index.unlink()
+    with pytest.raises(FileNotFoundError, match=r"\.metadata is missing .* the save did not finish"):
+        export_state_dict(folder, tmp_path / "out.safetensors")
+    index.write_bytes(data[: len(data) // 3])
+    with pytest.raises(ValueError, match=r"\.metadata is truncated or corrupt"):
+        inspect_checkpoint(folder)
+    index.write_bytes(b"not a pickle at all")
+    with pytest.raises(ValueError, match=r"\.metadata is truncated or corrupt"):
+        export_state_dict(folder, tmp_path / "out.safetensors")
+    only_inputs_left(tmp_path, folder.name)
+
+
+class _Touch:
+    """Unpickling this would create ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (Path.touch, (self.marker,))
+
+
+def test_metadata_is_never_unpickled_unrestricted(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=folder)
+    marker = tmp_path / "ran"
+    (folder / ".metadata").write_bytes(pickle.dumps(_Touch(marker)))
+    with pytest.raises(ValueError, match=r"pathlib\.Path\.touch|refused.*trust_pickle=True"):
+        inspect_checkpoint(folder)
+    assert not marker.exists()
+
+
+def test_a_folder_that_is_no_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(IsADirectoryError, match="no .metadata and no .distcp shard files"):
+        export_state_dict(tmp_path / "empty", tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_fabric_layout_and_a_bare_state_dict(tmp_path: Path) -> None:
+    """Fabric saves the user's names (``model``, ``optimizer``); ``dcp.save(model.state_dict())`` none."""
+    torch.manual_seed(0)
+    trained = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+    optimizer = torch.optim.Adam(trained.parameters())
+    trained(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    dcp.save(
+        {"model": trained.state_dict(), "optimizer": optimizer.state_dict()},
+        checkpoint_id=tmp_path / "fabric",
+    )
+    dcp.save(trained.state_dict(), checkpoint_id=tmp_path / "bare")
+
+    for name, key in (("fabric", "model"), ("bare", None)):
+        assert inspect_checkpoint(tmp_path / name).weights_key == key
+        report = export_state_dict(tmp_path / name, tmp_path / f"{name}.safetensors")
+        assert report.tensors == 9  # BatchNorm's buffers too, its int64 counter included
+        model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+        load_state_dict(model, tmp_path / f"{name}.safetensors", strict=True)
+        for k, v in trained.state_dict().items():
+            torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0)
+
+
+_PEAK = """
+import sys
+from pathlib import Path
+from lightning_mgpu import export_state_dict
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+folder, warm, out = (Path(a) for a in sys.argv[1:])
+export_state_dict(warm, out.with_name("warm.safetensors"))  # imports and first-call set-up, not counted
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM) starts again from here: imports peaked higher than they ended
+before = status("VmRSS")
+export_state_dict(folder, out)
+print(status("VmHWM") - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_export_memory_stays_near_the_largest_tensor(tmp_path: Path) -> None:
+    mib = 1 << 20
+    weights = {f"layers.{i}.weight": torch.full((4 * mib // 4,), float(i)) for i in range(8)}  # 8 x 4 MiB
+    weights["layers.0.weight"] = torch.zeros(8 * mib // 4)  # the largest: 8 MiB of 36
+    dcp.save(
+        {"state_dict": weights, "optimizer_0": {"state": {k: {"exp_avg": v} for k, v in weights.items()}}},
+        checkpoint_id=tmp_path / "big",
+    )
+    dcp.save({"state_dict": {"w": torch.ones(2)}}, checkpoint_id=tmp_path / "warm")
+    del weights
+    total = sum(p.stat().st_size for p in (tmp_path / "big").iterdir())
+    assert total > 70 * mib  # weights and optimizer state
+
+    out = tmp_path / "out.safetensors"
+    result = run_command(
+        [sys.executable, "-c", _PEAK, str(tmp_path / "big"), str(tmp_path / "warm"), str(out)],
+        cwd=tmp_path,
+        env=script_env(),
+    )
+    assert result.returncode == 0, result.output
+    growth = int(result.stdout.split()[-1])
+    # reading everything (as dcp_to_torch_save does) would grow by the whole 72 MiB
+    assert growth < 20 * mib, f"peak grew by {growth / mib:.1f} MiB for a {total / mib:.0f} MiB folder"
+    written = safetensors.torch.load_file(out)
+    assert written["layers.3.weight"].eq(3).all()
+    assert written["layers.0.weight"].shape == (2 * mib,)
