@@ -2,7 +2,9 @@
 
 Reads ``memory/<device>/<field>_MiB`` columns from a CSVLogger ``metrics.csv`` (or rows
 given directly), draws one line per device and each device's limit (``total_MiB``)
-dashed in the same colour when it is known. Needs matplotlib (``pip install
+dashed in the same colour when it is known. Each quantity gets a panel of its own, so a
+process's hundreds of MiB of RSS do not flatten the KiB that ``mgpu_dp``'s CPU replicas save
+for backward. Needs matplotlib (``pip install
 'lightning-mgpu[plot]'``); it is imported only here, and pyplot is never touched, so
 plotting changes no global matplotlib state.
 """
@@ -10,6 +12,7 @@ plotting changes no global matplotlib state.
 from __future__ import annotations
 
 import csv
+import logging
 import math
 import os
 import re
@@ -22,8 +25,17 @@ from lightning_mgpu._atomic import atomic_write
 __all__ = ["find_metrics_csv", "output_png", "plot_memory", "read_memory_metrics"]
 
 _KEY = re.compile(r"^memory/([^/]+)/([a-z_]+)_MiB$")
-# what to draw for each kind of device, in order of preference
+# what to draw for each kind of device, in order of preference, and its panel's title
 _DEFAULT_FIELDS = ("peak_allocated", "rss", "saved")
+_TITLES = {
+    "peak_allocated": "peak allocated (CUDA allocator)",
+    "rss": "resident memory of each process (RSS)",
+    "saved": "saved for backward by each mgpu_dp replica",
+}
+
+log = logging.getLogger(__name__)
+
+_Series = dict[str, dict[str, list[tuple[int, float]]]]  # device -> field -> [(step, MiB), ...]
 
 
 def find_metrics_csv(path: str | os.PathLike[str]) -> Path:
@@ -83,6 +95,8 @@ def plot_memory(
 
     - one solid line per device: peak allocated on CUDA devices, RSS of CPU ranks, bytes
       saved for backward of CPU ``mgpu_dp`` replicas (or ``field`` for all devices);
+    - one panel per quantity, one above the other over the same steps, each on its own scale
+      (KiB when all its values are below 1 MiB);
     - the device's limit (``total_MiB``) as a dashed line of the same colour, when logged.
 
     Args:
@@ -113,28 +127,22 @@ def plot_memory(
             f"no memory/* metrics in {run_dir_or_metrics!s:.200}:"
             " train with DeviceMemoryMonitor and a CSVLogger"
         )
-    fig = Figure(figsize=(9, 5), layout="constrained")
-    ax = fig.subplots()
-    drawn = []
+    panels: dict[str, list[str]] = {}  # field -> the devices drawn with it
     for device in sorted(series):
-        fields = series[device]
-        name = field or next((f for f in _DEFAULT_FIELDS if f in fields), None)
-        if name is None or name not in fields:
-            continue
-        steps = [s for s, _ in fields[name]]
-        values = [v for _, v in fields[name]]
-        (line,) = ax.plot(steps, values, linestyle="-", label=f"{device} {name}")
-        drawn.append(name)
-        if "total" in fields:
-            limit = max(v for _, v in fields["total"])
-            ax.axhline(limit, color=line.get_color(), linestyle="--", label=f"{device} limit")
-    if not drawn:
+        name = field or next((f for f in _DEFAULT_FIELDS if f in series[device]), None)
+        if name is not None and name in series[device]:
+            panels.setdefault(name, []).append(device)
+    if not panels:
         raise ValueError(f"no device logged memory/<device>/{field}_MiB; fields present: {_fields(series)}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("MiB")
-    ax.set_title(title or "Memory per device")
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="best", fontsize="small")
+    order = {name: i for i, name in enumerate(_DEFAULT_FIELDS)}
+    panels = dict(sorted(panels.items(), key=lambda item: order.get(item[0], len(order))))
+    log.debug("plot panels: %s", "; ".join(f"{name}: {', '.join(d)}" for name, d in panels.items()))
+    fig = Figure(figsize=(9, 1.5 + 3.5 * len(panels)), layout="constrained")
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (name, devices) in zip(axes, panels.items(), strict=True):
+        _draw_panel(ax, series, name, devices)
+    axes[-1].set_xlabel("step")
+    fig.suptitle(title or "Memory per device")
     out = output_png(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_write(out) as file:
@@ -151,6 +159,29 @@ def output_png(out_png: str | os.PathLike[str]) -> Path:
     """
     out = Path(out_png)
     return out / "memory.png" if out.is_dir() else out
+
+
+def _draw_panel(
+    ax: Any, series: dict[str, dict[str, list[tuple[int, float]]]], name: str, devices: list[str]
+) -> None:
+    """One quantity for each of ``devices``, with limits dashed; KiB when every value is below 1 MiB."""
+    drawn = [v for d in devices for _, v in series[d][name]]
+    unit, scale = ("KiB", 1024.0) if drawn and max(drawn) < 1 else ("MiB", 1.0)
+    for device in devices:
+        points = series[device][name]
+        (line,) = ax.plot(
+            [s for s, _ in points], [v * scale for _, v in points], linestyle="-", label=f"{device} {name}"
+        )
+        if "total" in series[device]:
+            limit = max(v for _, v in series[device]["total"]) * scale
+            ax.axhline(limit, color=line.get_color(), linestyle="--", label=f"{device} limit")
+    # memory from zero, so a small change does not look like a large one
+    ax.set_ylim(0, max([1e-9, *(float(y) for line in ax.get_lines() for y in line.get_ydata())]) * 1.08)
+    ax.xaxis.get_major_locator().set_params(integer=True)  # steps
+    ax.set_title(_TITLES.get(name, name.replace("_", " ")), fontsize="medium")
+    ax.set_ylabel(unit)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
 
 
 def _fields(series: dict[str, dict[str, list[tuple[int, float]]]]) -> str:

@@ -85,3 +85,24 @@ def test_field_choice_and_errors(tmp_path: Path) -> None:
         plot_memory(tmp_path / "runs", tmp_path / "e.png")
     assert not list(tmp_path.glob("*.png.tmp*"))
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["a.png"]
+
+
+def test_each_quantity_gets_its_own_panel_and_scale(tmp_path: Path) -> None:
+    """An mgpu_dp run on CPU: the process's RSS in MiB, each replica's saved bytes in KiB below it."""
+    rows = [
+        {
+            "step": step,
+            "memory/cpu:rank0/rss_MiB": 450.0 + step,
+            "memory/cpu:replica0/saved_MiB": 0.30,
+            "memory/cpu:replica1/saved_MiB": 0.15,
+        }
+        for step in range(4)
+    ]
+    fig = plot_memory(rows, tmp_path / "memory.png")
+    rss, saved = fig.axes
+    assert [line.get_label() for line in rss.get_lines()] == ["cpu:rank0 rss"]
+    assert rss.get_ylabel() == "MiB"
+    assert [line.get_label() for line in saved.get_lines()] == ["cpu:replica0 saved", "cpu:replica1 saved"]
+    assert saved.get_ylabel() == "KiB"
+    assert list(saved.get_lines()[1].get_ydata()) == pytest.approx([0.15 * 1024] * 4)
+    assert saved.get_ylim()[1] < 400  # on its own scale: the replicas do not lie flat on zero

@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--field",
         help="draw this field for every device, e.g. reserved or nvml_used"
-        " (default: peak_allocated on CUDA, rss for CPU ranks)",
+        " (default: peak_allocated on CUDA, rss for CPU ranks, saved for CPU mgpu_dp replicas;"
+        " each quantity in a panel of its own)",
     )
 
 
@@ -35,6 +36,6 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as err:
         print(f"lightning-mgpu plot-memory: error: {err}", file=sys.stderr)
         return 1
-    devices = sum(1 for line in fig.axes[0].get_lines() if line.get_linestyle() == "-")
+    devices = sum(1 for ax in fig.axes for line in ax.get_lines() if line.get_linestyle() == "-")
     print(f"wrote {output_png(target)} ({devices} device(s))")
     return 0
