@@ -165,7 +165,11 @@ def _blocks_of_classes(module: nn.Module, wanted: Sequence[str | type[nn.Module]
 
 
 def _missing_classes_message(module: nn.Module, wanted: Sequence[str | type[nn.Module]]) -> str:
-    present = sorted({type(m).__name__ for m in module.modules() if m is not module and _holds_parameters(m)})
+    containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+    present = sorted(
+        {type(m).__name__ for m in module.modules() if _holds_parameters(m) and not isinstance(m, containers)}
+        - {type(module).__name__}
+    )
     names = [item if isinstance(item, str) else item.__name__ for item in wanted]
     hints = {
         hint for name in names for hint in difflib.get_close_matches(name.rsplit(".", 1)[-1], present, n=1)
