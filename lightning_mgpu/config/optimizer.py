@@ -6,7 +6,9 @@
 - ``lr``, ``weight_decay`` and ``momentum`` go to the class where its signature takes them;
   ``kwargs`` holds any other argument (``optimizer.kwargs.betas=[0.9,0.95]``).
 - ``component_problems`` imports the class during validation and checks the arguments, so a
-  typo in a class path or argument name is reported, with a suggestion, before anything runs.
+  typo in a class path or argument name is reported, with a suggestion, before anything runs;
+  ``misplaced_arguments`` points an argument written beside the section's keys (``optimizer.betas``,
+  as torchtune lays it out) to ``optimizer.kwargs.betas``.
 - ``build_optimizer`` fills in the schema's defaults and makes the optimizer.
 
 Importing this module does not import torch; checking or building the class does.
@@ -19,7 +21,7 @@ import importlib
 import inspect
 import logging
 from collections.abc import Iterable, Mapping, MutableMapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from lightning_mgpu.config.checks import at_least, one_of
@@ -32,6 +34,7 @@ __all__ = [
     "OptimizerConfig",
     "build_optimizer",
     "component_problems",
+    "misplaced_arguments",
     "optimizer_class",
     "use_component_key",
     "with_defaults",
@@ -160,6 +163,29 @@ def component_problems(component: str, kwargs: Mapping[str, Any]) -> list[str]:
             close = difflib.get_close_matches(key, takes, n=1)
             hint = f"; did you mean {close[0]}?" if close else f"; it takes {', '.join(takes)}"
             out.append(f"kwargs.{key}: {SHORT_NAMES.get(component, component)} takes no argument {key}{hint}")
+    return out
+
+
+def misplaced_arguments(section: MutableMapping[str, Any]) -> list[str]:
+    """Class arguments written beside the section's keys (torchtune's layout): removed, one message each.
+
+    Example::
+
+        section = {"_component_": "torch.optim.AdamW", "betas": [0.9, 0.95]}
+        misplaced_arguments(section)
+        # ['betas: an argument of torch.optim.AdamW; write it under kwargs: optimizer.kwargs.betas']
+    """
+    component = section.get("_component_", OptimizerConfig._component_)
+    own = {f.name for f in fields(OptimizerConfig)}
+    try:
+        takes = _arguments(optimizer_class(str(component)))
+    except ValueError:
+        return []  # the class itself is reported
+    out = []
+    for key in [k for k in section if k not in own and k in takes]:
+        del section[key]
+        path = SHORT_NAMES.get(str(component), str(component))
+        out.append(f"{key}: an argument of {path}; write it under kwargs: optimizer.kwargs.{key}")
     return out
 
 

@@ -24,7 +24,7 @@ from typing import Any, cast
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
-from lightning_mgpu.config.optimizer import use_component_key
+from lightning_mgpu.config.optimizer import misplaced_arguments, use_component_key
 from lightning_mgpu.config.schema import RunConfig
 
 __all__ = ["ConfigError", "run_schema", "validate"]
@@ -90,9 +90,11 @@ def validate(raw: DictConfig, source: str = "config") -> RunConfig:
         raise ConfigError(source, [f"cannot resolve an interpolation: {str(err).splitlines()[0]}"]) from err
 
     problems: list[str] = []
-    if isinstance(data.get("optimizer"), dict) and (clash := use_component_key(data["optimizer"])):
-        problems += [f"optimizer.{p}" for p in clash]  # `name` is the older key of `_component_`
-        del data["optimizer"]["name"]
+    if isinstance(data.get("optimizer"), dict):
+        if clash := use_component_key(data["optimizer"]):  # `name` is the older key of `_component_`
+            problems += [f"optimizer.{p}" for p in clash]
+            del data["optimizer"]["name"]
+        problems += [f"optimizer.{p}" for p in misplaced_arguments(data["optimizer"])]
     schema, skip = _schema_or_problem(data.get("recipe"), problems)
     typed = OmegaConf.structured(schema)
     _merge(typed, schema, {k: v for k, v in data.items() if k not in skip}, "", _all_keys(schema), problems)

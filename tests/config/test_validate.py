@@ -185,6 +185,11 @@ def test_optimizer_class_path_typos_are_named_before_anything_runs() -> None:
         "optimizer.kwargs.betaz: torch.optim.AdamW takes no argument betaz; did you mean betas?",
         "optimizer.kwargs.lr: set it as optimizer.lr, the section's own key",
     ]
+    assert problems(["optimizer.name=sgd", "optimizer.nesterov=true"]) == [
+        "optimizer.nesterov: an argument of torch.optim.SGD; write it under kwargs: optimizer.kwargs.nesterov"
+    ]
+    cfg = load_config("digits", ["optimizer.name=sgd", "optimizer.kwargs.nesterov=true"])
+    assert cfg.optimizer.kwargs == {"nesterov": True}
 
 
 def test_optimizer_name_is_the_older_key_of_component_and_overrides_the_file() -> None:
