@@ -14,6 +14,7 @@ This module does not import torch.
 from __future__ import annotations
 
 import difflib
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
@@ -24,6 +25,8 @@ from omegaconf.errors import OmegaConfBaseException
 from lightning_mgpu.config.optimizer import use_component_key
 
 __all__ = ["config_dir", "find_config", "load", "parse_overrides", "shipped_configs"]
+
+log = logging.getLogger(__name__)
 
 
 def config_dir() -> Path:
@@ -52,9 +55,11 @@ def find_config(name_or_path: str) -> Path:
     """
     path = Path(name_or_path)
     if path.is_file():
+        log.debug("config %r: an existing file", name_or_path)
         return path
     shipped = shipped_configs()
     if name_or_path in shipped:
+        log.debug("config %r: no such file, the shipped %s", name_or_path, shipped[name_or_path])
         return shipped[name_or_path]
     hint = difflib.get_close_matches(name_or_path, list(shipped), n=1)
     did_you_mean = f"did you mean {hint[0]}? " if hint else ""
