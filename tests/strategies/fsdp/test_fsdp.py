@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 
+import lightning as L
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_mgpu import MGPUFSDPStrategy
 from tests.helpers import run_script
 
 FIT_SCRIPT = """
@@ -84,6 +87,7 @@ fit("bf16", "sgd", precision="bf16-mixed")
 fit("first_epoch", "adamw", epochs=1, callbacks=[ModelCheckpoint(dirpath="ckpt", save_last=True)])
 fit("resumed", "adamw", ckpt_path="ckpt/last.ckpt", reshard_after_forward=False)
 """
+# (test_a_checkpoint_of_two_processes_resumes_in_one resumes ckpt/last.ckpt in this pytest process)
 
 
 class Reference(nn.Module):
@@ -169,6 +173,41 @@ def test_a_sharded_checkpoint_resumes_to_the_same_weights(fsdp_run) -> None:
     resumed = torch.load(tmp_path / "resumed.pt")["final"]
     for name, value in straight.items():
         torch.testing.assert_close(resumed[name], value, atol=1e-6, rtol=0)
+
+
+class Regression(L.LightningModule):
+    """The script's model, to resume its checkpoint here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 33), nn.Tanh())
+        self.head = nn.Linear(33, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.net(x))
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return nn.functional.mse_loss(self(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+
+
+def test_a_checkpoint_of_two_processes_resumes_in_one(fsdp_run, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path, _ = fsdp_run
+    monkeypatch.chdir(tmp_path)
+    data = torch.load(tmp_path / "data.pt")
+    model = Regression()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=MGPUFSDPStrategy(), max_epochs=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    loader = DataLoader(TensorDataset(data["x"], data["y"]), batch_size=8)  # the two ranks' batches together
+    trainer.fit(model, loader, ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    assert trainer.global_step == 16
+    straight = torch.load(tmp_path / "adamw.pt")["final"]  # two processes, two epochs without a stop
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value.full_tensor(), straight[name], atol=1e-6, rtol=0)
 
 
 def test_the_summary_shows_the_plan_and_each_rank_share(fsdp_run) -> None:
