@@ -4,6 +4,7 @@
   device mesh, sharded checkpoints) and ``ddp/services.py``'s ``ProcessGroupServices``;
 - ``plan.py``: which submodules become units of their own (a pure function of the module tree);
 - ``sharding.py``: the options, the Trainer precision's dtypes, and the ``fully_shard`` calls;
+- ``fits.py``: the least memory a device needs under a plan, checked on GPUs before anything moves;
 - ``state.py``: bytes of parameters, gradients and optimizer state held by this rank and by the whole model.
 """
 

@@ -8,6 +8,7 @@ from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.init import _materialize_distributed_module
@@ -15,11 +16,13 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.strategies.ddp.services import ProcessGroupServices
+from lightning_mgpu.strategies.fsdp.fits import check_fits, sharded_need
 from lightning_mgpu.strategies.fsdp.plan import ShardingPlan, plan_sharding, validate_block_classes
 from lightning_mgpu.strategies.fsdp.sharding import (
     ShardingOptions,
@@ -238,6 +241,7 @@ class MGPUFSDPStrategy(ProcessGroupServices, _ShardingModelParallel):
         if precision.endswith("-true"):
             # the shards take the model's dtype: convert first (Lightning's convert_module is then a no-op)
             self.precision_plugin.convert_module(module)  # in place: nn.Module.to
+        self._check_fits(module, plan, precision)
         broadcast_from_rank0(module, self.root_device)
         mesh = self.device_mesh["data_parallel"]
         pin = self.root_device.type == "cuda"
@@ -246,6 +250,23 @@ class MGPUFSDPStrategy(ProcessGroupServices, _ShardingModelParallel):
         log.info(
             "%s: %s by the %s", self.strategy_name, plan.describe(limit=len(plan.blocks)), plan.chosen_by
         )
+
+    def _check_fits(self, module: nn.Module, plan: ShardingPlan, precision: str) -> None:
+        """Refuse, before anything moves to a GPU, a model whose shards cannot fit it (see ``fits``)."""
+        if self.root_device.type != "cuda":
+            return
+        policy = mixed_precision_policy(precision)
+        itemsize = policy.param_dtype.itemsize if policy is not None and policy.param_dtype else None
+        need = sharded_need(module, plan, self.world_size, itemsize, self.options.cpu_offload)
+        total = torch.cuda.mem_get_info(self.root_device)[1]
+        log.debug(
+            "%s: at least %d bytes per device, %s has %d",
+            self.strategy_name,
+            need.per_device,
+            self.root_device,
+            total,
+        )
+        check_fits(need, total, f"{self.root_device} ({torch.cuda.get_device_name(self.root_device)})")
 
     @override
     def model_to_device(self) -> None:

@@ -107,3 +107,15 @@ def test_each_gpu_holds_about_half_the_model_state_of_ddp(tmp_path: Path) -> Non
         fsdp = int((tmp_path / f"mgpu_fsdp_rank{rank}.txt").read_text())
         # 8 x 4M parameters x (weights, gradients, two AdamW moments) = 512 MiB under DDP
         assert fsdp <= 0.6 * ddp, (rank, fsdp, ddp)
+
+
+class Huge(Net):
+    def configure_model(self) -> None:
+        with torch.device("meta"):  # 8 x 16 GiB of float32 weights, never allocated
+            self.big = nn.Sequential(*(nn.Linear(65536, 65536, bias=False) for _ in range(8)))
+
+
+def test_a_model_no_gpu_can_hold_is_refused_with_the_estimate_before_training() -> None:
+    with pytest.raises(ValueError, match=r"needs at least 272.00 GiB per device on 1 process") as err:
+        fit(Huge())
+    assert "Use at least" in str(err.value)
