@@ -18,6 +18,7 @@ strategies.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 import re
@@ -45,6 +46,8 @@ __all__ = [
 ]
 
 MiB = 1024**2
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -92,10 +95,12 @@ def _nvml() -> Any | None:
     try:
         import pynvml
     except ImportError:
+        log.debug("NVML not used: nvidia-ml-py is not installed")
         return None
     try:
         pynvml.nvmlInit()
-    except Exception:  # no driver, no library: NVML is simply not available
+    except Exception as err:  # no driver, no library: NVML is simply not available
+        log.debug("NVML not used: nvmlInit failed (%s)", err)
         return None
     return pynvml
 

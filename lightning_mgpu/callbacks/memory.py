@@ -31,7 +31,7 @@ from lightning_mgpu.callbacks.memory_readings import (
     strategy_kind,
     take_readings,
 )
-from lightning_mgpu.callbacks.memory_report import Facts, OOMContext, Reading, Summary
+from lightning_mgpu.callbacks.memory_report import Facts, Layout, OOMContext, Reading, Summary
 from lightning_mgpu.devices import cuda_devices
 from lightning_mgpu.estimate.batch import batch_rows
 
@@ -125,7 +125,7 @@ class DeviceMemoryMonitor(Callback):
         self.latest: list[Reading] = []
         self._every = 1
         self._batches = 0
-        self._layouts: list[list[tuple[str, str, int, str]]] | None = None  # per rank
+        self._layouts: list[list[Layout]] | None = None  # per rank
         self._device_plan: list[PlannedReading] | None = None
         self._pending: tuple[Any, list[torch.Tensor], list[int]] | None = None
         self._buffer: list[tuple[int, list[Reading]]] = []  # (step, readings) not handed over yet
@@ -294,7 +294,7 @@ class DeviceMemoryMonitor(Callback):
                 self._use(trainer, readings, step)
             return
         self._finish_gather(trainer)
-        width = max(sum(len(report.FIELDS[kind]) + 1 for _, kind, _, _ in layout) for layout in self._layouts)
+        width = max(sum(item.width for item in layout) for layout in self._layouts)
         rows = []
         for _, readings in buffered:
             vec = [x for r in readings for x in r.vector()]
@@ -317,9 +317,8 @@ class DeviceMemoryMonitor(Callback):
             for layout, table in zip(self._layouts, tables, strict=True):
                 row, offset = table[i], 0
                 for item in layout:
-                    n = len(report.FIELDS[item[1]]) + 1
-                    readings.append(report.from_vector(item, row[offset : offset + n]))
-                    offset += n
+                    readings.append(report.from_vector(item, row[offset : offset + item.width]))
+                    offset += item.width
             self._use(trainer, readings, step)
 
     def _use(self, trainer: Trainer, readings: list[Reading], step: int) -> None:

@@ -24,6 +24,21 @@ PRIMARY = {"cuda": "peak_allocated", "cpu": "peak_rss", "replica": "saved"}
 _LATEST = {"total"}
 
 
+@dataclass(frozen=True)
+class Layout:
+    """What one device's reading is, without its values: what ranks exchange once, before the numbers."""
+
+    device: str
+    kind: str
+    rank: int
+    name: str
+
+    @property
+    def width(self) -> int:
+        """Numbers in the reading's vector: its fields, then its rows."""
+        return len(FIELDS[self.kind]) + 1
+
+
 @dataclass
 class Reading:
     """One device's memory at one moment (bytes; NaN where unknown)."""
@@ -36,17 +51,18 @@ class Reading:
     rows: float = math.nan
     """Batch rows this device processed in the last step."""
 
-    def layout(self) -> tuple[str, str, int, str]:
-        return (self.device, self.kind, self.rank, self.name)
+    def layout(self) -> Layout:
+        return Layout(self.device, self.kind, self.rank, self.name)
 
     def vector(self) -> list[float]:
         return [self.values.get(f, math.nan) for f in FIELDS[self.kind]] + [self.rows]
 
 
-def from_vector(layout: tuple[str, str, int, str], vec: list[float]) -> Reading:
-    device, kind, rank, name = layout
-    n = len(FIELDS[kind])
-    return Reading(device, kind, rank, name, dict(zip(FIELDS[kind], vec[:n], strict=True)), vec[n])
+def from_vector(layout: Layout, vec: list[float]) -> Reading:
+    """The reading ``layout`` describes, from its numbers (as ``Reading.vector`` gives them)."""
+    n = len(FIELDS[layout.kind])
+    values = dict(zip(FIELDS[layout.kind], vec[:n], strict=True))
+    return Reading(layout.device, layout.kind, layout.rank, layout.name, values, vec[n])
 
 
 def metrics(readings: list[Reading]) -> dict[str, float]:
