@@ -3,6 +3,7 @@
 - ``predict.py``: ``estimate_memory`` and the ``MemoryEstimate`` it returns (public);
 - ``report.py``: the estimate's one table, for ``str(estimate)`` and ``lightning-mgpu estimate``;
 - ``batch.py``: a batch's rows (Lightning's ``extract_batch_size``), its tensors, a resized copy;
+- ``measuring.py``: what both measurements share: copies of the module, byte counts, the result;
 - ``training.py``: one warm-up and two measured training steps on copies of the module;
 - ``inference.py``: two measured forward passes under ``torch.no_grad()``;
 - ``live_bytes.py``: the one counter of bytes held by live tensors, on any device including ``meta``,

@@ -1,6 +1,6 @@
 """Two measured inference passes (eval mode, no gradients) on copies of a module's tensors.
 
-The copies and the batch sizes are made as for the training steps (``training.py``);
+The copies and the batch sizes are made as for the training steps (``measuring.py``);
 here nothing is trained: no gradients, no optimizer state, nothing saved for backward,
 only the parameters, buffers, the batch and what the forward holds at its peak.
 """
@@ -15,14 +15,14 @@ from torch import nn
 
 from lightning_mgpu.estimate.batch import resized, tensors
 from lightning_mgpu.estimate.live_bytes import LiveBytes
-from lightning_mgpu.estimate.training import (
+from lightning_mgpu.estimate.measuring import (
     Line,
     MeasuredStep,
-    _copies,
-    _forward,
-    _quiet_lightning,
-    _sizes,
-    _unique_bytes,
+    forward_step,
+    make_copies,
+    quiet_lightning,
+    sample_sizes,
+    unique_bytes,
 )
 
 __all__ = ["measure_inference"]
@@ -37,8 +37,8 @@ def _inference(call: Callable[[Any], Any], batch: Any, tracker: LiveBytes) -> di
         out = call(batch)
     return {
         "forward": forward["peak"],
-        "outputs": _unique_bytes(tensors(out), min_dim=1),
-        "batch": _unique_bytes(tensors(batch)),
+        "outputs": unique_bytes(tensors(out), min_dim=1),
+        "batch": unique_bytes(tensors(batch)),
     }
 
 
@@ -57,15 +57,15 @@ def measure_inference(
     Gradients, optimizer state and saved activations are zero; ``forward_backward`` holds the
     forward's peak, ``optimizer_step`` nothing.
     """
-    step = step_fn or (_predict_step if hasattr(module, "predict_step") else _forward)
-    b1, b2 = _sizes(sample_batch)
-    copies, batch1 = _copies(module, sample_batch, step, device, param_dtype, autocast_dtype)
+    step = step_fn or (_predict_step if hasattr(module, "predict_step") else forward_step)
+    b1, b2 = sample_sizes(sample_batch)
+    copies, batch1 = make_copies(module, sample_batch, step, device, param_dtype, autocast_dtype)
     tracker = LiveBytes(device)
     tracker.track_all(copies.static + tensors(batch1))
     was_training = module.training
     module.eval()
     try:
-        with torch.random.fork_rng(devices=[]), _quiet_lightning(), tracker, torch.no_grad():
+        with torch.random.fork_rng(devices=[]), quiet_lightning(), tracker, torch.no_grad():
             m1 = _inference(copies.call, batch1, tracker)
             batch2 = resized(batch1, b1, b2)
             del batch1
@@ -77,8 +77,8 @@ def measure_inference(
         device=device.type,
         optimizer="none",
         sample_batch_size=b1,
-        parameter_bytes=_unique_bytes(list(copies.params.values())),
-        buffer_bytes=_unique_bytes(list(copies.buffers.values())),
+        parameter_bytes=unique_bytes(list(copies.params.values())),
+        buffer_bytes=unique_bytes(list(copies.buffers.values())),
         gradient_bytes=0,
         optimizer_state_bytes=0,
         **{key: Line.through(b1, m1[key], b2, m2[key]) for key in ("batch", "outputs")},

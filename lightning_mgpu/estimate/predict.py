@@ -35,7 +35,8 @@ from torch import nn
 
 from lightning_mgpu.devices import cuda_devices, parse_bytes
 from lightning_mgpu.estimate.inference import measure_inference
-from lightning_mgpu.estimate.training import MeasuredStep, measure_steps
+from lightning_mgpu.estimate.measuring import MeasuredStep
+from lightning_mgpu.estimate.training import measure_steps
 from lightning_mgpu.precision import ALIASES, PRECISIONS, precision_names
 
 __all__ = ["MemoryEstimate", "estimate_memory"]

@@ -9,77 +9,29 @@ step's gradients still alive), ``zero_grad(set_to_none=True)``, backward, optimi
 from __future__ import annotations
 
 import contextlib
-import warnings
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
-from torch.func import functional_call
-from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_mgpu.estimate.batch import batch_rows, resized, tensors
-from lightning_mgpu.estimate.live_bytes import LiveBytes, SavedBytes, storage_bytes, storage_of
+from lightning_mgpu.estimate.batch import resized, tensors
+from lightning_mgpu.estimate.live_bytes import LiveBytes, SavedBytes
+from lightning_mgpu.estimate.measuring import (
+    Line,
+    MeasuredStep,
+    forward_step,
+    make_copies,
+    quiet_lightning,
+    sample_sizes,
+    unique_bytes,
+)
 
-__all__ = ["Line", "MeasuredStep", "measure_steps"]
-
-
-@dataclass(frozen=True)
-class Line:
-    """``fixed + slope * batch`` bytes, through two measurements."""
-
-    fixed: float
-    slope: float
-
-    @property
-    def pair(self) -> tuple[float, float]:
-        return (self.fixed, self.slope)
-
-    @classmethod
-    def through(cls, b1: int, v1: float, b2: int, v2: float) -> Line:
-        slope = max(0.0, (v1 - v2) / (b1 - b2))
-        return cls(v1 - slope * b1, slope)
-
-
-@dataclass(frozen=True)
-class MeasuredStep:
-    """What one measured training step held, and how it scales with the batch."""
-
-    device: str
-    optimizer: str
-    sample_batch_size: int
-    parameter_bytes: int
-    buffer_bytes: int
-    gradient_bytes: int
-    optimizer_state_bytes: int
-    batch: Line
-    saved: Line
-    outputs: Line
-    forward_backward: Line
-    optimizer_step: Line
-    notes: tuple[str, ...]
-
-
-class _Call(nn.Module):
-    """Lets ``functional_call`` run any step function, not only ``forward``."""
-
-    def __init__(self, module: nn.Module, step: Callable[[nn.Module, Any], Any]) -> None:
-        super().__init__()
-        self.module = module
-        self._step = step
-
-    def forward(self, batch: Any) -> Any:
-        return self._step(self.module, batch)
+__all__ = ["measure_steps"]
 
 
 def _training_step(module: nn.Module, batch: Any) -> Any:
     return module.training_step(batch, 0)  # type: ignore[operator]
-
-
-def _forward(module: nn.Module, batch: Any) -> Any:
-    return module(batch)
 
 
 def _resolve_step(module: nn.Module, step_fn: Callable[[nn.Module, Any], Any] | None) -> Any:
@@ -92,7 +44,7 @@ def _resolve_step(module: nn.Module, step_fn: Callable[[nn.Module, Any], Any] | 
                 " loss: pass step_fn=lambda module, batch: <loss> to estimate_memory"
             )
         return _training_step
-    return _forward
+    return forward_step
 
 
 def _find_optimizers(conf: Any) -> list[torch.optim.Optimizer]:
@@ -116,7 +68,7 @@ def _resolve_optimizers(
     conf = None
     if configure is not None:
         try:
-            with _quiet_lightning():
+            with quiet_lightning():
                 conf = configure()
         except Exception as err:
             raise ValueError(
@@ -152,27 +104,6 @@ def _copy_optimizer(opt: torch.optim.Optimizer, leaf_of: dict[int, torch.Tensor]
         with contextlib.suppress(TypeError):
             return type(opt)(groups, **kwargs)
     raise ValueError(f"cannot rebuild {type(opt).__name__} from its param_groups to measure its state")
-
-
-@contextlib.contextmanager
-def _quiet_lightning() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*self\.trainer.*")
-        warnings.filterwarnings("ignore", message=r".*configure_optimizers.*")
-        yield
-
-
-def _unique_bytes(tensors: list[torch.Tensor], min_dim: int = 0) -> int:
-    seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
-    total = 0
-    for t in tensors:
-        st = storage_of(t)
-        if t.dim() < min_dim or (st is not None and st in seen):
-            continue
-        if st is not None:
-            seen[st] = True
-        total += storage_bytes(t)
-    return total
 
 
 def _loss_of(out: Any) -> torch.Tensor:
@@ -214,61 +145,9 @@ def _step(
         "forward_backward": forward_backward["peak"],
         "optimizer_step": step["peak"],
         "saved": saved.total,
-        "outputs": _unique_bytes(tensors(out), min_dim=1),
-        "batch": _unique_bytes(tensors(batch)),
+        "outputs": unique_bytes(tensors(out), min_dim=1),
+        "batch": unique_bytes(tensors(batch)),
     }
-
-
-@dataclass
-class _Copies:
-    """The module's tensors copied to the measuring device, and a call running the step on them."""
-
-    params: dict[str, torch.Tensor]
-    buffers: dict[str, torch.Tensor]
-    leaf_of: dict[int, torch.Tensor]
-    call: Callable[[Any], Any]
-
-    @property
-    def static(self) -> list[torch.Tensor]:
-        return [*self.params.values(), *self.buffers.values()]
-
-
-def _copies(
-    module: nn.Module,
-    sample_batch: Any,
-    step: Callable[[nn.Module, Any], Any],
-    device: torch.device,
-    param_dtype: torch.dtype | None,
-    autocast_dtype: torch.dtype | None,
-) -> tuple[_Copies, Any]:
-    """The copies, and a copy of ``sample_batch`` (the caller holds it, so it can free it)."""
-
-    def copy(t: torch.Tensor) -> torch.Tensor:
-        dtype = param_dtype if param_dtype is not None and t.is_floating_point() else t.dtype
-        return t.detach().to(device=device, dtype=dtype, copy=True).requires_grad_(t.requires_grad)
-
-    named = dict(module.named_parameters())
-    params = {name: copy(p) for name, p in named.items()}
-    buffers = {name: copy(b) for name, b in module.named_buffers()}
-    wrapper = _Call(module, step)
-    tensors = {f"module.{k}": v for k, v in {**params, **buffers}.items()}
-    autocast: Any = contextlib.nullcontext()
-    if autocast_dtype is not None:
-        autocast = torch.autocast(device.type, dtype=autocast_dtype)
-
-    def call(batch: Any) -> Any:
-        with autocast:
-            return functional_call(wrapper, tensors, (batch,))
-
-    leaf_of = {id(p): params[name] for name, p in named.items()}
-    return _Copies(params, buffers, leaf_of, call), apply_to_collection(sample_batch, torch.Tensor, copy)
-
-
-def _sizes(sample_batch: Any) -> tuple[int, int]:
-    b1 = batch_rows(sample_batch)
-    if b1 is None:
-        raise ValueError("the sample batch holds no tensor: give one batch as the DataLoader yields it")
-    return b1, b1 // 2 if b1 >= 2 else 2
 
 
 def measure_steps(
@@ -284,9 +163,9 @@ def measure_steps(
     """Warm up once, then measure steps at the sample's batch size and at half (or double) of it."""
     notes: list[str] = []
     step = _resolve_step(module, step_fn)
-    b1, b2 = _sizes(sample_batch)
+    b1, b2 = sample_sizes(sample_batch)
     originals = _resolve_optimizers(module, optimizer, notes)
-    copies, batch1 = _copies(module, sample_batch, step, device, param_dtype, autocast_dtype)
+    copies, batch1 = make_copies(module, sample_batch, step, device, param_dtype, autocast_dtype)
     params, static, call = copies.params, copies.static, copies.call
     optimizers = [_copy_optimizer(o, copies.leaf_of) for o in originals]
     tracker = LiveBytes(device)
@@ -294,7 +173,7 @@ def measure_steps(
     was_training = module.training
     module.train()
     try:
-        with torch.random.fork_rng(devices=[]), _quiet_lightning(), tracker:
+        with torch.random.fork_rng(devices=[]), quiet_lightning(), tracker:
             trainable = [p for p in params.values() if p.requires_grad]
             # the warm-up creates the gradients and the optimizer state, as Lightning's first step does
             _step(call, batch1, optimizers, trainable, tracker, static)
@@ -309,11 +188,11 @@ def measure_steps(
         device=device.type,
         optimizer=", ".join(type(o).__name__ for o in originals) or "none",
         sample_batch_size=b1,
-        parameter_bytes=_unique_bytes(list(params.values())),
-        buffer_bytes=_unique_bytes(list(copies.buffers.values())),
-        gradient_bytes=_unique_bytes([p.grad for p in params.values() if p.grad is not None]),
+        parameter_bytes=unique_bytes(list(params.values())),
+        buffer_bytes=unique_bytes(list(copies.buffers.values())),
+        gradient_bytes=unique_bytes([p.grad for p in params.values() if p.grad is not None]),
         # scalar step counters are left out: they usually live on the CPU
-        optimizer_state_bytes=_unique_bytes(state, min_dim=1),
+        optimizer_state_bytes=unique_bytes(state, min_dim=1),
         **{key: Line.through(b1, m1[key], b2, m2[key]) for key in ("batch", "saved", "outputs")},
         forward_backward=Line.through(b1, m1["forward_backward"], b2, m2["forward_backward"]),
         optimizer_step=Line.through(b1, m1["optimizer_step"], b2, m2["optimizer_step"]),

@@ -1,0 +1,170 @@
+"""What the training and the inference measurements share: copies of the module, byte counts, results.
+
+- ``make_copies`` copies a module's parameters and buffers (and a sample batch) to the measuring
+  device (``meta`` or CPU), in the precision measured, with a call that runs a step on them
+  through ``torch.func.functional_call``, so the module itself is left as it was;
+- ``sample_sizes`` picks the two batch sizes measured; ``Line`` is a byte count through them;
+- ``MeasuredStep`` is what a measurement returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
+from torch.func import functional_call
+from torch.utils.weak import WeakIdKeyDictionary
+
+from lightning_mgpu.estimate.batch import batch_rows
+from lightning_mgpu.estimate.live_bytes import storage_bytes, storage_of
+
+__all__ = [
+    "Copies",
+    "Line",
+    "MeasuredStep",
+    "StepCall",
+    "forward_step",
+    "make_copies",
+    "quiet_lightning",
+    "sample_sizes",
+    "unique_bytes",
+]
+
+
+@dataclass(frozen=True)
+class Line:
+    """``fixed + slope * batch`` bytes, through two measurements."""
+
+    fixed: float
+    slope: float
+
+    @property
+    def pair(self) -> tuple[float, float]:
+        return (self.fixed, self.slope)
+
+    @classmethod
+    def through(cls, b1: int, v1: float, b2: int, v2: float) -> Line:
+        slope = max(0.0, (v1 - v2) / (b1 - b2))
+        return cls(v1 - slope * b1, slope)
+
+
+@dataclass(frozen=True)
+class MeasuredStep:
+    """What one measured training step held, and how it scales with the batch."""
+
+    device: str
+    optimizer: str
+    sample_batch_size: int
+    parameter_bytes: int
+    buffer_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    batch: Line
+    saved: Line
+    outputs: Line
+    forward_backward: Line
+    optimizer_step: Line
+    notes: tuple[str, ...]
+
+
+class StepCall(nn.Module):
+    """Lets ``functional_call`` run any step function, not only ``forward``."""
+
+    def __init__(self, module: nn.Module, step: Callable[[nn.Module, Any], Any]) -> None:
+        super().__init__()
+        self.module = module
+        self._step = step
+
+    def forward(self, batch: Any) -> Any:
+        return self._step(self.module, batch)
+
+
+def forward_step(module: nn.Module, batch: Any) -> Any:
+    """The step of a plain ``nn.Module``: ``module(batch)``."""
+    return module(batch)
+
+
+@contextlib.contextmanager
+def quiet_lightning() -> Iterator[None]:
+    """Silence Lightning's warnings about a module used without a Trainer, which measuring does on purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*self\.trainer.*")
+        warnings.filterwarnings("ignore", message=r".*configure_optimizers.*")
+        yield
+
+
+def unique_bytes(tensors: list[torch.Tensor], min_dim: int = 0) -> int:
+    """Bytes of the storages behind ``tensors``, each once; tensors under ``min_dim`` dimensions skipped."""
+    seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+    total = 0
+    for t in tensors:
+        st = storage_of(t)
+        if t.dim() < min_dim or (st is not None and st in seen):
+            continue
+        if st is not None:
+            seen[st] = True
+        total += storage_bytes(t)
+    return total
+
+
+@dataclass
+class Copies:
+    """The module's tensors copied to the measuring device, and a call running the step on them."""
+
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    leaf_of: dict[int, torch.Tensor]
+    call: Callable[[Any], Any]
+
+    @property
+    def static(self) -> list[torch.Tensor]:
+        return [*self.params.values(), *self.buffers.values()]
+
+
+def make_copies(
+    module: nn.Module,
+    sample_batch: Any,
+    step: Callable[[nn.Module, Any], Any],
+    device: torch.device,
+    param_dtype: torch.dtype | None,
+    autocast_dtype: torch.dtype | None,
+) -> tuple[Copies, Any]:
+    """The copies, and a copy of ``sample_batch`` (the caller holds it, so it can free it)."""
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        dtype = param_dtype if param_dtype is not None and t.is_floating_point() else t.dtype
+        return t.detach().to(device=device, dtype=dtype, copy=True).requires_grad_(t.requires_grad)
+
+    named = dict(module.named_parameters())
+    params = {name: copy(p) for name, p in named.items()}
+    buffers = {name: copy(b) for name, b in module.named_buffers()}
+    wrapper = StepCall(module, step)
+    tensors = {f"module.{k}": v for k, v in {**params, **buffers}.items()}
+    autocast: Any = contextlib.nullcontext()
+    if autocast_dtype is not None:
+        autocast = torch.autocast(device.type, dtype=autocast_dtype)
+
+    def call(batch: Any) -> Any:
+        with autocast:
+            return functional_call(wrapper, tensors, (batch,))
+
+    leaf_of = {id(p): params[name] for name, p in named.items()}
+    return Copies(params, buffers, leaf_of, call), apply_to_collection(sample_batch, torch.Tensor, copy)
+
+
+def sample_sizes(sample_batch: Any) -> tuple[int, int]:
+    """The two batch sizes measured: the sample's, and half of it (or 2 for a sample of one row).
+
+    Raises:
+        ValueError: if the sample holds no tensor.
+    """
+    b1 = batch_rows(sample_batch)
+    if b1 is None:
+        raise ValueError("the sample batch holds no tensor: give one batch as the DataLoader yields it")
+    return b1, b1 // 2 if b1 >= 2 else 2
