@@ -101,11 +101,11 @@ def take_readings(
     readings = []
     for item in plan:
         if item.index is None:
-            batch_rows = math.nan
+            device_rows = math.nan
         elif chunks:  # replicas beyond the chunks got no rows (a batch smaller than the device count)
-            batch_rows = float(chunks[item.index]) if item.index < len(chunks) else 0.0
+            device_rows = float(chunks[item.index]) if item.index < len(chunks) else 0.0
         else:
-            batch_rows = float(rows) if rows is not None else math.nan
+            device_rows = float(rows) if rows is not None else math.nan
         if item.kind == "cpu":
             values = {k: float(v) for k, v in process_memory().items()}
         elif item.kind == "cuda":
@@ -117,7 +117,7 @@ def take_readings(
             saved = getattr(strategy, "replica_saved_bytes", None) or []
             index = item.index or 0
             values = {"saved": float(saved[index]) if index < len(saved) else math.nan}
-        readings.append(Reading(item.label, item.kind, trainer.global_rank, item.name, values, batch_rows))
+        readings.append(Reading(item.label, item.kind, trainer.global_rank, item.name, values, device_rows))
     return readings
 
 
