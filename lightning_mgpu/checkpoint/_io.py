@@ -7,6 +7,8 @@
   what hyperparameters commonly hold, and only while loading: ``pathlib`` paths, and omegaconf
   containers, which Lightning stores when ``save_hyperparameters`` gets a ``DictConfig``.
 - ``trust_pickle=True`` is the one way to unpickle anything else, and the refusal names it.
+- A torch zip file comes with a check of its records' CRC-32 (``_zip_check``), which whoever
+  reads the tensors runs: ``torch.load`` does not.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any, BinaryIO
 import torch
 
 from lightning_mgpu.checkpoint._safetensors import read_safetensors
+from lightning_mgpu.checkpoint._zip_check import RecordCheck
 
 __all__ = ["LoadedFile", "MappedFile", "read_file", "sniff"]
 
@@ -46,6 +49,7 @@ class LoadedFile:
     format: str  # "torch zip", "torch legacy" or "safetensors"
     metadata: dict[str, str] = field(default_factory=dict)
     mapped: MappedFile | None = None
+    check: RecordCheck | None = None  # a torch zip file's CRC-32 check, run by who reads the tensors
 
 
 def sniff(path: Path) -> str | None:
@@ -100,7 +104,10 @@ def read_file(
         tensors, metadata = read_safetensors(path, device=str(map_location))
         return LoadedFile(tensors, kind, metadata, mapped=MappedFile(path, archive=False))
     obj = _torch_load(path, kind, map_location, trust_pickle)
-    return LoadedFile(obj, kind, mapped=MappedFile(path) if kind == "torch zip" else None)
+    if kind != "torch zip":
+        return LoadedFile(obj, kind)
+    mapped = MappedFile(path)
+    return LoadedFile(obj, kind, mapped=mapped, check=RecordCheck(path, mapped))
 
 
 def _check_zip(path: Path) -> None:
@@ -301,15 +308,17 @@ class MappedFile:
                     start, end = (int(x, 16) for x in parts[0].split("-"))
                     self._ranges.append((start, end, int(parts[2], 16)))
 
+    def file_offset(self, address: int, size: int = 1) -> int | None:
+        """Where the ``size`` bytes at ``address`` lie in the file, or None if they are not mapped from it."""
+        for lo, hi, offset in self._ranges:
+            if lo <= address and address + size <= hi:
+                return offset + address - lo
+        return None
+
     def _offset(self, tensor: torch.Tensor) -> int | None:
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             return None
-        start = tensor.data_ptr()
-        end = start + tensor.numel() * tensor.element_size()
-        for lo, hi, offset in self._ranges:
-            if lo <= start and end <= hi:
-                return offset + start - lo
-        return None
+        return self.file_offset(tensor.data_ptr(), tensor.numel() * tensor.element_size())
 
     def copy_to(self, tensor: torch.Tensor, file: BinaryIO) -> int:
         """Copy ``tensor``'s bytes from the file into ``file``; returns how many bytes were copied."""

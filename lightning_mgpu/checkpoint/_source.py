@@ -32,6 +32,7 @@ from lightning_mgpu.checkpoint._prefixes import (
     wrapped_child,
 )
 from lightning_mgpu.checkpoint._safetensors import ORDER_KEY
+from lightning_mgpu.checkpoint._zip_check import RecordCheck
 
 __all__ = [
     "Source",
@@ -53,7 +54,8 @@ class Source:
     """One state_dict and where it came from.
 
     ``wrappers`` holds the exact wrapper prefixes when the source is a module, and is None for a
-    file or a dict, whose names alone say where wrappers sat.
+    file or a dict, whose names alone say where wrappers sat. ``check`` verifies a torch zip file's
+    records against their CRC-32: run it before trusting the values.
     """
 
     state_dict: OrderedDict[str, Any]
@@ -68,6 +70,7 @@ class Source:
     ordered: bool = True
     mapped: MappedFile | ShardedFolder | None = None
     wrappers: list[str] | None = None
+    check: RecordCheck | None = None
 
 
 def is_state_dict(obj: Any) -> bool:
@@ -150,6 +153,7 @@ def _from_file(path: Path, map_location: Any, trust_pickle: bool, key: str | Non
             f"{path} is not a checkpoint: it holds a {type(obj).__name__}, not a dict of tensors"
         )
     src.path, src.format, src.metadata, src.mapped = path, loaded.format, loaded.metadata, loaded.mapped
+    src.check = loaded.check
     src.ordered = loaded.format != "safetensors" or ORDER_KEY in loaded.metadata
     return src
 

@@ -192,6 +192,8 @@ def export_state_dict(
         state_dict = add_prefix(state_dict, prefix)
     values = count_values(state_dict)
     aliases: dict[str, str] = {}
+    if src.check is not None:
+        src.check.start()  # alongside the writing; waited for before the file is renamed into place
     try:
         with atomic_write(path) as file:
             if fmt == "safetensors":
@@ -203,6 +205,8 @@ def export_state_dict(
             else:
                 torch.save(state_dict, cast(BinaryIO, WritebackWriter(file)))  # it only needs write()
                 size = file.tell()
+            if src.check is not None:
+                src.check.verify(src.state_dict)
     except (OSError, RuntimeError) as err:
         # torch.save reports a failed write as a RuntimeError raised while handling the OSError
         cause = err if isinstance(err, OSError) else err.__context__

@@ -105,6 +105,8 @@ def load_state_dict(
     if strict and not report.ok:
         several = src.lightning and not submodule and len(split_top(source_sd)) > 1
         raise ValueError(_failure(model, report, source_sd, target, by_order, several))
+    if src.check is not None:
+        src.check.verify(src.state_dict)
     to_load = OrderedDict((actual[t], source_sd[s]) for s, t in pairs)
     if isinstance(src.mapped, ShardedFolder):  # a sharded folder's tensors are read one at a time
         src.mapped.load_into(model, to_load)

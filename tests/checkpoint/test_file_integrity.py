@@ -90,3 +90,35 @@ def test_a_safetensors_source_is_mapped_not_read(tmp_path: Path) -> None:
     written = safetensors.torch.load_file(tmp_path / "out.safetensors")
     assert sorted(written) == sorted(f"layer{i}.weight" for i in range(size_mib // 4))
     assert all(bool((written[f"layer{i}.weight"] == i).all()) for i in range(size_mib // 4))
+
+
+def test_a_flipped_bit_in_a_tensor_of_a_torch_file_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    model = net(seed=1)
+    state = model.state_dict()
+    state["3.weight"] = torch.full((2, 6), 0.125)  # bytes easy to find in the file
+    path = tmp_path / "fit.ckpt"
+    torch.save(
+        {"pytorch-lightning_version": "2.6.0", "state_dict": {f"model.{k}": v for k, v in state.items()}},
+        path,
+    )
+    raw = bytearray(path.read_bytes())
+    at = raw.index(torch.full((2, 6), 0.125).numpy().tobytes())
+    raw[at + 5] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+    message = (
+        r"fit.ckpt is corrupt: the stored bytes of tensor model.3.weight \(record .*/data/\d+\) do not match"
+    )
+    for out in ("w.safetensors", "w.pt"):
+        with pytest.raises(ValueError, match=message):
+            export_state_dict(path, tmp_path / out)
+    target = net(seed=2)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(ValueError, match=message):
+        load_state_dict(target, path)
+    torch.testing.assert_close(target.state_dict(), before, rtol=0, atol=0)  # nothing loaded
+    assert main(["export", str(path), str(tmp_path / "w.safetensors")]) == 1
+    assert "model.3.weight" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fit.ckpt"]
