@@ -22,7 +22,9 @@ It overrides these hooks and calls the host's own through ``super()`` in each:
 - ``pre_backward``, ``barrier``, ``broadcast``, ``reduce``, ``all_gather``: count progress
   for the watchdog;
 - ``on_exception``: a communication error gets the watchdog's reason (which rank died and
-  how); this rank's own error is reported to the others.
+  how); this rank's own error is reported to the others. Should the exception end the
+  process, each rank prints one line naming the rank that failed first and the cause, and
+  only that rank prints its traceback.
 
 The host class must provide what Lightning's ``DDPStrategy`` and ``ModelParallelStrategy``
 both have: ``strategy_name`` (a class attribute, used in messages and the summary),
@@ -53,11 +55,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_mgpu.devices import cpu_name, visible_cuda_devices
 from lightning_mgpu.strategies.ddp import checks
 from lightning_mgpu.strategies.ddp.errors import add_to_message, is_communication_error
 from lightning_mgpu.strategies.ddp.launcher import _WatchedSubprocessScriptLauncher
-from lightning_mgpu.strategies.ddp.summary import format_summary, launcher_name
+from lightning_mgpu.strategies.ddp.summary import format_summary, launcher_name, rank_info
 from lightning_mgpu.strategies.ddp.watchdog.verdicts import RankInfo
 from lightning_mgpu.strategies.ddp.watchdog.watchdog import DEAD_AFTER, INTERVAL, watchdog
 
@@ -195,27 +196,7 @@ class ProcessGroupServices(_Base):
         watchdog().attach(store, self.world_size, self._rank_info(), self._progress_count, self.stall_timeout)
 
     def _rank_info(self) -> RankInfo:
-        device = self.root_device
-        if device.type == "cuda":
-            index = device.index or 0
-            name = torch.cuda.get_device_name(index)
-            visible = visible_cuda_devices()
-            if visible is not None and index < len(visible):
-                name += f" (physical GPU {visible[index]})"
-        elif device.type == "cpu":
-            name = cpu_name()
-        else:
-            name = device.type.upper()
-        return RankInfo(
-            rank=self.global_rank,
-            pid=os.getpid(),
-            parent_pid=os.getppid(),
-            host=socket.gethostname(),
-            node_rank=self.node_rank,
-            local_rank=self.local_rank,
-            device=str(device),
-            device_name=name,
-        )
+        return rank_info(self.root_device, self.global_rank, self.node_rank, self.local_rank)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -345,16 +326,33 @@ class ProcessGroupServices(_Base):
             return
         dog = watchdog()
         dog.quiet_sigterm()
+        rank = self.global_rank
         if is_communication_error(exception):
             # a peer went away: wait for the watchdog to learn which one and how
             verdict = dog.wait_for_verdict(DEAD_AFTER + 2 * INTERVAL)
-            if verdict is not None and verdict.origin != self.global_rank:
-                add_to_message(exception, f"[rank {self.global_rank}] stopped because {verdict.message}.")
+            if verdict is not None and verdict.origin != rank:
+                line = f"[rank {rank}] stopped because {verdict.message}."
+                add_to_message(exception, line)
+                # a rank that failed by itself prints its traceback; this one's is only the echo
+                if verdict.origin >= 0:
+                    line += f" Rank {verdict.origin} prints the traceback."
+                dog.summarise_at_exit(exception, line, traceback=verdict.origin < 0)
                 return
         first_line = (str(exception).strip().splitlines() or [""])[0]
         where = f"pid {os.getpid()} on {socket.gethostname()}"
         error = f"{type(exception).__name__}: {first_line}"
-        dog.report_own_error(f"rank {self.global_rank} ({where}) failed with {error}")
+        verdict = dog.report_own_error(f"rank {rank} ({where}) failed with {error}")
+        if verdict.origin == rank:
+            dog.summarise_at_exit(exception, f"[rank {rank}] {verdict.message}; its traceback follows:", True)
+        elif verdict.origin >= 0:  # another rank failed first by itself, and prints its traceback
+            first = verdict.message.split(" failed with ", 1)[0]
+            same = verdict.message.endswith(f"failed with {error}")
+            how = "the same way as" if same else f"with {error} after"
+            line = f"[rank {rank}] failed {how} {first}; rank {verdict.origin} prints the traceback."
+            dog.summarise_at_exit(exception, line, traceback=False)
+        else:  # the run was failing already (a rank died): this traceback is the only one
+            line = f"[rank {rank}] failed with {error}, after {verdict.message}"
+            dog.summarise_at_exit(exception, line, traceback=True)
 
     @override
     def teardown(self) -> None:

@@ -3,12 +3,16 @@
 It answers what a user of hand-written DDP checks first: how many nodes and processes,
 which devices (with names, and physical indices when ``CUDA_VISIBLE_DEVICES`` renumbers
 them), which backend, who started the processes, and the per-device and global batch size.
+``rank_info`` describes where this process runs; every rank shares it through the store.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Mapping, Sequence
 
+import torch
 from lightning.fabric.plugins.environments import (
     ClusterEnvironment,
     LightningEnvironment,
@@ -16,9 +20,34 @@ from lightning.fabric.plugins.environments import (
     TorchElasticEnvironment,
 )
 
+from lightning_mgpu.devices import cpu_name, visible_cuda_devices
 from lightning_mgpu.strategies.ddp.watchdog.verdicts import RankInfo
 
-__all__ = ["format_summary", "launcher_name"]
+__all__ = ["format_summary", "launcher_name", "rank_info"]
+
+
+def rank_info(device: torch.device, rank: int, node_rank: int, local_rank: int) -> RankInfo:
+    """Where this process runs, as the summary and the watchdog's messages name it."""
+    if device.type == "cuda":
+        index = device.index or 0
+        name = torch.cuda.get_device_name(index)
+        visible = visible_cuda_devices()
+        if visible is not None and index < len(visible):
+            name += f" (physical GPU {visible[index]})"
+    elif device.type == "cpu":
+        name = cpu_name()
+    else:
+        name = device.type.upper()
+    return RankInfo(
+        rank=rank,
+        pid=os.getpid(),
+        parent_pid=os.getppid(),
+        host=socket.gethostname(),
+        node_rank=node_rank,
+        local_rank=local_rank,
+        device=str(device),
+        device_name=name,
+    )
 
 
 def launcher_name(environment: ClusterEnvironment | None) -> str:

@@ -8,6 +8,7 @@ so they see when the last process is gone, not only the launching one.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -79,6 +80,18 @@ with open(f"shuffled_rank{trainer.global_rank}.txt", "w") as f:
 # nothing started for the runs outlives them
 with open(f"threads_rank{trainer.global_rank}.txt", "w") as f:
     f.write("\\n".join(t.name for t in threading.enumerate()))
+
+if sys.argv[3:] == ["unused"]:  # a last fit in which every rank fails the same way
+    class Unused(Regression):
+        def __init__(self):
+            super().__init__()
+            self.extra = nn.Linear(4, 1)
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy="mgpu_ddp", max_steps=3,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(Unused(), DataLoader(TensorDataset(x, y), batch_size=4))
 """
 
 
@@ -108,12 +121,11 @@ def assert_same_weights(result_file: Path) -> None:
 
 
 def test_two_processes_match_one_and_keep_shuffle(tmp_path: Path) -> None:
-    result = run_script(FIT_SCRIPT, tmp_path, args=["2", "1"], timeout=240)
-    assert result.returncode == 0, result.output
+    result = run_script(FIT_SCRIPT, tmp_path, args=["2", "1", "unused"], timeout=240)
     assert_same_weights(tmp_path / "result.pt")
 
-    # the summary, once per fit, by rank 0 only
-    assert result.output.count("mgpu_ddp: 1 node(s) x 2 process(es) per node = 2 process(es)") == 2
+    # the summary, once per fit (three), by rank 0 only
+    assert result.output.count("mgpu_ddp: 1 node(s) x 2 process(es) per node = 2 process(es)") == 3
     assert "backend gloo, started by Lightning's launcher" in result.output
     assert f"rank 0 cpu {cpu_name()}, rank 1 cpu {cpu_name()}" in result.output
     assert "batch size: 4 per device, 8 global" in result.output
@@ -128,6 +140,17 @@ def test_two_processes_match_one_and_keep_shuffle(tmp_path: Path) -> None:
     threads = [(tmp_path / f"threads_rank{rank}.txt").read_text().splitlines() for rank in (0, 1)]
     assert all("MainThread" in names for names in threads), threads
     assert not any("lightning-mgpu-watchdog" in names for names in threads), threads
+
+    # the last fit fails on both ranks: one line each, and one traceback for the run, not one per rank
+    assert result.returncode == 1, result.output
+    output = result.output.split("mgpu_ddp: 1 node(s)")[-1]
+    failed = "failed with RuntimeError: These parameters received no gradient in the previous training step:"
+    first = re.search(rf"\[rank (\d)\] rank \1 \(pid \d+ on .+\) {failed} extra.weight, extra.bias.;", output)
+    assert first is not None, output
+    other = 1 - int(first.group(1))
+    line = f"[rank {other}] failed the same way as rank {first.group(1)} (pid "
+    assert line in output, output
+    assert output.count("Traceback (most recent call last)") == 1, output
 
 
 SPAWN_SCRIPT = """
@@ -367,6 +390,11 @@ def test_an_error_of_the_users_code_is_named_at_once(fault_run) -> None:
     assert "RuntimeError: the database connection timed out" in output
     assert survivor_says(0, "rank 1", output), output
     assert seconds < 11, (seconds, output)  # a verdict is awaited for 12 s
+    # one line per rank, then one traceback for the run: the failed rank's, not rank 0's echo of it
+    failed = "failed with RuntimeError: the database connection timed out"
+    assert re.search(rf"\[rank 1\] rank 1 \(pid \d+ on .+\) {failed}; its traceback follows:", output), output
+    assert output.count("Traceback (most recent call last)") == 1, output
+    assert "Rank 1 prints the traceback." in output, output
 
 
 def test_a_stalled_rank_is_named_and_prints_its_stack(fault_run) -> None:

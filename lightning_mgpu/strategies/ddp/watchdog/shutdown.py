@@ -5,7 +5,10 @@
   the children still running and ends the process with ``os._exit``;
 - ``wait_for_children``: at exit of the launching process after a clean run, waits for the
   ranks it started and ends with an error if one of them failed;
-- ``kill_children``: stops the child processes still running.
+- ``kill_children``: stops the child processes still running;
+- ``ExitSummary``: when a failed run's exception ends the process uncaught, each rank prints
+  one line that names the failed rank and the cause, and only the rank that failed first
+  prints its traceback: the run shows one traceback, not one per rank.
 """
 
 from __future__ import annotations
@@ -16,15 +19,17 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable, Mapping
+from types import TracebackType
 from typing import NoReturn
 
 from lightning_mgpu.strategies.ddp.watchdog import processes
 from lightning_mgpu.strategies.ddp.watchdog.heartbeats import Heartbeats
 from lightning_mgpu.strategies.ddp.watchdog.verdicts import Verdict
 
-__all__ = ["kill_children", "stop_process", "wait_for_children"]
+__all__ = ["ExitSummary", "kill_children", "stop_process", "wait_for_children"]
 
 log = logging.getLogger(__name__)
 
@@ -108,3 +113,38 @@ def wait_for_children(rank: int, children: Mapping[int, subprocess.Popen], tell_
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+
+
+class ExitSummary:
+    """What this rank prints if the exception of a failed run ends the process (``sys.excepthook``).
+
+    Only that very exception is affected: any other uncaught exception, and one the user's
+    code catches, is left alone.
+    """
+
+    def __init__(self) -> None:
+        self._exception: BaseException | None = None
+        self._line = ""
+        self._traceback = True
+        self._previous: object = None
+
+    def install(self) -> None:
+        """Chain in front of ``sys.excepthook`` once (from the main thread, so not from a spawned helper)."""
+        if self._previous is not None or threading.current_thread() is not threading.main_thread():
+            return
+        self._previous = sys.excepthook
+        sys.excepthook = self._hook
+
+    def set(self, exception: BaseException, line: str, traceback: bool) -> None:
+        """Print ``line`` instead of the traceback of ``exception`` (before it, with ``traceback=True``)."""
+        self._exception, self._line, self._traceback = exception, line, traceback
+
+    def _hook(self, kind: type[BaseException], exception: BaseException, tb: TracebackType | None) -> None:
+        previous = self._previous if callable(self._previous) else sys.__excepthook__
+        if exception is not self._exception:
+            previous(kind, exception, tb)
+            return
+        sys.stderr.write(f"{self._line}\n")
+        sys.stderr.flush()
+        if self._traceback:
+            previous(kind, exception, tb)

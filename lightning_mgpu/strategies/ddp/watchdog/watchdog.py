@@ -79,6 +79,7 @@ class Watchdog:
         self._exit_code = 1
         self._idleness = Idleness(wait_after=2 * INTERVAL, changed=time.monotonic())
         self._signals = SignalPipe()
+        self._exit_summary = shutdown.ExitSummary()
         self._dead_man = processes.DeadManSwitch()
         self._rank0_done = False
         self._progress: Callable[[], int] | None = None
@@ -114,6 +115,7 @@ class Watchdog:
                 parent = rank - local_rank
                 self._decide(Verdict(f"rank {parent} (pid {pid}, which launched this rank) has ended"))
         self._signals.install()
+        self._exit_summary.install()
         self._start_thread()
 
     def attach(
@@ -191,6 +193,10 @@ class Watchdog:
     def report_own_error(self, message: str) -> Verdict:
         """This rank failed by itself: tell the others, but let this process end its own way."""
         return self._decide(Verdict(message, origin=self.rank))
+
+    def summarise_at_exit(self, exception: BaseException, line: str, traceback: bool) -> None:
+        """Should ``exception`` end the process: print ``line``, and its traceback only if ``traceback``."""
+        self._exit_summary.set(exception, line, traceback)
 
     def _decide(self, verdict: Verdict) -> Verdict:
         with self._lock:

@@ -18,6 +18,7 @@ import pytest
 
 from lightning_mgpu.strategies.ddp.watchdog.local_checks import LocalChecks, Parent
 from lightning_mgpu.strategies.ddp.watchdog.processes import describe_exit, pid_status, start_time
+from lightning_mgpu.strategies.ddp.watchdog.shutdown import ExitSummary
 from lightning_mgpu.strategies.ddp.watchdog.signals import SignalPipe
 from lightning_mgpu.strategies.ddp.watchdog.verdicts import Beat, Judge, RankInfo, Suspect, Verdict
 
@@ -175,6 +176,34 @@ def test_local_checks_name_a_failed_child_and_the_launcher_once() -> None:
 def test_a_suspect_becomes_a_verdict_that_names_the_same_ranks() -> None:
     suspect = Suspect(since=5.0, message="rank 0 ended before the run ended", dead=(0,))
     assert suspect.verdict() == Verdict("rank 0 ended before the run ended", dead=(0,))
+
+
+def _raised(message: str) -> RuntimeError:
+    try:
+        raise RuntimeError(message)
+    except RuntimeError as error:
+        return error
+
+
+def test_an_exit_summary_replaces_only_its_own_exception_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    summary = ExitSummary()
+    summary.install()
+    echoed, first, other = _raised("gloo: connection closed"), _raised("bad batch"), _raised("unrelated")
+    line = "[rank 0] stopped because rank 1 failed. Rank 1 prints the traceback."
+    summary.set(echoed, line, traceback=False)
+    sys.excepthook(RuntimeError, echoed, echoed.__traceback__)
+    assert capsys.readouterr().err == f"{line}\n"
+    line = "[rank 1] rank 1 failed with RuntimeError: bad batch; its traceback follows:"
+    summary.set(first, line, traceback=True)
+    sys.excepthook(RuntimeError, first, first.__traceback__)
+    err = capsys.readouterr().err
+    assert err.startswith(f"{line}\nTraceback (most recent call last)")
+    assert err.endswith("RuntimeError: bad batch\n")
+    sys.excepthook(RuntimeError, other, other.__traceback__)  # not the run's: the usual traceback
+    assert capsys.readouterr().err.startswith("Traceback (most recent call last)")
 
 
 def test_describe_exit() -> None:
