@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 
-_GiB = 1024**3
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``lightning-mgpu devices``."""
@@ -27,17 +25,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _gib(value: int | None) -> str:
-    return "?" if value is None else f"{value / _GiB:.1f}"
-
-
 def run(args: argparse.Namespace) -> int:
     """Print the devices and the ``mgpu_auto`` decision; returns the exit code."""
     if args.num_nodes < 1:
         raise ValueError(f"--num-nodes must be at least 1, got {args.num_nodes}")
     from lightning_mgpu.config.instantiate import resolve_devices
     from lightning_mgpu.config.schema import CPU_DEVICE_CAP
-    from lightning_mgpu.devices import cpu_summary, cuda_devices, nvml_available, visible_cuda_devices
+    from lightning_mgpu.devices import (
+        cpu_summary,
+        cuda_devices,
+        format_bytes,
+        nvml_available,
+        visible_cuda_devices,
+    )
     from lightning_mgpu.strategies.auto import choose_strategy
 
     devices = cuda_devices()
@@ -47,18 +47,18 @@ def run(args: argparse.Namespace) -> int:
     if not devices:
         cpu = cpu_summary()
         print("No CUDA device is visible: this machine trains on CPU only.")
-        ram = f"RAM {_gib(cpu['ram_used'])} GiB used of {_gib(cpu['ram_total'])} GiB"
+        ram = f"RAM {format_bytes(cpu['ram_used'])} used of {format_bytes(cpu['ram_total'])}"
         print(f"CPU: {cpu['cores']} logical cores, {ram}")
     for device in devices:
         physical = f" (physical {device.physical})" if device.physical != str(device.index) else ""
         memory = (
-            f"{_gib(device.used_bytes)} GiB used of {_gib(device.total_bytes)} GiB"
+            f"{format_bytes(device.used_bytes)} used of {format_bytes(device.total_bytes)}"
             if device.used_bytes is not None
-            else f"{_gib(device.total_bytes)} GiB total"
+            else f"{format_bytes(device.total_bytes)} total"
         )
         print(f"cuda:{device.index}{physical}  {device.name}  {memory}")
         for proc in device.processes:
-            held = "" if proc.used_bytes is None else f"  {_gib(proc.used_bytes)} GiB"
+            held = "" if proc.used_bytes is None else f"  {format_bytes(proc.used_bytes)}"
             print(f"    pid {proc.pid}  {proc.name or '?'}{held}")
     if devices and not nvml_available():
         print("(used memory and processes need NVML: pip install 'lightning-mgpu[nvml]')")

@@ -11,6 +11,7 @@ import pytest
 
 from lightning_mgpu.config.instantiate import resolve_devices
 from lightning_mgpu.config.schema import CPU_DEVICE_CAP
+from lightning_mgpu.devices import format_bytes
 from tests.helpers import run_command, script_env
 
 
@@ -32,9 +33,9 @@ def test_cpu_only_machine_says_so_and_what_auto_picks(tmp_path: Path) -> None:
     lines = out.splitlines()
     assert lines[0] == "CUDA_VISIBLE_DEVICES=(empty)"
     assert lines[1] == "No CUDA device is visible: this machine trains on CPU only."
-    total_gib = f"{psutil.virtual_memory().total / 1024**3:.1f} GiB"
+    total = format_bytes(psutil.virtual_memory().total)
     assert lines[2].startswith(f"CPU: {os.cpu_count()} logical cores, RAM ")
-    assert lines[2].endswith(total_gib)
+    assert lines[2].endswith(f" used of {total}")
     assert lines[3] == (
         'Trainer(strategy="mgpu_auto", devices="auto") would pick'
         " single_device: one cpu device: nothing to split"
