@@ -90,7 +90,7 @@ class MGPUDataParallelStrategy(ParallelStrategy):
             entries than devices when the batch was smaller; ``[0]`` when it held no tensor).
         track_replica_memory: when ``True``, every step records in ``replica_saved_bytes``
             the bytes of the tensors each replica saved for backward (activations and the
-            weights layers keep), counted once per tensor, measured with
+            weights layers keep), counted once per storage, measured with
             ``torch.autograd.graph.saved_tensors_hooks`` in the replica's thread. Off by
             default, and free when off.
         replica_saved_bytes: one entry per replica of the last step while tracking is on.
