@@ -164,3 +164,39 @@ def test_bf16_true_shards_the_model_in_bf16() -> None:
     model = Net()
     fit(model, precision="bf16-true")
     assert {(type(p).__name__, p.dtype) for p in model.parameters()} == {("DTensor", torch.bfloat16)}
+
+
+class WithHead(Net):
+    """Parameters at the root, and steps that do not call ``self(...)``: the strategy gathers the root."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.net(x))
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return nn.functional.mse_loss(self.head(self.net(batch[0])), batch[1])
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", nn.functional.mse_loss(self.head(self.net(batch[0])), batch[1]))
+
+    def predict_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.head(self.net(batch[0]))
+
+
+def test_validation_and_prediction_gather_the_root_too() -> None:
+    model = WithHead()
+    trainer = fit(model)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    loader = DataLoader(TensorDataset(x, y), batch_size=8)
+    predictions = trainer.predict(model, loader)
+    (metrics,) = trainer.validate(model, loader)
+    plain = WithHead()
+    plain.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+    with torch.no_grad():
+        expected = plain(x)
+    assert predictions is not None
+    torch.testing.assert_close(predictions[0], expected)
+    assert metrics["val_loss"] == pytest.approx(nn.functional.mse_loss(expected, y).item(), rel=1e-5)
