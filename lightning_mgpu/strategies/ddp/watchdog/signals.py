@@ -17,17 +17,27 @@ import os
 import select
 import signal
 import threading
+from dataclasses import dataclass
 
 __all__ = ["SignalPipe", "quiet_sigterm"]
 
 _WATCHED = (signal.SIGTERM, signal.SIGINT)
 
 
+@dataclass(frozen=True)
+class _Pipe:
+    read: int
+    write: int
+    """The interpreter's wakeup descriptor while installed."""
+    previous: int
+    """The wakeup descriptor set before (-1: none), given back by ``restore``."""
+
+
 class SignalPipe:
     """A wakeup descriptor for the interpreter's signal handler, read by another thread."""
 
     def __init__(self) -> None:
-        self._fds: tuple[int, int, int] | None = None  # read end, write end, previous wakeup fd
+        self._fds: _Pipe | None = None
 
     def install(self) -> None:
         """Take over the wakeup descriptor; a no-op outside the main thread or when installed."""
@@ -42,24 +52,24 @@ class SignalPipe:
             os.close(read_fd)
             os.close(write_fd)
             return
-        self._fds = (read_fd, write_fd, previous)
+        self._fds = _Pipe(read_fd, write_fd, previous)
 
     def restore(self) -> None:
         """Give the wakeup descriptor back (main thread only)."""
         if self._fds is None or threading.current_thread() is not threading.main_thread():
             return
-        read_fd, write_fd, previous = self._fds
-        self._fds = None
+        fds, self._fds = self._fds, None
         with contextlib.suppress(ValueError):
-            signal.set_wakeup_fd(previous)
-        os.close(read_fd)
-        os.close(write_fd)
+            signal.set_wakeup_fd(fds.previous)
+        os.close(fds.read)
+        os.close(fds.write)
 
     def wake(self) -> None:
         """Make a pending :meth:`wait` return now."""
-        if self._fds is not None:
+        fds = self._fds
+        if fds is not None:
             with contextlib.suppress(OSError):
-                os.write(self._fds[1], b"\0")
+                os.write(fds.write, b"\0")
 
     def wait(self, timeout: float, stop: threading.Event) -> int | None:
         """Wait up to ``timeout`` s; return SIGTERM or SIGINT if one arrived meanwhile."""
@@ -67,16 +77,15 @@ class SignalPipe:
         if fds is None:
             stop.wait(timeout)
             return None
-        read_fd, _, previous = fds
         try:
-            ready, _, _ = select.select([read_fd], [], [], timeout)
-            data = os.read(read_fd, 512) if ready else b""
+            ready, _, _ = select.select([fds.read], [], [], timeout)
+            data = os.read(fds.read, 512) if ready else b""
         except OSError:  # restore() closed the pipe meanwhile
             return None
         data = data.replace(b"\0", b"")  # wake() bytes are ours
-        if data and previous != -1:
+        if data and fds.previous != -1:
             with contextlib.suppress(OSError):
-                os.write(previous, data)
+                os.write(fds.previous, data)
         return next((signum for signum in data if signum in _WATCHED), None)
 
 
