@@ -44,6 +44,12 @@ _PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 """What FSDP2 under Lightning's ``ModelParallelStrategy`` supports (fp16 AMP needs a sharded grad scaler)."""
 
 
+def _user_class(module: nn.Module) -> str:
+    """The model's own class name; ``fully_shard`` swaps in a subclass named ``FSDP<name>``."""
+    cls = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+    return cls.__name__
+
+
 class _ShardingModelParallel(ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` whose ``setup`` shards the model (``_shard_model``) itself.
 
@@ -177,6 +183,7 @@ class MGPUFSDPStrategy(ProcessGroupServices, _ShardingModelParallel):
         )
         self.plan: ShardingPlan | None = None
         """The plan applied by the last ``setup``; ``None`` before, and when ``configure_model`` shards."""
+        self._sharded_by_plan: nn.Module | None = None
 
     # ------------------------------------------------------------ checks
     @override
@@ -220,10 +227,12 @@ class MGPUFSDPStrategy(ProcessGroupServices, _ShardingModelParallel):
     def _shard_model(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
         assert module is not None
+        if module is self._sharded_by_plan:
+            return  # a later fit/validate/test/predict of the same model: sharded already, by the plan
         if is_sharded(module):
             if self._given:
                 raise ValueError(
-                    f"{self.strategy_name}: {type(module).__name__}.configure_model calls fully_shard itself,"
+                    f"{self.strategy_name}: {_user_class(module)}.configure_model calls fully_shard itself,"
                     f" so {', '.join(self._given)} (for the automatic sharding) cannot apply. Pass these"
                     f" options to your own fully_shard calls, or remove them from {type(self).__name__}(...)."
                 )
@@ -247,6 +256,7 @@ class MGPUFSDPStrategy(ProcessGroupServices, _ShardingModelParallel):
         pin = self.root_device.type == "cuda"
         apply_plan(module, plan, mesh, self.options, mixed_precision_policy(precision), pin_memory=pin)
         self.plan = plan
+        self._sharded_by_plan = module
         log.info(
             "%s: %s by the %s", self.strategy_name, plan.describe(limit=len(plan.blocks)), plan.chosen_by
         )

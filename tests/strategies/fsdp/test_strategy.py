@@ -111,7 +111,7 @@ def test_block_classes_absent_from_the_model_fail_before_training() -> None:
 
 def test_options_beside_a_configure_model_that_shards_are_refused() -> None:
     with pytest.raises(
-        ValueError, match="configure_model calls fully_shard itself, so activation_checkpointing"
+        ValueError, match=r"mgpu_fsdp: ShardsItself\.configure_model calls fully_shard itself, so activation_"
     ):
         fit(ShardsItself(), activation_checkpointing=True)
 
@@ -188,7 +188,7 @@ class WithHead(Net):
 
 def test_validation_and_prediction_gather_the_root_too() -> None:
     model = WithHead()
-    trainer = fit(model)
+    trainer = fit(model, activation_checkpointing=True)  # the options apply once; later stages keep the plan
     x, y = torch.randn(8, 4), torch.randn(8, 1)
     loader = DataLoader(TensorDataset(x, y), batch_size=8)
     predictions = trainer.predict(model, loader)
@@ -200,3 +200,4 @@ def test_validation_and_prediction_gather_the_root_too() -> None:
     assert predictions is not None
     torch.testing.assert_close(predictions[0], expected)
     assert metrics["val_loss"] == pytest.approx(nn.functional.mse_loss(expected, y).item(), rel=1e-5)
+    assert trainer.strategy.plan.blocks == ("net.0", "net.2")  # type: ignore[attr-defined]
