@@ -44,6 +44,10 @@ _PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 """What FSDP2 under Lightning's ``ModelParallelStrategy`` supports (fp16 AMP needs a sharded grad scaler)."""
 
 
+_PLAN_ATTRIBUTE = "_mgpu_fsdp_plan"
+"""Set on a model sharded by a plan, so that later stages and Trainers keep it."""
+
+
 def _user_class(module: nn.Module) -> str:
     """The model's own class name; ``fully_shard`` swaps in a subclass named ``FSDP<name>``."""
     cls = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
@@ -183,7 +187,6 @@ class MGPUFSDPStrategy(ProcessGroupServices, _ShardingModelParallel):
         )
         self.plan: ShardingPlan | None = None
         """The plan applied by the last ``setup``; ``None`` before, and when ``configure_model`` shards."""
-        self._sharded_by_plan: nn.Module | None = None
 
     # ------------------------------------------------------------ checks
     @override
@@ -227,8 +230,10 @@ class MGPUFSDPStrategy(ProcessGroupServices, _ShardingModelParallel):
     def _shard_model(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
         assert module is not None
-        if module is self._sharded_by_plan:
-            return  # a later fit/validate/test/predict of the same model: sharded already, by the plan
+        applied = getattr(module, _PLAN_ATTRIBUTE, None)
+        if applied is not None:  # a later fit/validate/test/predict of this model, maybe by another Trainer
+            self.plan = applied
+            return
         if is_sharded(module):
             if self._given:
                 raise ValueError(
@@ -256,7 +261,7 @@ class MGPUFSDPStrategy(ProcessGroupServices, _ShardingModelParallel):
         pin = self.root_device.type == "cuda"
         apply_plan(module, plan, mesh, self.options, mixed_precision_policy(precision), pin_memory=pin)
         self.plan = plan
-        self._sharded_by_plan = module
+        setattr(module, _PLAN_ATTRIBUTE, plan)
         log.info(
             "%s: %s by the %s", self.strategy_name, plan.describe(limit=len(plan.blocks)), plan.chosen_by
         )

@@ -192,7 +192,9 @@ def test_validation_and_prediction_gather_the_root_too() -> None:
     x, y = torch.randn(8, 4), torch.randn(8, 1)
     loader = DataLoader(TensorDataset(x, y), batch_size=8)
     predictions = trainer.predict(model, loader)
-    (metrics,) = trainer.validate(model, loader)
+    strategy = MGPUFSDPStrategy(activation_checkpointing=True)
+    other = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False)
+    (metrics,) = other.validate(model, loader)  # a new Trainer recognises the plan, too
     plain = WithHead()
     plain.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
     with torch.no_grad():
