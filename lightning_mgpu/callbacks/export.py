@@ -12,8 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_mgpu.checkpoint import export_state_dict
-from lightning_mgpu.checkpoint._source import plain_state_dict, resolve
+from lightning_mgpu.checkpoint import export_state_dict, exported_state_dict
 
 __all__ = ["PlainStateDictExport"]
 
@@ -37,7 +36,8 @@ class PlainStateDictExport(Callback):
 
     Args:
         submodule: Attribute of the LightningModule to export (``"model"``); ``""`` keeps every
-            entry. Needed when the module holds several submodules: fit fails at its start listing them.
+            entry, which is also the default for a module holding its weights in several attributes
+            (``self.embed``, ``self.head``). A name that does not exist fails fit at its start.
         prefix: ``"module."`` writes the form that loads into ``nn.DataParallel(model)``.
         format: ``"safetensors"`` (default) or ``"pt"``.
         final_name: File name (without suffix) for the weights at the end of fit; None skips them.
@@ -95,9 +95,9 @@ class PlainStateDictExport(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # an ambiguous LightningModule fails here, not at the first checkpoint hours later; not in
-        # setup, which Lightning calls before configure_model builds the layers
-        plain_state_dict(resolve(pl_module), self.submodule)
+        # a submodule that does not exist fails here, not at the first checkpoint hours later; not
+        # in setup, which Lightning calls before configure_model builds the layers
+        exported_state_dict(pl_module, submodule=self.submodule)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -4,13 +4,15 @@
 - a training checkpoint dict gives the one entry that is a state_dict (``"model_state_dict"``, ...);
 - a module gives ``module.state_dict()``, whatever wraps it, and the exact prefixes of its wrappers;
 - a LightningModule, or a Lightning checkpoint, marks its keys as starting with the attribute that
-  holds the model (``model.``), which export removes when there is one such attribute;
+  holds the model (``model.``), which export removes when there is one such attribute and keeps
+  when the weights lie in several (``embed.``, ``blocks.``, ``head.``);
 - an empty state_dict (a model without parameters or buffers) is a state_dict like any other, as
   it is for ``torch.save`` and ``nn.Module.load_state_dict``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections import OrderedDict
@@ -45,6 +47,8 @@ __all__ = [
 ]
 
 # training-checkpoint entries that usually hold the weights, most specific first
+logger = logging.getLogger(__name__)
+
 _WEIGHT_KEYS = ("state_dict", "model_state_dict", "model", "module", "net", "network", "weights", "params")
 _LIGHTNING_KEYS = ("pytorch-lightning_version", "lightning_version")
 
@@ -228,6 +232,14 @@ def describe_tops(state_dict: Mapping[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def kept_tops(src: Source, submodule: str | None, state_dict: Mapping[str, Any]) -> list[str]:
+    """The top-level names an export kept because a LightningModule holds its weights in several."""
+    if submodule is not None or not src.lightning:
+        return []
+    tops = list(split_top(state_dict))
+    return tops if len(tops) > 1 else []
+
+
 def count_under(state_dict: Mapping[str, Any], name: str) -> int:
     """Keys strictly below ``name.``."""
     return sum(k.startswith(name + ".") for k in state_dict)
@@ -241,7 +253,9 @@ def plain_state_dict(src: Source, submodule: str | None = None) -> tuple[Ordered
     - ``submodule="name"`` keeps the entries under ``name.`` and removes that prefix;
       ``submodule=""`` keeps everything;
     - by default a LightningModule (or a Lightning checkpoint) that holds one submodule loses its
-      attribute prefix, and one that holds several is an error listing them.
+      attribute prefix; one whose weights lie in several attributes (``embed``, ``blocks``,
+      ``head``) keeps them all, named as the module names them: nothing is lost, and
+      :func:`kept_tops` says what a report should offer to pick.
 
     Returns:
         The state_dict and the prefixes removed, in the keys' spelling (``["module.", "model."]``).
@@ -249,14 +263,14 @@ def plain_state_dict(src: Source, submodule: str | None = None) -> tuple[Ordered
     state_dict, removed = strip_wrappers(src.state_dict, src.wrappers, lightning=src.lightning)
     if submodule is None and src.lightning and state_dict:
         tops = split_top(state_dict)
-        (only,) = tops if len(tops) == 1 else (None,)
-        if only is None:
-            raise ValueError(
-                f"{src.description} holds several top-level entries: {describe_tops(state_dict)}. "
-                f"Pass submodule={next(iter(tops))!r} (command line: --submodule {next(iter(tops))}) to keep "
-                "one of them, or submodule='' to keep them all."
+        only = next(iter(tops)) if len(tops) == 1 else None
+        if only is not None and count_under(state_dict, only) == len(state_dict):
+            logger.debug(
+                "removed %r: the LightningModule's weights all lie in that one attribute", only + "."
             )
-        submodule = only if count_under(state_dict, only) == len(state_dict) else ""
+            submodule = only
+        else:
+            logger.debug("kept every entry: the LightningModule's weights lie in %s", ", ".join(tops))
     if submodule:
         state_dict = select(state_dict, submodule)
         removed.append(submodule.rstrip(".") + ".")

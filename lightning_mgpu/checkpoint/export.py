@@ -13,7 +13,7 @@ import torch
 
 from lightning_mgpu._atomic import WritebackWriter, atomic_write
 from lightning_mgpu.checkpoint._dcp import ShardedFolder
-from lightning_mgpu.checkpoint._prefixes import WRAPPERS, add_prefix
+from lightning_mgpu.checkpoint._prefixes import WRAPPERS, add_prefix, split_top
 from lightning_mgpu.checkpoint._report import human_size
 from lightning_mgpu.checkpoint._safetensors import (
     ORDER_KEY,
@@ -22,9 +22,9 @@ from lightning_mgpu.checkpoint._safetensors import (
     view_key,
     write_safetensors,
 )
-from lightning_mgpu.checkpoint._source import count_values, plain_state_dict, resolve
+from lightning_mgpu.checkpoint._source import count_values, kept_tops, plain_state_dict, resolve
 
-__all__ = ["ExportReport", "export_state_dict"]
+__all__ = ["ExportReport", "export_state_dict", "exported_state_dict"]
 
 _FORMATS = {"safetensors": "safetensors", "pt": "pt", "pth": "pt", "bin": "pt", "ckpt": "pt"}
 _DTYPES = {
@@ -48,6 +48,8 @@ class ExportReport:
         removed_prefixes: Prefixes taken off, in the source's spelling (``["module.", "model."]``).
         added_prefix: ``"module."`` for the DataParallel form, else ``""``.
         aliases: Tied weights stored once: alias name -> stored name.
+        kept_attributes: When a LightningModule holds its weights in several attributes and no
+            ``submodule`` was given: each attribute kept (in the names) -> its number of entries.
 
     Example::
 
@@ -68,6 +70,7 @@ class ExportReport:
     removed_prefixes: list[str] = field(default_factory=list)
     added_prefix: str = ""
     aliases: dict[str, str] = field(default_factory=dict)
+    kept_attributes: dict[str, int] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [
@@ -81,6 +84,15 @@ class ExportReport:
         if self.aliases:
             tied = ", ".join(f"{a} -> {t}" for a, t in list(self.aliases.items())[:5])
             lines.append(f"tied weights stored once: {tied}" + (" ..." if len(self.aliases) > 5 else ""))
+        if self.kept_attributes:
+            tops = ", ".join(
+                f"{name} ({count} tensor{'s' * (count != 1)})" for name, count in self.kept_attributes.items()
+            )
+            first = next(iter(self.kept_attributes))
+            lines.append(
+                f"kept every entry, named as the LightningModule names them: {tops}; to export one alone, "
+                f"pass submodule={first!r} (command line: --submodule {first})"
+            )
         return "\n".join(lines)
 
 
@@ -129,7 +141,9 @@ def export_state_dict(
       ``nn.Module`` (wrapped in DataParallel, DDP or ``torch.compile`` in any order), a
       LightningModule, or a state_dict / training checkpoint dict;
     - wrapper prefixes (``module.``, ``_orig_mod.``, ``_forward_module.``) are removed, and a
-      LightningModule's attribute prefix (``model.``) too when it holds one submodule. A module's
+      LightningModule's attribute prefix (``model.``) too when it holds one submodule; a module
+      whose layers are its own attributes (``self.embed``, ``self.head``) keeps every entry as it
+      names them, and the report says how to pick one. A module's
       wrappers are found by type (DataParallel, DDP, ``torch.compile``, Lightning and DeepSpeed
       wrappers), so a user's block that keeps its layer in ``self.module`` keeps its names. A file
       or dict shows only names: ``_orig_mod.`` goes wherever it is the only child, ``module.`` and
@@ -144,8 +158,8 @@ def export_state_dict(
     Args:
         source: What to export (see above).
         path: Destination file. The format follows the suffix unless ``format`` is given.
-        submodule: Attribute to export (``"model"``, ``"model.encoder"``); ``""`` keeps everything.
-            Needed when a LightningModule holds several submodules; the error lists them.
+        submodule: Attribute to export (``"model"``, ``"model.encoder"``); ``""`` keeps everything,
+            which is also what a LightningModule holding several submodules gets by default.
         prefix: Put this in front of every key; ``"module."`` gives the form that loads into
             ``nn.DataParallel(model)``.
         format: ``"safetensors"`` (default) or ``"pt"`` (``torch.save``). Tied weights are stored once
@@ -183,6 +197,8 @@ def export_state_dict(
     to_dtype = _choose_dtype(dtype)
     src = resolve(source, trust_pickle=trust_pickle, key=key)
     state_dict, removed = plain_state_dict(src, submodule)
+    several = kept_tops(src, submodule, state_dict)
+    kept_attributes = {top: count for top, count in split_top(state_dict).items() if top in several}
     if isinstance(src.mapped, ShardedFolder):  # placeholders: the writer reads them one by one
         state_dict, to_dtype = src.mapped.prepare(state_dict, to_dtype, stream=fmt == "safetensors"), None
     if to_dtype is not None:
@@ -218,7 +234,30 @@ def export_state_dict(
     finally:
         if src.mapped is not None:
             src.mapped.close()
-    return ExportReport(path, fmt, len(state_dict), values, size, removed, prefix, aliases)
+    return ExportReport(path, fmt, len(state_dict), values, size, removed, prefix, aliases, kept_attributes)
+
+
+def exported_state_dict(
+    source: Any, *, submodule: str | None = None, key: str | None = None, trust_pickle: bool = False
+) -> OrderedDict[str, Any]:
+    """The state_dict :func:`export_state_dict` would write for ``source``, without writing it.
+
+    Wrappers and a LightningModule's single attribute are removed as the export removes them, and a
+    bad ``submodule`` fails the same way, so a caller can check its arguments before any file
+    exists (``PlainStateDictExport`` does so at the start of fit).
+
+    Raises:
+        KeyError: ``submodule`` does not exist; the message lists what does.
+        ValueError, TypeError: as :func:`export_state_dict`.
+
+    Example::
+
+        from torch import nn
+        from lightning_mgpu.checkpoint import exported_state_dict
+
+        print(list(exported_state_dict(nn.DataParallel(nn.Linear(2, 1)))))  # ['weight', 'bias']
+    """
+    return plain_state_dict(resolve(source, trust_pickle=trust_pickle, key=key), submodule)[0]
 
 
 def _cast(state_dict: OrderedDict[str, Any], dtype: torch.dtype) -> OrderedDict[str, Any]:

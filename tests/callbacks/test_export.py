@@ -116,12 +116,24 @@ class LitLate(LitNet):
 
 
 @pytest.mark.parametrize("module", [LitTwo, lambda: LitLate(two=True)], ids=["built", "configure_model"])
-def test_ambiguous_module_fails_at_fit_start_before_training(tmp_path: Path, module: Any) -> None:
-    fit = trainer(tmp_path, enable_checkpointing=True, callbacks=callbacks(tmp_path / "ckpt"))
-    with pytest.raises(ValueError, match="several top-level entries: model .*loss_fn.*submodule='model'"):
+def test_a_missing_submodule_fails_at_fit_start_before_training(tmp_path: Path, module: Any) -> None:
+    folder = tmp_path / "ckpt"
+    every = ModelCheckpoint(dirpath=folder, monitor="val_loss", save_top_k=2, save_last=True)
+    fit = trainer(
+        tmp_path, enable_checkpointing=True, callbacks=[every, PlainStateDictExport(submodule="net")]
+    )
+    with pytest.raises(KeyError, match="no submodule 'net': the weights hold model, loss_fn"):
         fit.fit(module(), loader())
     assert fit.global_step == 0
-    assert not (tmp_path / "ckpt").exists()
+    assert not folder.exists()
+
+
+def test_several_submodules_are_all_exported_by_default(tmp_path: Path) -> None:
+    module = LitTwo()
+    fit = trainer(tmp_path, callbacks=[PlainStateDictExport()])
+    fit.fit(module, loader())
+    written = safetensors.torch.load_file(tmp_path / "final.safetensors")
+    assert_same(module.state_dict(), written)  # model.* and loss_fn.weight, as the module names them
 
 
 def test_layers_built_in_configure_model_with_a_users_module_attribute(tmp_path: Path) -> None:

@@ -108,19 +108,40 @@ def test_lightning_module_loses_its_attribute_prefix(tmp_path: Path) -> None:
     assert_same(module.model._orig_mod.state_dict(), fresh.state_dict())
 
 
-def test_ambiguous_lightning_module_lists_candidates_and_submodule_picks(tmp_path: Path) -> None:
-    module = LitTwo()
-    with pytest.raises(ValueError, match="several top-level entries") as err:
-        export_state_dict(module, tmp_path / "w.safetensors")
-    assert "model (" in str(err.value)
-    assert "loss_fn (" in str(err.value)
-    assert "submodule='model'" in str(err.value)
-    assert not (tmp_path / "w.safetensors").exists()
+class LitLayers(LitNet):
+    """The common layout: the layers are the LightningModule's own attributes, no single ``self.model``."""
 
-    export_state_dict(module, tmp_path / "w.safetensors", submodule="model")
-    assert_same(module.model.state_dict(), safetensors.torch.load_file(tmp_path / "w.safetensors"))
-    export_state_dict(module, tmp_path / "all.safetensors", submodule="")
-    assert set(safetensors.torch.load_file(tmp_path / "all.safetensors")) == set(module.state_dict())
+    def __init__(self) -> None:
+        super().__init__()
+        del self.model
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(10, 4)
+        self.blocks = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+        self.head = nn.Linear(4, 2)
+
+
+def test_a_module_with_several_submodules_keeps_every_entry_and_says_how_to_pick(tmp_path: Path) -> None:
+    module = LitLayers()
+    torch.save({"pytorch-lightning_version": "2.6.0", "state_dict": module.state_dict()}, tmp_path / "l.ckpt")
+    for source in (module, tmp_path / "l.ckpt"):
+        report = export_state_dict(source, tmp_path / "w.safetensors")
+        assert report.removed_prefixes == []
+        assert report.kept_attributes == {"embed": 1, "blocks": 4, "head": 2}
+        text = str(report)
+        assert (
+            "kept every entry, named as the LightningModule names them: embed (1 tensor), blocks (4" in text
+        )
+        assert "pass submodule='embed' (command line: --submodule embed)" in text
+        fresh = LitLayers()
+        fresh.load_state_dict(safetensors.torch.load_file(tmp_path / "w.safetensors"), strict=True)
+        assert_same(module.state_dict(), fresh.state_dict())
+
+    two = LitTwo()  # a model and a loss with state: both kept, as named
+    assert export_state_dict(two, tmp_path / "two.safetensors").kept_attributes == {"model": 9, "loss_fn": 1}
+    assert set(safetensors.torch.load_file(tmp_path / "two.safetensors")) == set(two.state_dict())
+    report = export_state_dict(two, tmp_path / "w.safetensors", submodule="model")
+    assert report.kept_attributes == {}
+    assert_same(two.model.state_dict(), safetensors.torch.load_file(tmp_path / "w.safetensors"))
 
 
 def test_unknown_submodule_lists_what_exists(tmp_path: Path) -> None:

@@ -57,12 +57,15 @@ def test_export_submodule_and_errors(tmp_path: Path, capsys: pytest.CaptureFixtu
     torch.save(
         {"pytorch-lightning_version": "2.6.0", "state_dict": module.state_dict()}, tmp_path / "two.ckpt"
     )
-    assert main(["export", str(tmp_path / "two.ckpt"), str(tmp_path / "out.safetensors")]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("lightning-mgpu export: error: ")
-    assert "--submodule model" in err
-    assert "Traceback" not in err
-    assert not (tmp_path / "out.safetensors").exists()
+    # several submodules: every entry kept, and the report says how to export one
+    assert main(["export", str(tmp_path / "two.ckpt"), str(tmp_path / "all.safetensors")]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "kept every entry, named as the LightningModule names them: model (9 tensors), loss_fn (1 tensor)"
+        in out
+    )
+    assert "(command line: --submodule model)" in out
+    assert set(safetensors.torch.load_file(tmp_path / "all.safetensors")) == set(module.state_dict())
 
     args = ["export", str(tmp_path / "two.ckpt"), str(tmp_path / "out.safetensors"), "--submodule", "model"]
     assert main(args) == 0
