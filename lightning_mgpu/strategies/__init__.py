@@ -1,7 +1,8 @@
 """The ``mgpu_*`` strategies, one folder per family; each class registers its names itself.
 
 - ``auto.py``: ``mgpu_auto`` and ``choose_strategy``, which pick one of the others and say why;
-- ``ddp/``: ``mgpu_ddp``, its launcher, checks, start-up summary and watchdog;
+- ``ddp/``: ``mgpu_ddp``, and the process-group services every multi-process strategy shares
+  (``ProcessGroupServices``: checks, watched launcher, start-up summary, watchdog);
 - ``dp/``: ``mgpu_dp``, DataParallel in one process: replicas, scatter/gather, log and metric merging;
 - ``fsdp/``: ``mgpu_fsdp``, FSDP2 sharding with an automatic plan, on ``ddp/``'s process-group services.
 """
