@@ -100,6 +100,11 @@ class MGPUFSDPStrategy(ProcessGroupServices, _ShardingModelParallel):
     - **Mixed precision from the Trainer**: ``precision="bf16-mixed"`` gathers the parameters
       in bfloat16 and reduces gradients in float32, the shards and the optimizer step staying
       in float32; ``"bf16-true"`` / ``"16-true"`` keep the whole model in that dtype.
+    - **Same start as DDP**: rank 0's weights are broadcast before sharding, so ranks that
+      built the model from different seeds train one model.
+    - **Refused early on GPUs**: a model whose parameter and gradient shards plus its largest
+      unit exceed a device's memory fails before anything moves, with the numbers and the
+      fewest devices that would hold it (``lightning_mgpu.strategies.fsdp.fits``).
 
     Args:
         block_classes: The classes (or class names) of the blocks to shard one by one, e.g.
@@ -124,8 +129,10 @@ class MGPUFSDPStrategy(ProcessGroupServices, _ShardingModelParallel):
             ``activation_checkpointing`` has the wrong type.
         ValueError: Inside ``Trainer(...)``: ``cpu_offload`` on CPU devices, a
             ``reshard_after_forward`` count that does not divide the processes, or a precision
-            FSDP2 cannot run. In ``setup``: a model without parameters, ``block_classes`` that
-            match nothing, sharding options beside a ``configure_model`` that shards itself.
+            FSDP2 cannot run. In ``setup``, before training: a model without parameters,
+            ``block_classes`` that match nothing, sharding options beside a ``configure_model``
+            that shards itself, ``activation_checkpointing`` without blocks, a model no GPU of
+            this count can hold.
 
     Example::
 
