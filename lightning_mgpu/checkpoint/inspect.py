@@ -218,6 +218,8 @@ def inspect_checkpoint(source: Any, *, trust_pickle: bool = False, key: str | No
     empty = not src.state_dict
     info.loads_into_plain = empty or (not info.wrappers and not src.lightning)
     info.loads_into_dataparallel = empty or (not src.lightning and info.wrappers == ["module."])
+    if isinstance(src.mapped, ShardedFolder):  # no model.load_state_dict(torch.load(...)) reads a folder
+        info.loads_into_plain = info.loads_into_dataparallel = False
     return info
 
 

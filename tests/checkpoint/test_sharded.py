@@ -259,7 +259,10 @@ def test_fabric_layout_and_a_bare_state_dict(tmp_path: Path) -> None:
     dcp.save(trained.state_dict(), checkpoint_id=tmp_path / "bare")
 
     for name, key in (("fabric", "model"), ("bare", None)):
-        assert inspect_checkpoint(tmp_path / name).weights_key == key
+        info = inspect_checkpoint(tmp_path / name)
+        assert info.weights_key == key
+        assert not info.loads_into_plain  # torch.load reads no folder: the report suggests the export
+        assert f"lightning-mgpu export {tmp_path / name} {tmp_path / name}.safetensors" in str(info)
         report = export_state_dict(tmp_path / name, tmp_path / f"{name}.safetensors")
         assert report.tensors == 9  # BatchNorm's buffers too, its int64 counter included
         model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
