@@ -38,6 +38,7 @@ _LAZY = {
     "estimate_memory": "lightning_mgpu.estimate",
     "MemoryEstimate": "lightning_mgpu.estimate",
     "plot_memory": "lightning_mgpu.plot",
+    "global_mean": "lightning_mgpu.losses",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -1,0 +1,158 @@
+"""Small modules and plain-torch references shared by the micro-batching and ``global_mean`` tests.
+
+Imported by the tests and by the scripts they run in real processes (``tests`` is on their path).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_mgpu
+
+QUIET = {
+    "logger": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "enable_checkpointing": False,
+}
+LOSSES = ("masked", "sum", "mean", "naive")
+
+
+def token_data(rows: int = 32, seed: int = 1) -> TensorDataset:
+    """Inputs, targets and a mask with uneven valid counts per row (rows without a valid token too)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 4, generator=g)
+    y = torch.randn(rows, 3, generator=g)
+    mask = (torch.rand(rows, 3, generator=g) < torch.linspace(0.3, 0.95, rows)[:, None]).float()
+    return TensorDataset(x, y, mask)
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def loss_of(kind: str, out: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, helper: bool) -> torch.Tensor:
+    """``kind``'s loss on one part; ``helper`` uses ``global_mean``, otherwise the plain per-part formula."""
+    if kind == "mean":
+        return F.mse_loss(out, y)
+    if kind == "sum":
+        total, count = F.mse_loss(out, y, reduction="sum"), torch.tensor(float(len(out)))
+    else:  # masked tokens ("naive" is the masked loss written without the helper)
+        total, count = (((out - y) ** 2) * mask).sum(), mask.sum()
+    return lightning_mgpu.global_mean(total, count) if helper else total / count
+
+
+class TokenModel(L.LightningModule):
+    """Trains ``net()`` with SGD + momentum on the loss ``kind`` (see ``loss_of``)."""
+
+    def __init__(self, kind: str = "masked", lr: float = 0.1) -> None:
+        super().__init__()
+        self.kind = kind
+        self.lr = lr
+        self.net = net()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, mask = batch
+        return loss_of(self.kind, self.net(x), y, mask, helper=self.kind != "naive")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def reference(data: TensorDataset, kind: str, batch_size: int, steps: int, lr: float = 0.1) -> nn.Module:
+    """One device, plain torch: ``steps`` steps on consecutive batches of ``batch_size`` rows."""
+    model = net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    x, y, mask = data.tensors
+    for step in range(steps):
+        rows = slice(step * batch_size, (step + 1) * batch_size)
+        loss = loss_of(
+            "masked" if kind == "naive" else kind, model(x[rows]), y[rows], mask[rows], helper=False
+        )
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model
+
+
+def loader(data: TensorDataset, batch_size: int) -> DataLoader:
+    return DataLoader(data, batch_size=batch_size, shuffle=False)
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference between two state dicts (keys of ``a`` may carry a ``net.`` prefix)."""
+    b = {k.removeprefix("net."): v for k, v in b.items()}
+    a = {k.removeprefix("net."): v for k, v in a.items()}
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def regression_data(rows: int = 32, seed: int = 2) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 4, generator=g)
+    return TensorDataset(x, x @ torch.randn(4, 1, generator=g))
+
+
+class Hungry(L.LightningModule):
+    """A tiny model whose activations take ``ROW_BYTES`` per row (saved for backward, about 4 in backward).
+
+    ``forward_extra`` more of them are held for a moment without gradient, so forward needs
+    ``(1 + forward_extra)`` row-sizes per row. From the first batch on, ``limit_rank`` (if set)
+    limits its process's address space to what it holds plus ``budget`` row-sizes, so a large
+    activation fails in the allocator as a real out-of-memory would; ``lift_at`` lifts it again.
+    """
+
+    ROW_FLOATS = 2**20  # 4 MiB per row
+
+    def __init__(
+        self,
+        limit_rank: int | None = None,
+        budget: float = 24,
+        forward_extra: int = 0,
+        lift_at: int | None = None,
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 16)
+        self.head = nn.Linear(16, 1)
+        self.limit_rank = limit_rank
+        self.budget = budget
+        self.forward_extra = forward_extra
+        self.lift_at = lift_at
+        self.sizes_seen: list[int] = []
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        import resource
+
+        if self.limit_rank != self.global_rank:
+            return
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if batch_idx == 0:
+            with open("/proc/self/status") as status:
+                held = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+            limit = held + int(self.budget * self.ROW_FLOATS * 4)
+            resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+        elif batch_idx == self.lift_at:
+            resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.sizes_seen.append(len(x))
+        h = torch.tanh(self.lin(x))
+        big = h.repeat(1, self.ROW_FLOATS // 16)
+        if self.forward_extra:
+            with torch.no_grad():
+                held = big.repeat(1, self.forward_extra)
+            del held
+        act = (big * big).mean(1, keepdim=True)
+        return F.mse_loss(self.head(h) + act, y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)

@@ -1,0 +1,66 @@
+"""``global_mean``: sum and masked-token losses give the single-device step however the batch is split."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning_mgpu
+from tests.helpers import run_script
+from tests.strategies.microbatch._models import (
+    QUIET,
+    TokenModel,
+    loader,
+    max_difference,
+    reference,
+    token_data,
+)
+
+ATOL = 1e-6
+
+
+def fit(model: TokenModel, strategy: object, devices: int, batch_size: int, steps: int) -> None:
+    import lightning as L
+
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, **QUIET)
+    trainer.fit(model, loader(token_data(), batch_size))
+
+
+@pytest.mark.parametrize("kind", ["masked", "sum"])
+def test_one_device_is_total_over_count(kind: str) -> None:
+    model = TokenModel(kind)
+    fit(model, "auto", 1, 8, 3)
+    assert max_difference(model.state_dict(), reference(token_data(), kind, 8, 3).state_dict()) < ATOL
+
+
+def test_count_must_be_a_scalar() -> None:
+    with pytest.raises(ValueError, match=r"`count` must be a number or a 0-dim tensor .* shape \(3,\)"):
+        lightning_mgpu.global_mean(torch.ones(()), torch.ones(3))
+
+
+DDP_SCRIPT = """
+import torch, lightning as L
+from tests.strategies.microbatch._models import QUIET, TokenModel, loader, token_data
+
+results = {}
+for kind in ("masked", "sum", "naive"):
+    model = TokenModel(kind)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="mgpu_ddp", max_steps=2, **QUIET)
+    trainer.fit(model, loader(token_data(), 8))
+    results[kind] = model.state_dict()
+if trainer.is_global_zero:
+    torch.save(results, "ddp.pt")
+"""
+
+
+def test_ddp_ranks_match_one_device(tmp_path: Path) -> None:
+    result = run_script(DDP_SCRIPT, tmp_path, timeout=240)
+    assert result.returncode == 0, result.output
+    final = torch.load(tmp_path / "ddp.pt")
+    # two ranks of 8 rows = one device with batches of 16
+    for kind in ("masked", "sum"):
+        assert max_difference(final[kind], reference(token_data(), kind, 16, 2).state_dict()) < ATOL, kind
+    # the same masked loss written as err.sum() / mask.sum() per rank is not the single-device step
+    assert max_difference(final["naive"], reference(token_data(), "masked", 16, 2).state_dict()) > 1e-4
