@@ -1,8 +1,10 @@
 """Atomic file writes: a temporary file in the destination folder, fsync, rename.
 
 Readers see either the old file or the complete new one, never a half-written file, and a failure
-at any point (an exception, Ctrl-C, a full disk) leaves the destination as it was and no temporary
-file behind.
+at any point (an exception, Ctrl-C, SIGTERM, a full disk) leaves the destination as it was and no
+temporary file behind. A process killed outright (SIGKILL, a lost machine) cannot clean up: its
+temporary file carries its host and process id (``.NAME.HOST.PID.RANDOM.tmp``), and the next write
+into that folder removes the ones whose process no longer exists on this host.
 
 Writers call :func:`start_writeback` every :data:`WRITEBACK_BYTES` (or write through
 :class:`WritebackWriter`), so the disk writes while the rest of the file is produced and the closing
@@ -14,13 +16,19 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
+import re
+import signal
+import socket
 import stat
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from types import FrameType
+from typing import Any, BinaryIO
 
 __all__ = ["WRITEBACK_BYTES", "WritebackWriter", "atomic_write", "start_writeback"]
 
@@ -29,6 +37,8 @@ WRITEBACK_BYTES = 16 << 20
 get many small writes."""
 
 _SYNC_FILE_RANGE_WRITE = 2  # from <fcntl.h>: start writing dirty pages, do not wait
+
+logger = logging.getLogger(__name__)
 
 
 def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
@@ -155,8 +165,11 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
             f.write(data)
     """
     path = _destination(Path(path))
+    _remove_orphans(path)
     try:
-        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp_name = tempfile.mkstemp(
+            dir=path.parent, prefix=f".{path.name}.{_HOST}.{os.getpid()}.", suffix=".tmp"
+        )
     except PermissionError:
         raise PermissionError(
             f"cannot write {path}: no permission to create files in {path.parent}"
@@ -165,17 +178,85 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
         raise _cannot_write(path, err) from None
     tmp = Path(tmp_name)
     try:
-        with os.fdopen(fd, "wb") as file:
-            yield file
-            file.flush()
-            os.fsync(file.fileno())
-        os.chmod(tmp, _new_mode(path))
-        os.replace(tmp, path)
-    except BaseException:
+        with _terminate_as_exception():
+            with os.fdopen(fd, "wb") as file:
+                yield file
+                file.flush()
+                os.fsync(file.fileno())
+            os.chmod(tmp, _new_mode(path))
+            os.replace(tmp, path)
+    except BaseException as err:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+        if isinstance(err, _Terminated):
+            err.deliver()  # ends the process as SIGTERM would have, now that nothing is left behind
         raise
     _fsync_folder(path.parent)
+
+
+# the host in temporary names: a process id means something only on the machine that ran it
+_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname().split(".")[0])[:32] or "host"
+
+
+def _remove_orphans(path: Path) -> None:
+    """Remove temporary files for ``path`` left by processes of this host that no longer exist."""
+    pattern = re.compile(re.escape(f".{path.name}.{_HOST}.") + r"(\d+)\.[^.]+\.tmp")
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(path.parent):
+            match = pattern.fullmatch(entry.name)
+            if match is None or _process_exists(int(match.group(1))):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                logger.warning(
+                    "removed %s, left by an earlier write of %s whose process (%s) was killed",
+                    entry.path,
+                    path.name,
+                    match.group(1),
+                )
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, under another user
+        return True
+    return True
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived during an atomic write: raised to unwind it, then the signal is delivered again."""
+
+    def deliver(self) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _terminate_as_exception() -> Iterator[None]:
+    """While the block runs, SIGTERM raises :class:`_Terminated`, if SIGTERM would otherwise kill.
+
+    A handler the program installed (Lightning's, which saves and exits cleanly) is left alone, as
+    is an ignored SIGTERM; only the default action, which would kill the process mid-write and
+    leave the temporary file, is replaced, and only in the main thread, where handlers run.
+    """
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> Any:
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _new_mode(path: Path) -> int:

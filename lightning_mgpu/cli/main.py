@@ -6,7 +6,8 @@ Subcommand modules are imported only when their subcommand runs, so
 
 Errors a user can fix are printed as one line, without a traceback. Output whose reader stops
 early (``lightning-mgpu inspect --all f | head``) ends quietly with status 141, as a process ended
-by SIGPIPE does.
+by SIGPIPE does, and Ctrl-C prints one line and ends with status 130, as a shell reports SIGINT
+(files being written are removed first, see ``_atomic``).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 # Errors a user can fix; they are printed as one line, without a traceback.
 _USER_ERRORS = (OSError, ValueError, KeyError, TypeError)
 
-# the status of a process ended by SIGPIPE, as a shell reports it
+# the status of a process ended by SIGPIPE / SIGINT, as a shell reports it
 _SIGPIPE_EXIT = 128 + 13
+_SIGINT_EXIT = 128 + 2
 
 
 def _build_parser(selected: str | None) -> argparse.ArgumentParser:
@@ -61,8 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    module = importlib.import_module(COMMANDS[args.command][0])
     try:
+        module = importlib.import_module(COMMANDS[args.command][0])
         code = int(module.run(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, not at exit where it would print a traceback
         return code
@@ -75,6 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _SIGPIPE_EXIT
     except _USER_ERRORS as err:
         return _user_error(args.command, err)
+    except KeyboardInterrupt:
+        print(f"lightning-mgpu {args.command}: interrupted", file=sys.stderr)
+        return _SIGINT_EXIT
 
 
 def _user_error(command: str, err: Exception) -> int:

@@ -6,9 +6,11 @@ import dataclasses
 import enum
 import os
 import shlex
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -263,3 +265,30 @@ def test_inspect_suggests_commands_that_run_from_the_working_folder(
     assert main(shlex.split(out.split("-> lightning-mgpu ")[-1].splitlines()[0])) == 0
     written = safetensors.torch.load_file(folder / "final_dp.safetensors")
     assert_same({f"module.{k}": v for k, v in net().state_dict().items()}, written)
+
+
+def test_ctrl_c_prints_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    torch.save({f"layer{i}.weight": torch.zeros(1024, 1024) for i in range(16)}, tmp_path / "big.pt")
+    proc = subprocess.Popen(
+        [*CONSOLE, "export", "big.pt", "out.safetensors"],
+        cwd=tmp_path,
+        env=script_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        # torch is imported only inside the command's run: once its library is mapped, the command runs
+        maps = Path(f"/proc/{proc.pid}/maps")
+        while proc.poll() is None and "libtorch" not in maps.read_text():
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert err == "lightning-mgpu export: interrupted\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.pt"]
