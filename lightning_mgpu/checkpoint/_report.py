@@ -37,6 +37,9 @@ class LoadReport:
         mismatched: ``(source name, model name, source shape, model shape)`` for each shape mismatch.
         ignored: Source entries outside the submodule that was loaded (a loss module's buffers).
         pairs: With ``by_order=True``, ``(source name, model name)`` for every loaded entry.
+        tied: ``(model name, loaded name)`` for each entry the source left out that the model ties
+            to a loaded one (``lm_head.weight`` is ``embed.weight``): filled in through it, as
+            Hugging Face ``save_pretrained`` files expect.
         loaded: Number of entries copied into the model.
 
     Example::
@@ -60,6 +63,7 @@ class LoadReport:
     mismatched: list[tuple[str, str, Shape, Shape]] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
     pairs: list[tuple[str, str]] = field(default_factory=list)
+    tied: list[tuple[str, str]] = field(default_factory=list)
     loaded: int = 0
 
     @property
@@ -96,6 +100,9 @@ class LoadReport:
             lines.append(
                 f"  ignored, outside the loaded submodule ({len(self.ignored)}): {_names(self.ignored)}"
             )
+        if self.tied:
+            shown = [f"{name} (is {loaded})" for name, loaded in self.tied]
+            lines.append(f"  not in the source but tied to a loaded entry ({len(shown)}): {_names(shown)}")
         if self.pairs:
             shown = [f"{s} -> {t}" for s, t in self.pairs]
             lines.append(f"  paired by order ({len(shown)}): {_names(shown)}")

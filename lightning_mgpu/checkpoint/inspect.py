@@ -13,7 +13,7 @@ import torch
 from lightning_mgpu.checkpoint._dcp import ShardedFolder
 from lightning_mgpu.checkpoint._prefixes import WRAPPERS, plain_names, split_top
 from lightning_mgpu.checkpoint._report import Shape, human_size
-from lightning_mgpu.checkpoint._safetensors import PREFIXES_KEY
+from lightning_mgpu.checkpoint._safetensors import ORDER_KEY, PREFIXES_KEY
 from lightning_mgpu.checkpoint._source import count_values, resolve
 
 __all__ = ["CheckpointInfo", "TensorInfo", "inspect_checkpoint"]
@@ -48,6 +48,10 @@ class CheckpointInfo:
         info = inspect_checkpoint("last.ckpt")
         if not info.loads_into_plain:
             print(info.wrappers, info.lightning_attribute)  # [] 'model.'
+
+    ``loads_into_plain`` and ``loads_into_dataparallel`` say whether the names fit; where
+    ``tied_unknown`` is set (a safetensors file from another tool, which may have left tied names
+    out) that holds only for a model whose tied weights the file kept.
     """
 
     source: str
@@ -66,6 +70,7 @@ class CheckpointInfo:
     lightning_attribute: str | None = None
     loads_into_plain: bool = False
     loads_into_dataparallel: bool = False
+    tied_unknown: bool = False
 
     def groups(self) -> dict[str, list[TensorInfo]]:
         """Entries grouped by prefix, at the shallowest level that splits them (wrappers skipped)."""
@@ -121,12 +126,23 @@ class CheckpointInfo:
             if self.loads_into_dataparallel
             else f"{export} --dataparallel {given} {_suggested_output(source, '_dp')}"
         )
-        return [
+        hedge = "only if the model ties no weights this file left out (see below)"
+        if self.tied_unknown:
+            plain = hedge if self.loads_into_plain else plain
+            dp = hedge if self.loads_into_dataparallel else dp
+        lines = [
             f"loads into a plain model:          {plain}",
             f"loads into nn.DataParallel(model): {dp}",
             "  (lightning_mgpu.load_state_dict(model, FILE) loads it into either,"
             " and into DDP or compiled models)",
         ]
+        if self.tied_unknown:
+            lines.append(
+                "  (a safetensors file from another tool, Hugging Face save_pretrained among them, stores "
+                "tied weights once and leaves the other names out, lm_head.weight for one; torch's strict "
+                "load_state_dict reports those missing, lightning_mgpu.load_state_dict fills them in)"
+            )
+        return lines
 
     def __str__(self) -> str:
         return self.render()
@@ -218,9 +234,17 @@ def inspect_checkpoint(source: Any, *, trust_pickle: bool = False, key: str | No
     empty = not src.state_dict
     info.loads_into_plain = empty or (not info.wrappers and not src.lightning)
     info.loads_into_dataparallel = empty or (not src.lightning and info.wrappers == ["module."])
+    info.tied_unknown = src.format == "safetensors" and not empty and not _records_ties(src.metadata, names)
     if isinstance(src.mapped, ShardedFolder):  # no model.load_state_dict(torch.load(...)) reads a folder
         info.loads_into_plain = info.loads_into_dataparallel = False
     return info
+
+
+def _records_ties(metadata: Mapping[str, str], names: Mapping[str, str]) -> bool:
+    """Whether a safetensors file says how it stored tied weights: written here, or with aliases."""
+    return ORDER_KEY in metadata or any(
+        value in names and key not in names for key, value in metadata.items()
+    )
 
 
 def _describe_checkpoint(

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Collection
+from itertools import chain
 from typing import Any
 
 import torch
@@ -23,6 +25,8 @@ from lightning_mgpu.checkpoint._report import LoadReport, Shape
 from lightning_mgpu.checkpoint._source import Source, describe_tops, is_lightning_module, resolve
 
 __all__ = ["LoadReport", "load_state_dict"]
+
+logger = logging.getLogger(__name__)
 
 
 def load_state_dict(
@@ -47,6 +51,9 @@ def load_state_dict(
     - a top-level prefix on either side (a LightningModule's ``model.``) is removed or added when
       that makes the names meet; source entries outside the matched submodule are reported as ignored;
     - with ``strict=True`` nothing is loaded unless every model entry gets a tensor of the right shape;
+      an entry the source leaves out that the model ties to a loaded one (the same Parameter, as
+      ``lm_head.weight`` and the embedding in Hugging Face files) counts as given, and the report
+      lists it under ``tied``;
     - files are unpickled with ``weights_only=True`` (omegaconf hyperparameters allowed).
 
     Args:
@@ -101,6 +108,7 @@ def load_state_dict(
                 (source_sd, removed, ignored), mapping = other
                 report.removed_prefixes = removed
         pairs = _pair_by_name(source_sd, target, mapping, report)
+        _fill_ties(model, target_names, pairs, report)
         report.ignored = ignored + [k for k in source_sd if not mapping.covers(k)]
     if strict and not report.ok:
         several = src.lightning and not submodule and len(split_top(source_sd)) > 1
@@ -185,6 +193,30 @@ def _pair_by_name(
         pairs.append((key, name))
     report.missing = [k for k in target if k not in seen and not _filled_in_by_torch(k, seen)]
     return pairs
+
+
+def _fill_ties(
+    model: nn.Module, plain: dict[str, str], pairs: list[tuple[str, str]], report: LoadReport
+) -> None:
+    """Move missing entries the model ties to a loaded one (the same Parameter) to ``report.tied``.
+
+    Files written by Hugging Face ``save_pretrained`` leave out tied output weights
+    (``lm_head.weight``), because loading the embedding fills them.
+    """
+    groups: dict[int, list[str]] = {}
+    named = chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
+    for name, tensor in named:
+        groups.setdefault(id(tensor), []).append(plain.get(name, name))
+    loaded = {name for _, name in pairs}
+    for group in groups.values():
+        source = next((name for name in group if name in loaded), None)
+        if source is None or len(group) < 2:
+            continue
+        for name in group:
+            if name in report.missing:
+                report.missing.remove(name)
+                report.tied.append((name, source))
+                logger.debug("%s: not in the source, tied to the loaded %s", name, source)
 
 
 def _filled_in_by_torch(name: str, loaded: set[str]) -> bool:
