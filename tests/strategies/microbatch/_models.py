@@ -106,7 +106,8 @@ class Hungry(L.LightningModule):
     ``forward_extra`` more of them are held for a moment without gradient, so forward needs
     ``(1 + forward_extra)`` row-sizes per row. From the first batch on, ``limit_rank`` (if set)
     limits its process's address space to what it holds plus ``budget`` row-sizes, so a large
-    activation fails in the allocator as a real out-of-memory would; ``lift_at`` lifts it again.
+    activation fails in the allocator as a real out-of-memory would; from step ``lift_at`` on
+    the limit is lifted again.
     """
 
     ROW_FLOATS = 2**20  # 4 MiB per row
@@ -127,6 +128,7 @@ class Hungry(L.LightningModule):
         self.forward_extra = forward_extra
         self.lift_at = lift_at
         self.sizes_seen: list[int] = []
+        self._limited = False
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         import resource
@@ -134,12 +136,13 @@ class Hungry(L.LightningModule):
         if self.limit_rank != self.global_rank:
             return
         soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-        if batch_idx == 0:
+        if not self._limited:
+            self._limited = True
             with open("/proc/self/status") as status:
                 held = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
             limit = held + int(self.budget * self.ROW_FLOATS * 4)
             resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-        elif batch_idx == self.lift_at:
+        elif self.trainer.global_step == self.lift_at:
             resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

@@ -1,0 +1,21 @@
+"""Micro-batching for every ``mgpu_*`` strategy: one implementation, mixed into each strategy class.
+
+- ``mixin.py``: ``MicroBatching``, the ``micro_batch_size=`` argument (an int or ``"auto"``);
+- ``runner.py``: one batch run as micro-batches, the agreement between ranks after each attempt,
+  recovery from out-of-memory;
+- ``sizes.py``: the micro-batch size of one rank: halve on out-of-memory, grow after clean batches;
+- ``grads.py``: the gradients of a batch kept apart until every rank succeeded, then averaged once;
+- ``metrics.py``: torchmetrics updated per micro-batch, merged as ``mgpu_dp`` merges its replicas'.
+"""
+
+from lightning_mgpu.strategies.microbatch.mixin import MicroBatching, check_micro_batch_size
+from lightning_mgpu.strategies.microbatch.runner import MicroBatchOutOfMemoryError, is_out_of_memory
+from lightning_mgpu.strategies.microbatch.sizes import MicroBatchSizes
+
+__all__ = [
+    "MicroBatchOutOfMemoryError",
+    "MicroBatchSizes",
+    "MicroBatching",
+    "check_micro_batch_size",
+    "is_out_of_memory",
+]

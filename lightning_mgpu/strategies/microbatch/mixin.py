@@ -1,0 +1,91 @@
+"""``MicroBatching``: the ``micro_batch_size=`` argument of every ``mgpu_*`` strategy."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.strategies import Strategy
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_mgpu.strategies.microbatch.runner import MicroBatchRunner
+from lightning_mgpu.strategies.microbatch.sizes import MicroBatchSizes
+
+__all__ = ["MicroBatching", "check_micro_batch_size"]
+
+if TYPE_CHECKING:
+    _Base = Strategy
+else:
+    _Base = object
+
+
+def check_micro_batch_size(value: Any) -> int | str | None:
+    """``value`` if it is a positive int, ``"auto"`` or ``None``.
+
+    Raises:
+        ValueError: for anything else, naming the value.
+    """
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ValueError(
+        f"micro_batch_size must be a positive number of rows, 'auto' (halve on out-of-memory) or None"
+        f" (off), got {value!r}"
+    )
+
+
+class MicroBatching(_Base):
+    """Runs each training batch as micro-batches with one optimizer step; ``"auto"`` survives out-of-memory.
+
+    A mixin that goes first in a strategy's bases; it takes the keyword ``micro_batch_size``:
+
+    - ``None`` (default): off, the strategy as without it.
+    - an ``int``: each training batch is cut into micro-batches of at most that many rows that run
+      forward and backward in turn; the optimizer steps once per batch. With a per-row mean loss
+      (or ``lightning_mgpu.global_mean``) the weights after the step equal those of the unsplit
+      step; ``self.log`` values and torchmetrics updates combine as over the whole batch. A batch
+      no larger than the size runs unsplit.
+    - ``"auto"``: starts with the whole batch; when any rank runs out of memory, in forward or
+      backward, every rank learns of it in the step's one all-reduce, the rank that failed frees
+      what the attempt held, halves its micro-batches and runs the same batch again (ranks may end
+      on different sizes; the global batch is unchanged). After ``micro_batches.grow_after`` clean
+      batches the size doubles again, up to the whole batch and below any size that failed. A
+      batch that does not fit in micro-batches of one row stops every rank with
+      ``MicroBatchOutOfMemoryError``.
+
+    What differs from an unsplit step: BatchNorm in training mode normalises each micro-batch
+    with its own statistics; dropout draws other masks; under DDP the gradients are averaged
+    once after the last micro-batch instead of during backward, and buffers are not broadcast
+    from rank 0 at each forward; ``on_before_backward`` and ``on_after_backward`` run once per
+    batch, after the micro-batches' backward passes. Manual optimization is refused.
+
+    Attributes:
+        micro_batch_size: the setting.
+        micro_batches: this rank's ``MicroBatchSizes`` (``size`` now, ``failed``, ``grow_after``).
+    """
+
+    def __init__(self, *args: Any, micro_batch_size: int | str | None = None, **kwargs: Any) -> None:
+        self.micro_batch_size = check_micro_batch_size(micro_batch_size)
+        super().__init__(*args, **kwargs)
+        auto = self.micro_batch_size == "auto"
+        start = None if auto else self.micro_batch_size
+        assert start is None or isinstance(start, int)
+        self.micro_batches = MicroBatchSizes(start, auto=auto)
+        self._micro_runner = MicroBatchRunner(self, self.micro_batches)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.micro_batch_size is None or not args:
+            return super().training_step(*args, **kwargs)
+        return self._micro_runner.run(super().training_step, args, kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self.micro_batch_size is None or not self._micro_runner.take_backward():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # the micro-batches ran backward already and their gradients are back in place: only the hooks
+        module = self.lightning_module
+        assert module is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        return self.precision_plugin.post_backward(closure_loss, module)

@@ -1,0 +1,294 @@
+"""One training batch run as micro-batches: forward and backward in turn, retried smaller on out-of-memory.
+
+``MicroBatchRunner.run`` replaces one call of the strategy's ``training_step``:
+
+- the batch is cut along dim 0 into micro-batches of at most ``size`` rows (``dp.scatter``);
+- each one runs the host strategy's own ``training_step`` (so ``mgpu_dp`` still spreads it over
+  its replicas), with ``self.log`` captured, the module's metrics swapped for copies, and DDP's
+  gradient sync off; its loss, weighted by its share of the rows (or, when the step used
+  ``global_mean``, by its count), goes backward at once and the graph is freed;
+- every rank then tells the others in one all-reduce whether it ran out of memory, and the
+  count ``global_mean`` saw; no gradient has crossed ranks yet, so a rank that failed in
+  backward leaves no other rank waiting in a collective;
+- under ``"auto"`` a rank that ran out of memory drops what the attempt held, halves its
+  micro-batches and runs the batch again while the others wait at the next all-reduce;
+  when no rank failed, the gradients are averaged over the ranks once (``grads``), the logs
+  replayed once and the metrics merged, as one unsplit step would have left them.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.utilities.memory import is_oom_error
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_mgpu.losses import MicroCounts, micro_counts
+from lightning_mgpu.strategies.dp.replicas import LogCapture, replay_logs
+from lightning_mgpu.strategies.dp.scatter import batch_rows, combine_outputs, scatter_batch, split_sizes
+from lightning_mgpu.strategies.microbatch.grads import BatchGradients
+from lightning_mgpu.strategies.microbatch.metrics import MicroBatchMetrics
+from lightning_mgpu.strategies.microbatch.sizes import MicroBatchSizes
+
+__all__ = ["MicroBatchOutOfMemoryError", "MicroBatchRunner", "is_out_of_memory"]
+
+log = logging.getLogger(__name__)
+
+_OK, _RETRY, _FATAL = 0, 1, 2
+
+
+class MicroBatchOutOfMemoryError(MemoryError):
+    """A batch did not fit even in micro-batches of one row, on this rank or another."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Out of memory as torch and Lightning tell it (CUDA, cuDNN, the CPU allocator), or a ``MemoryError``."""
+    return isinstance(error, (MemoryError, torch.OutOfMemoryError)) or is_oom_error(error)
+
+
+@dataclass(frozen=True)
+class _Done:
+    """What a successful attempt leaves for the end of the batch."""
+
+    outputs: list[Any]
+    captures: list[LogCapture]
+    sizes: list[int]
+    counts: list[Tensor]
+
+
+def _detached(output: Any) -> Any:
+    return apply_to_collection(output, Tensor, lambda t: t.detach())
+
+
+def _loss_of(output: Any) -> Tensor | None:
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, dict):
+        loss = output.get("loss")
+        return loss if isinstance(loss, Tensor) else None
+    return None
+
+
+class MicroBatchRunner:
+    """Runs training batches of one strategy as micro-batches (see the module docstring).
+
+    Args:
+        strategy: the host strategy; ``run`` gets its ``training_step`` as ``step``.
+        sizes: this rank's micro-batch size decisions.
+    """
+
+    def __init__(self, strategy: Strategy, sizes: MicroBatchSizes) -> None:
+        self.strategy = strategy
+        self.sizes = sizes
+        self._metrics = MicroBatchMetrics()
+        self._grads: BatchGradients | None = None
+        self._phase = "forward"
+
+    # ------------------------------------------------------------------ the batch
+    def run(self, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run ``step(*args, **kwargs)`` on ``args[0]`` in micro-batches; returns the combined output."""
+        module = self.strategy.lightning_module
+        assert module is not None
+        self._grads = None  # a batch whose loss was None never reached backward
+        try:
+            rows = batch_rows(args[0])
+        except ValueError as err:
+            raise ValueError(f"micro_batch_size: {err}") from None
+        if rows is None or (not self.sizes.auto and self.sizes.rows(rows) >= rows):
+            return step(*args, **kwargs)  # nothing to split: the step as without micro-batching
+        if not module.automatic_optimization:
+            raise ValueError(
+                "micro_batch_size needs automatic optimization: with `automatic_optimization = False` the"
+                " training_step calls backward itself. Split the batch inside training_step instead, or"
+                " remove micro_batch_size."
+            )
+        trainer = module.trainer
+        accumulate = trainer.accumulate_grad_batches
+        batch_index = trainer.fit_loop.epoch_loop.batch_idx
+        where = f"batch {batch_index} of epoch {trainer.current_epoch}"
+        model = self.strategy.model
+        ddp = isinstance(model, DistributedDataParallel)
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        syncing = isinstance(model, DistributedDataParallel) and model.require_backward_grad_sync
+        grads = BatchGradients(module, zeroing=batch_index % accumulate == 0)
+        attempts: list[str] = []
+        done: _Done | None = None
+        while True:
+            status = _OK
+            if done is None:
+                tried = self.sizes.rows(rows)
+                try:
+                    done = self._attempt(module, step, args, kwargs, rows, tried, accumulate, ddp)
+                except BaseException as err:
+                    if not (self.sizes.auto and is_out_of_memory(err)):
+                        self._metrics.forget_attempt()
+                        raise
+                    attempts.append(f"{tried} rows (out of memory in {self._phase})")
+                    status = _RETRY
+                if status == _RETRY:
+                    status = self._recover(grads, tried, rows, where)
+            statuses, count = self._agree(status, done, world)
+            if _FATAL in statuses:
+                raise self._fatal(statuses, attempts, where)
+            if all(s == _OK for s in statuses):
+                break
+            others = [rank for rank, s in enumerate(statuses) if s != _OK and rank != self._rank()]
+            if others:
+                log.debug("rank(s) %s ran out of memory at %s: waiting for the rerun", others, where)
+        assert done is not None
+        scale = None if count is None else (world if ddp else 1) / count
+        grads.finish(scale, world if syncing else 1)
+        self._grads = grads
+        grown = self.sizes.succeeded()
+        if grown is not None:
+            log.info("[rank %d] micro-batches grow to %d rows after clean batches", self._rank(), grown)
+        return self._combine(module, done)
+
+    def _attempt(
+        self,
+        module: LightningModule,
+        step: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        rows: int,
+        size: int,
+        accumulate: int,
+        ddp: bool,
+    ) -> _Done:
+        sizes = split_sizes(rows, math.ceil(rows / size))
+        device = self.strategy.root_device
+        chunks = scatter_batch(args[0], sizes, [device] * len(sizes))
+        scaler = getattr(self.strategy.precision_plugin, "scaler", None)
+        outputs, captures, counts = [], [], []
+        self._metrics.begin(module)
+        for index, (chunk, chunk_rows) in enumerate(zip(chunks, sizes, strict=True)):
+            capture = LogCapture()
+            captures.append(capture)
+            seen = MicroCounts()
+            with self._no_sync(ddp):
+                self._phase = "forward"
+                with self._captured(module, capture, index), micro_counts(seen):
+                    output = step(chunk, *args[1:], **kwargs)
+                loss = _loss_of(output)
+                if len(seen.counts) > 1:
+                    raise ValueError(
+                        "micro_batch_size: training_step called global_mean more than once; under"
+                        " micro-batching the loss may hold one global_mean term"
+                    )
+                if loss is not None:
+                    weight: float | Tensor = seen.counts[0] if seen.counts else chunk_rows / rows
+                    scaled = loss * (weight / accumulate)
+                    if scaler is not None:
+                        scaled = scaler.scale(scaled)
+                    self._phase = "backward"
+                    module.backward(scaled)
+                    del scaled, loss
+            counts.extend(seen.counts)
+            outputs.append(_detached(output))
+            del output
+        if counts and len(counts) != len(sizes):
+            raise ValueError(
+                "micro_batch_size: global_mean was called in some micro-batches of the batch but not in"
+                " others; call it once in every training_step"
+            )
+        return _Done(outputs, captures, sizes, counts)
+
+    @contextmanager
+    def _captured(self, module: LightningModule, capture: LogCapture, index: int) -> Iterator[None]:
+        self._metrics.use(index)
+        module.__dict__["log"] = capture.log
+        try:
+            yield
+        finally:
+            module.__dict__.pop("log", None)
+            self._metrics.put_back()
+
+    def _no_sync(self, ddp: bool) -> Any:
+        model = self.strategy.model
+        return model.no_sync() if ddp and isinstance(model, DistributedDataParallel) else nullcontext()
+
+    # ------------------------------------------------------------------ out of memory
+    def _rank(self) -> int:
+        return int(getattr(self.strategy, "global_rank", 0))
+
+    def _recover(self, grads: BatchGradients, tried: int, rows: int, where: str) -> int:
+        grads.drop_attempt()
+        self._metrics.forget_attempt()
+        gc.collect()
+        if self.strategy.root_device.type == "cuda":
+            torch.cuda.empty_cache()
+        shrink = self.sizes.out_of_memory(tried)
+        if shrink is None:
+            return _FATAL
+        log.warning(
+            "[rank %d] out of memory in %s at %s with micro-batches of %d rows: running the batch again"
+            " in micro-batches of %d rows (%d rows on this rank; the global batch is unchanged)",
+            self._rank(),
+            self._phase,
+            where,
+            shrink.old,
+            shrink.new,
+            rows,
+        )
+        return _RETRY
+
+    def _agree(self, status: int, done: _Done | None, world: int) -> tuple[list[int], Tensor | None]:
+        """Every rank's status, and the count global_mean saw over every micro-batch of every rank."""
+        local = None
+        if done is not None and done.counts:
+            local = torch.stack([c.to(torch.float64) for c in done.counts]).sum()
+        if world == 1:
+            return [status], local
+        vector = torch.zeros(world + 1, dtype=torch.float64, device=self.strategy.root_device)
+        vector[self._rank()] = status
+        if local is not None:
+            vector[world] = local
+        dist.all_reduce(vector)
+        return [int(s) for s in vector[:world].tolist()], (vector[world] if local is not None else None)
+
+    def _fatal(self, statuses: list[int], attempts: list[str], where: str) -> MicroBatchOutOfMemoryError:
+        failed = [rank for rank, s in enumerate(statuses) if s == _FATAL]
+        if self._rank() in failed:
+            return MicroBatchOutOfMemoryError(
+                f"[rank {self._rank()}] out of memory at {where} even with micro-batches of 1 row."
+                f" Attempts on this rank: {'; '.join(attempts)}. The model, its optimizer state and one"
+                " sample do not fit: free memory (lower precision, a smaller model, activation"
+                " checkpointing) or shard the model (strategy='mgpu_fsdp')."
+            )
+        return MicroBatchOutOfMemoryError(
+            f"[rank {self._rank()}] stopping: rank(s) {failed} ran out of memory at {where} even"
+            " with micro-batches of 1 row; their error says what was tried"
+        )
+
+    # ------------------------------------------------------------------ after the batch
+    def _combine(self, module: LightningModule, done: _Done) -> Any:
+        originals = self._metrics.merge()
+        replay_logs(module, done.captures, done.sizes, self.strategy.root_device, originals)
+        output = combine_outputs(done.outputs, done.sizes, self.strategy.root_device)
+        losses = [loss for loss in map(_loss_of, done.outputs) if loss is not None]
+        if done.counts and len(losses) == len(done.counts):
+            # the loss shown is the count-weighted mean of the micro-batches' own means
+            counts = torch.stack([c.to(losses[0].dtype) for c in done.counts])
+            weighted = (counts * torch.stack(losses)).sum() / counts.sum()
+            output = {**output, "loss": weighted} if isinstance(output, dict) else weighted
+        return output
+
+    def take_backward(self) -> bool:
+        """Whether the last ``training_step`` ran its backward passes; if so, put its gradients back."""
+        grads, self._grads = self._grads, None
+        if grads is None:
+            return False
+        grads.restore()
+        return True

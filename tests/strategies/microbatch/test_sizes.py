@@ -1,0 +1,63 @@
+"""The micro-batch size of one rank: fixed, halved on out-of-memory, grown back below what failed."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_mgpu.strategies.microbatch import MicroBatchSizes, check_micro_batch_size
+from lightning_mgpu.strategies.microbatch.sizes import Shrink
+
+
+def test_a_fixed_size_never_changes_and_caps_at_the_batch() -> None:
+    sizes = MicroBatchSizes(4, auto=False)
+    assert sizes.rows(10) == 4
+    assert sizes.rows(3) == 3
+    for _ in range(500):
+        assert sizes.succeeded() is None
+    assert sizes.size == 4
+
+
+def test_auto_halves_on_out_of_memory_and_gives_up_at_one_row() -> None:
+    sizes = MicroBatchSizes(None, auto=True)
+    assert sizes.rows(12) == 12  # starts with the whole batch
+    assert sizes.out_of_memory(12) == Shrink(12, 6)
+    assert sizes.rows(12) == 6
+    assert sizes.out_of_memory(6) == Shrink(6, 3)
+    assert sizes.out_of_memory(3) == Shrink(3, 1)
+    assert sizes.out_of_memory(1) is None
+    assert sizes.failed == 1
+
+
+def test_auto_grows_after_clean_batches_but_never_to_a_size_that_failed() -> None:
+    sizes = MicroBatchSizes(None, auto=True, grow_after=3)
+    sizes.rows(32)
+    sizes.out_of_memory(32)  # -> 16
+    sizes.out_of_memory(16)  # -> 8
+    assert [sizes.succeeded() for _ in range(3)] == [None, None, 15]  # doubling stops below 16
+    assert sizes.rows(32) == 15
+    assert [sizes.succeeded() for _ in range(6)] == [None] * 6  # nothing larger to try
+    assert sizes.size == 15
+
+
+def test_auto_without_failure_grows_back_to_the_whole_batch() -> None:
+    sizes = MicroBatchSizes(2, auto=True, grow_after=1)
+    sizes.rows(8)
+    assert [sizes.succeeded() for _ in range(3)] == [4, 8, None]
+    assert sizes.size is None  # the whole batch, whatever its size
+    assert sizes.rows(20) == 20
+
+
+def test_an_out_of_memory_resets_the_clean_count() -> None:
+    sizes = MicroBatchSizes(None, auto=True, grow_after=2)
+    sizes.rows(8)
+    sizes.out_of_memory(8)  # -> 4
+    assert sizes.succeeded() is None  # one clean batch
+    sizes.out_of_memory(4)  # -> 2, and the count starts again
+    assert sizes.succeeded() is None
+    assert sizes.succeeded() == 3  # below 4, which failed
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "half", True])
+def test_a_bad_setting_is_named(bad: object) -> None:
+    with pytest.raises(ValueError, match=rf"micro_batch_size must be a positive number .* got {bad!r}"):
+        check_micro_batch_size(bad)
