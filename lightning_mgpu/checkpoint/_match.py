@@ -4,19 +4,23 @@ A Lightning checkpoint names its weights ``model.encoder.0.weight`` where the pl
 ``encoder.0.weight``; a plain export going into a LightningModule needs the opposite; two
 LightningModules may call the attribute ``model`` and ``net``. Each way of mapping (as is, take off
 one top-level name, put one on, or both) is scored by how many names it makes meet; a mapping that
-makes both sides equal wins, and two such mappings are an error naming them. When none does, the
+makes both sides equal, with every shape equal too, wins, and two such mappings are an error naming
+only them (a way whose names fit but whose shapes cannot is never offered). When none does, the
 closest one is kept only if it moves a LightningModule's attribute prefix (the known cause);
 otherwise the names are compared as they are, so the error shows the real differences.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import logging
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from lightning_mgpu.checkpoint._prefixes import split_top
 
 __all__ = ["Mapping", "match_names"]
+
+logger = logging.getLogger(__name__)
 
 # beyond this many top-level names on both sides, "take one off and put one on" is not tried
 _MAX_SWAP_TOPS = 32
@@ -62,15 +66,18 @@ def match_names(
     *,
     source_lightning: bool = False,
     target_lightning: bool = False,
+    same_shape: Callable[[str, str], bool] | None = None,
 ) -> Mapping:
     """The mapping that best fits ``source`` names onto ``target`` names.
 
     ``source_lightning`` / ``target_lightning`` say which side may carry a LightningModule's
-    attribute prefix, which allows a partial fit that removes / adds it.
+    attribute prefix, which allows a partial fit that removes / adds it. ``same_shape(source
+    name, target name)`` lets an exact fit require equal shapes.
 
     Raises:
-        ValueError: two mappings fit exactly (say, ``student.`` and ``teacher.`` of the same
-            architecture); the message lists them and how to pick one (``submodule_hint``).
+        ValueError: two mappings fit exactly, shapes included (say, ``student.`` and ``teacher.``
+            of the same architecture); the message lists them and how to pick one: a
+            ``submodule=`` per way that takes one, else ``submodule_hint``.
     """
     target_set = set(target)
     if set(source) == target_set:
@@ -80,10 +87,22 @@ def match_names(
         mapped = {mapping.apply(k) for k in source if mapping.covers(k)}
         scored.append((len(mapped & target_set), mapped == target_set, mapping))
     exact = [m for _, is_exact, m in scored if is_exact]
+    if same_shape is not None and len(exact) > 1:
+        shaped = [m for m in exact if all(same_shape(k, m.apply(k)) for k in source if m.covers(k))]
+        logger.debug(
+            "name fits %s; with equal shapes: %s",
+            [m.describe() for m in exact],
+            [m.describe() for m in shaped],
+        )
+        exact = shaped or exact
     if len(exact) == 1:
+        logger.debug("source names fit the model %s", exact[0].describe())
         return exact[0]
     if len(exact) > 1:
         ways = "; ".join(m.describe() for m in exact)
+        picks = [m.strip.rstrip(".") for m in exact if m.strip]
+        if len(picks) == len(exact):
+            submodule_hint = "Pass " + " or ".join(f"submodule={p!r}" for p in picks) + " to choose."
         raise ValueError(f"the weights fit the model in several ways: {ways}. {submodule_hint}")
     allowed = [
         (score, m)

@@ -32,6 +32,8 @@ class LoadReport:
         source: The source, as the messages name it.
         removed_prefixes: Prefixes taken off the source names (wrappers, a LightningModule attribute).
         added_prefixes: Prefixes put on to fit the model (its own wrappers, its attribute).
+        unchanged_prefixes: Wrappers the source and the model share (a DataParallel file into a
+            DataParallel model): the names went in as they were.
         missing: Model entries the source has nothing for.
         unexpected: Source entries the model has no place for.
         mismatched: ``(source name, model name, source shape, model shape)`` for each shape mismatch.
@@ -58,6 +60,7 @@ class LoadReport:
     source: str
     removed_prefixes: list[str] = field(default_factory=list)
     added_prefixes: list[str] = field(default_factory=list)
+    unchanged_prefixes: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[tuple[str, str, Shape, Shape]] = field(default_factory=list)
@@ -91,6 +94,9 @@ class LoadReport:
             changes.append("added " + ", ".join(self.added_prefixes))
         if changes:
             lines.append("  prefixes: " + "; ".join(changes))
+        elif self.unchanged_prefixes:
+            shared = ", ".join(self.unchanged_prefixes)
+            lines.append(f"  prefixes: none changed (the source and the model both carry {shared})")
         return lines
 
     def __str__(self) -> str:

@@ -24,7 +24,30 @@ from lightning_mgpu.checkpoint._prefixes import (
 from lightning_mgpu.checkpoint._report import LoadReport, Shape
 from lightning_mgpu.checkpoint._source import Source, describe_tops, is_lightning_module, resolve
 
-__all__ = ["LoadReport", "load_state_dict"]
+__all__ = ["LoadError", "LoadReport", "load_state_dict"]
+
+# the last line of a strict failure, naming the Python API: where the error reaches a user through
+# another door (a config's model.weights), the caller replaces it with LoadError.problems
+_STRICT_FALSE = (
+    "to load what matches anyway: lightning_mgpu.load_state_dict(model, source, strict=False) loads it "
+    "and returns this report"
+)
+
+
+class LoadError(ValueError):
+    """``load_state_dict(strict=True)`` loaded nothing: ``str(err)`` lists the problems and hints.
+
+    Attributes:
+        report: The :class:`LoadReport` of what did not fit.
+        problems: The message without its last line, which names the Python API's
+            ``strict=False``: a command line or a config raising it adds its own way out.
+    """
+
+    def __init__(self, message: str, report: LoadReport) -> None:
+        super().__init__(message)
+        self.report = report
+        self.problems = message.removesuffix("\n" + _STRICT_FALSE)
+
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +97,9 @@ def load_state_dict(
         mismatches, ignored entries and the ``by_order`` pairs.
 
     Raises:
-        ValueError: with ``strict=True``, the problems listed one per line, with a hint when a
-            known prefix or the order of entries explains them; or the source is unreadable or unsafe.
+        LoadError: (a ValueError) with ``strict=True``, the problems listed one per line, with a
+            hint when a known prefix or the order of entries explains them.
+        ValueError: the source is unreadable, corrupt or unsafe.
 
     Example::
 
@@ -110,9 +134,13 @@ def load_state_dict(
         pairs = _pair_by_name(source_sd, target, mapping, report)
         _fill_ties(model, target_names, pairs, report)
         report.ignored = ignored + [k for k in source_sd if not mapping.covers(k)]
+    if report.removed_prefixes and report.removed_prefixes == report.added_prefixes:
+        # a DataParallel file into a DataParallel model: the names went in as they were
+        report.unchanged_prefixes = report.removed_prefixes
+        report.removed_prefixes, report.added_prefixes = [], []
     if strict and not report.ok:
         several = src.lightning and not submodule and len(split_top(source_sd)) > 1
-        raise ValueError(_failure(model, report, source_sd, target, by_order, several))
+        raise LoadError(_failure(model, report, source_sd, target, by_order, several), report)
     if src.check is not None:
         src.check.verify(src.state_dict)
     to_load = OrderedDict((actual[t], source_sd[s]) for s, t in pairs)
@@ -141,12 +169,16 @@ def _source_entries(
 def _match(
     source: OrderedDict[str, Any], target: OrderedDict[str, Any], lightning: tuple[bool, bool]
 ) -> Mapping:
+    def same_shape(source_name: str, target_name: str) -> bool:
+        return getattr(source[source_name], "shape", None) == getattr(target[target_name], "shape", None)
+
     return match_names(
         list(source),
         list(target),
         _submodule_hint(source),
         source_lightning=lightning[0],
         target_lightning=lightning[1],
+        same_shape=same_shape,
     )
 
 
@@ -275,7 +307,7 @@ def _failure(
         *report.problem_lines(),
     ]
     lines += [f"hint: {hint}" for hint in _hints(report, source, target, by_order, several)]
-    lines.append("pass strict=False to load what matches and get this report back")
+    lines.append(_STRICT_FALSE)
     return "\n".join(lines)
 
 

@@ -74,8 +74,16 @@ def test_strict_error_lists_problems_one_per_line() -> None:
     assert (
         "  shape mismatch (2): 3.weight: source [3, 6], model [2, 6], 3.bias: source [3], model [2]" in lines
     )
-    assert "  prefixes: removed module.; added module." in lines
-    assert lines[-1].startswith("pass strict=False")
+    # both sides DataParallel: the names went in as they were, and the report says so
+    assert "  prefixes: none changed (the source and the model both carry module.)" in lines
+    assert lines[-1].startswith(
+        "to load what matches anyway: lightning_mgpu.load_state_dict(model, source, strict=False)"
+    )
+    assert err.value.report.unchanged_prefixes == ["module."]
+    assert err.value.problems.splitlines() == lines[:-1]  # for a caller that names its own way out
+    assert load_state_dict(nn.DataParallel(net()), nn.DataParallel(net(seed=1))).unchanged_prefixes == [
+        "module."
+    ]
 
 
 def test_wrapper_prefix_on_only_some_entries() -> None:
@@ -141,6 +149,19 @@ def test_lightning_checkpoint_ignores_other_submodules(tmp_path: Path) -> None:
     assert report.ok
     assert report.ignored == ["loss_fn.weight"]
     assert report.removed_prefixes == ["model."]
+
+
+def test_only_ways_whose_shapes_fit_are_offered() -> None:
+    wider = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))  # same names
+    target = net(seed=3)
+    report = load_state_dict(target, nn.ModuleDict({"wide": wider, "fit": net(seed=1)}))
+    assert report.removed_prefixes == ["fit."]
+    assert_same(net(seed=1).state_dict(), target.state_dict())
+    three = nn.ModuleDict({"student": net(seed=1), "wide": wider, "teacher": net(seed=2)})
+    with pytest.raises(ValueError, match="several ways") as err:
+        load_state_dict(target, three)
+    assert "'wide" not in str(err.value)
+    assert str(err.value).endswith("Pass submodule='student' or submodule='teacher' to choose.")
 
 
 def test_two_exact_fits_are_ambiguous_until_submodule_is_given() -> None:
@@ -275,11 +296,11 @@ def test_a_file_whose_module_is_the_models_own_attribute(tmp_path: Path) -> None
     # the names alone read ``module.stem.module.`` as two wrappers; the model shows the inner one is its own
     source = ResNet(seed=1)
     torch.save(nn.DataParallel(source).state_dict(), tmp_path / "dp.pt")
-    for target, plain in (
-        (ResNet(seed=2), lambda m: m),
-        (nn.DataParallel(ResNet(seed=2)), lambda m: m.module),
-        (LitNet(ResNet(seed=2)), lambda m: m.model),
+    for target, plain, removed in (
+        (ResNet(seed=2), lambda m: m, ["module."]),
+        (nn.DataParallel(ResNet(seed=2)), lambda m: m.module, []),  # names unchanged: DataParallel both
+        (LitNet(ResNet(seed=2)), lambda m: m.model, ["module."]),
     ):
         report = load_state_dict(target, tmp_path / "dp.pt")
-        assert report.removed_prefixes == ["module."]
+        assert report.removed_prefixes == removed
         assert_same(source.state_dict(), plain(target).state_dict())
