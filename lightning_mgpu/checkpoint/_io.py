@@ -80,10 +80,8 @@ def read_file(
     if not path.exists():
         raise FileNotFoundError(f"no such file: {path}")
     if path.is_dir():
-        raise IsADirectoryError(
-            f"{path} is a folder, not a checkpoint file (sharded and distributed checkpoint folders are not "
-            "supported; consolidate them into one file first)"
-        )
+        # sharded folders are read by _dcp, one tensor at a time, before a path gets here
+        raise IsADirectoryError(f"{path} is a folder, not a checkpoint file")
     if path.stat().st_size == 0:
         raise ValueError(f"{path} is empty: it is truncated or was never written")
     kind = sniff(path)

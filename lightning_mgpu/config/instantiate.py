@@ -136,9 +136,17 @@ def load_weights(net: torch.nn.Module, path: str | Path) -> None:
 
         load_weights(module.net, "resnet18-f37072fd.pth")
     """
-    from lightning_mgpu.checkpoint import load_state_dict
+    from lightning_mgpu.checkpoint import LoadError, load_state_dict
 
-    load_state_dict(net, Path(path).expanduser(), strict=True)
+    try:
+        load_state_dict(net, Path(path).expanduser(), strict=True)
+    except LoadError as err:
+        # the Python API's way out (strict=False) is not an option of a run: say what is
+        hint = (
+            f"weights= must fit the recipe's model as configured: `lightning-mgpu inspect {path}` shows"
+            " what the file holds; set the model options it was trained with (such as model.num_classes)"
+        )
+        raise LoadError(f"{err.problems}\n{hint}", err.report) from None
 
 
 def build_callbacks(cfg: RunConfig, run_dir: Path) -> list[Callback]:

@@ -135,6 +135,8 @@ def test_weights_that_do_not_fit_are_a_clear_error(
     err = capsys.readouterr().err
     assert f"cannot load {weights} into ResNet with strict=True" in err
     assert "fc.weight: source [1000, 512], model [10, 512]" in err
+    assert "strict=False" not in err  # a Python option, not one of the command line
+    assert f"`lightning-mgpu inspect {weights}` shows what the file holds" in err
 
 
 def test_device_lists_select_gpus_only(capsys: pytest.CaptureFixture[str]) -> None:
