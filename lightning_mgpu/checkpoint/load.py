@@ -262,10 +262,15 @@ def _pair_by_order(
     src: Source, source: OrderedDict[str, Any], target: OrderedDict[str, Any], report: LoadReport
 ) -> list[tuple[str, str]]:
     if not src.ordered:
+        why = (
+            "each rank saves its own part, in its own order"
+            if isinstance(src.mapped, ShardedFolder)
+            else "a safetensors file written by another tool"
+        )
         raise ValueError(
-            f"{src.description} does not record the order of its tensors (a safetensors file written by "
-            "another tool), so by_order cannot pair them; export the original checkpoint with "
-            "lightning_mgpu.export_state_dict, which records it"
+            f"{src.description} does not record the order of its tensors ({why}), so by_order cannot pair"
+            " them; pair by name, or export a checkpoint that records the order with"
+            " lightning_mgpu.export_state_dict"
         )
     sources, targets = list(source.items()), list(target.items())
     report.unexpected = [k for k, _ in sources[len(targets) :]]

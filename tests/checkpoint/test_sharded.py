@@ -146,6 +146,9 @@ def test_load_state_dict_reads_the_folder(fsdp_run: tuple[Path, dict]) -> None:
     load_state_dict(dp, folder)
     torch.testing.assert_close(dp.module[2].bias, reference["2.bias"], rtol=0, atol=0)
 
+    with pytest.raises(ValueError, match=r"each rank saves its own part, in its own order\), so by_order"):
+        load_state_dict(plain_model(), folder, by_order=True)
+
 
 def test_inspect_and_the_command_line(
     fsdp_run: tuple[Path, dict], tmp_path: Path, capsys: pytest.CaptureFixture
