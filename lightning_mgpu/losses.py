@@ -28,14 +28,21 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-__all__ = ["MicroCounts", "ReplicaPart", "global_mean", "micro_counts", "replica_part"]
+__all__ = [
+    "MicroCounts",
+    "ReplicaPart",
+    "global_mean",
+    "micro_counts",
+    "replica_part",
+    "replica_step_context",
+]
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,39 @@ def replica_part(part: ReplicaPart) -> Iterator[None]:
         yield
     finally:
         _local.part = previous
+
+
+def _sum_on_first(counts: list[Tensor]) -> Tensor:
+    return sum((c.to(counts[0].device) for c in counts[1:]), counts[0])
+
+
+def replica_step_context(
+    step_context: Callable[[], AbstractContextManager[Any]],
+    index: int,
+    sizes: Sequence[int],
+    rendezvous: Callable[[int, str, Any, Callable[[list[Any]], Any]], Any],
+) -> Callable[[], AbstractContextManager[Any]]:
+    """``step_context`` that also tells ``global_mean`` it runs in replica ``index`` of ``len(sizes)``.
+
+    Args:
+        step_context: the precision plugin's context for the step.
+        index: the replica.
+        sizes: rows of every replica's chunk.
+        rendezvous: where the replicas meet, called ``(index, label, value, action)`` and
+            returning ``action(values of every replica)`` (``dp.lockstep.Lockstep.run``).
+    """
+
+    def add_up(i: int, count: Tensor) -> Tensor:
+        return rendezvous(i, "global_mean", count, _sum_on_first)
+
+    part = ReplicaPart(index, sizes, add_up)
+
+    @contextmanager
+    def context() -> Iterator[None]:
+        with replica_part(part), step_context():
+            yield
+
+    return context
 
 
 @contextmanager

@@ -13,9 +13,10 @@ from typing_extensions import override
 
 from lightning_mgpu.strategies.ddp.errors import UNUSED_PATTERN, add_to_message, unused_parameters_message
 from lightning_mgpu.strategies.ddp.services import ProcessGroupServices
+from lightning_mgpu.strategies.microbatch.mixin import MicroBatching
 
 
-class MGPUDDPStrategy(ProcessGroupServices, DDPStrategy):
+class MGPUDDPStrategy(MicroBatching, ProcessGroupServices, DDPStrategy):
     """Distributed data parallel training, one process per device, on one or several machines.
 
     Takes every argument of Lightning's ``DDPStrategy`` (``find_unused_parameters``,
@@ -40,11 +41,16 @@ class MGPUDDPStrategy(ProcessGroupServices, DDPStrategy):
         stall_timeout: Seconds without progress on every rank (while some ranks wait in a
             collective for the others) after which the run stops. Set it above your slowest
             step, validation batch and checkpoint save. ``None`` turns stall detection off.
+        micro_batch_size: ``None`` (off), a number of rows, or ``"auto"``: each training batch
+            runs as micro-batches with one optimizer step; under ``"auto"`` an out-of-memory
+            on any rank reruns the batch in smaller ones instead of ending the run (see
+            ``lightning_mgpu.strategies.microbatch.MicroBatching``).
         **kwargs: Keyword arguments of ``DDPStrategy``, including the ones it passes on to
             ``torch.nn.parallel.DistributedDataParallel``.
 
     Raises:
-        ValueError: If ``stall_timeout`` is not a positive number or ``None``.
+        ValueError: If ``stall_timeout`` is not a positive number or ``None``, or
+            ``micro_batch_size`` is not a positive int, ``"auto"`` or ``None``.
 
     Example::
 

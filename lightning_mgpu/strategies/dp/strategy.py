@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_mgpu.losses import replica_step_context
 from lightning_mgpu.strategies.dp.lockstep import Lockstep, manual_optimization_hooks, record_exit
 from lightning_mgpu.strategies.dp.metrics import ReplicaMetrics
 from lightning_mgpu.strategies.dp.replicas import (
@@ -31,11 +32,12 @@ from lightning_mgpu.strategies.dp.replicas import (
 )
 from lightning_mgpu.strategies.dp.scatter import batch_rows, combine_outputs, scatter_batch, split_sizes
 from lightning_mgpu.strategies.dp.threads import ReplicaThreads
+from lightning_mgpu.strategies.microbatch.mixin import MicroBatching
 
 log = logging.getLogger(__name__)
 
 
-class MGPUDataParallelStrategy(ParallelStrategy):
+class MGPUDataParallelStrategy(MicroBatching, ParallelStrategy):
     """Data parallel training in one process: every step runs on a replica of the model per device.
 
     For each batch the strategy splits the batch along dim 0 (tensors inside nested tuples,
@@ -68,7 +70,8 @@ class MGPUDataParallelStrategy(ParallelStrategy):
     - **When it is exact.** The equalities above hold (to float rounding) when a step does not
       depend on how the batch is cut: no dropout, or dropout seeded per sample (each replica
       draws its own masks), no BatchNorm in training mode (below), and a loss that is a mean
-      over rows rather than a statistic of the chunk.
+      over rows rather than a statistic of the chunk (a sum or a token mean: divide it with
+      ``lightning_mgpu.global_mean``).
     - **Manual optimization.** ``manual_backward``, ``opt.step()``, ``opt.zero_grad()``,
       ``sch.step()``, ``clip_gradients`` and ``toggle_optimizer`` called inside the replicas
       happen once per step on the combined loss; every replica must call them in the same
@@ -101,6 +104,8 @@ class MGPUDataParallelStrategy(ParallelStrategy):
         checkpoint_io: set by the Trainer.
         precision_plugin: set by the Trainer.
         track_replica_memory: see above.
+        micro_batch_size: ``None`` (off), rows, or ``"auto"``: training batches run as micro-batches,
+            each spread over the replicas (``lightning_mgpu.strategies.microbatch.MicroBatching``).
 
     Raises:
         ValueError: with ``num_nodes > 1`` when the Trainer is built; with
@@ -141,6 +146,7 @@ class MGPUDataParallelStrategy(ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         track_replica_memory: bool = False,
+        micro_batch_size: int | str | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -148,6 +154,7 @@ class MGPUDataParallelStrategy(ParallelStrategy):
             cluster_environment=None,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
+            micro_batch_size=micro_batch_size,
         )
         self.track_replica_memory = track_replica_memory
         self.last_chunk_sizes: list[int] = []
@@ -252,6 +259,9 @@ class MGPUDataParallelStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self.micro_batched(self._replicated_training_step, *args, **kwargs)
+
+    def _replicated_training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._data_parallel("training_step", self.precision_plugin.train_step_context, args, kwargs)
 
     @override
@@ -315,7 +325,7 @@ class MGPUDataParallelStrategy(ParallelStrategy):
         replicas = replicate(module, devices)
         self._metrics.install(module, replicas, devices)
         manual = method == "training_step" and not module.automatic_optimization
-        lockstep = Lockstep(len(sizes)) if manual else None
+        lockstep = Lockstep(len(sizes))  # manual optimization and global_mean meet there
         # replicas on one device share the module's parameters; elsewhere they hold copies
         copies = len(set(devices)) > 1
         log.debug(
@@ -323,7 +333,7 @@ class MGPUDataParallelStrategy(ParallelStrategy):
             method,
             len(sizes),
             "parameter copies per device" if copies else "sharing the module's parameters on one device",
-            "manual optimization in lockstep" if lockstep is not None else "automatic optimization",
+            "manual optimization in lockstep" if manual else "automatic optimization",
         )
         after_step = (
             functools.partial(refresh_parameters, module, replicas) if manual and copies else _nothing
@@ -333,11 +343,12 @@ class MGPUDataParallelStrategy(ParallelStrategy):
         calls = []
         for index, (replica, device, capture) in enumerate(zip(replicas, devices, captures, strict=True)):
             hooks: dict[str, Callable[..., Any]] = {"log": capture.log}
-            if lockstep is not None:
+            if manual:
                 hooks.update(manual_optimization_hooks(module, lockstep, index, sizes, after_step))
             prepare_replica(replica, device, hooks)
             on_exit = functools.partial(record_exit, errors, index, lockstep)
-            calls.append(ReplicaCall(replica, method, step_context, self.track_replica_memory, on_exit))
+            context = replica_step_context(step_context, index, sizes, lockstep.run)
+            calls.append(ReplicaCall(replica, method, context, self.track_replica_memory, on_exit))
 
         if self._threads is None:
             self._threads = ReplicaThreads(len(self.replica_devices))

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+from abc import ABC
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.strategies import Strategy
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_mgpu.strategies.microbatch.runner import MicroBatchRunner
 from lightning_mgpu.strategies.microbatch.sizes import MicroBatchSizes
 
 __all__ = ["MicroBatching", "check_micro_batch_size"]
 
 if TYPE_CHECKING:
+    from lightning_mgpu.strategies.microbatch.runner import MicroBatchRunner
+
     _Base = Strategy
 else:
-    _Base = object
+    # Lightning's strategies derive from ABC: with the same base an object keeps their layout,
+    # which ``mgpu_auto`` needs to turn its placeholder into the chosen class (``__class__ =``)
+    _Base = ABC
 
 
 def check_micro_batch_size(value: Any) -> int | str | None:
@@ -72,13 +77,24 @@ class MicroBatching(_Base):
         start = None if auto else self.micro_batch_size
         assert start is None or isinstance(start, int)
         self.micro_batches = MicroBatchSizes(start, auto=auto)
-        self._micro_runner = MicroBatchRunner(self, self.micro_batches)
+        # imported here: the runner uses dp/'s modules, and dp/'s strategy class is built on this one
+        from lightning_mgpu.strategies.microbatch.runner import MicroBatchRunner
+
+        self._micro_runner: MicroBatchRunner = MicroBatchRunner(self, self.micro_batches)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self.micro_batched(super().training_step, *args, **kwargs)
+
+    def micro_batched(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``step(*args, **kwargs)``, in micro-batches when ``micro_batch_size`` is set.
+
+        A host whose ``training_step`` does not call ``super().training_step`` (``mgpu_dp``
+        runs its replicas itself) calls this with its own step instead.
+        """
         if self.micro_batch_size is None or not args:
-            return super().training_step(*args, **kwargs)
-        return self._micro_runner.run(super().training_step, args, kwargs)
+            return step(*args, **kwargs)
+        return self._micro_runner.run(step, args, kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -33,6 +34,33 @@ def test_one_device_is_total_over_count(kind: str) -> None:
     model = TokenModel(kind)
     fit(model, "auto", 1, 8, 3)
     assert max_difference(model.state_dict(), reference(token_data(), kind, 8, 3).state_dict()) < ATOL
+
+
+@pytest.mark.parametrize("devices", [2, 3])  # 3: chunks of 3, 3 and 2 rows
+@pytest.mark.parametrize("kind", ["masked", "sum"])
+def test_dp_replicas_match_one_device(kind: str, devices: int) -> None:
+    model = TokenModel(kind)
+    fit(model, "mgpu_dp", devices, 8, 3)
+    assert max_difference(model.state_dict(), reference(token_data(), kind, 8, 3).state_dict()) < ATOL
+
+
+def test_dp_without_the_helper_differs_and_a_replica_that_skips_it_is_named() -> None:
+    naive = TokenModel("naive")
+    fit(naive, "mgpu_dp", 2, 8, 3)  # err.sum() / mask.sum() per replica: not the single-device step
+    assert max_difference(naive.state_dict(), reference(token_data(), "masked", 8, 3).state_dict()) > 1e-4
+
+    class Skipping(TokenModel):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y, mask = batch
+            if len(x) == 3:  # the second replica's chunk of a batch of 7 rows
+                return ((self.net(x) - y) ** 2).mean()
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(RuntimeError, match=r"replica 0 stopped while waiting in `global_mean`") as caught:
+        fit(Skipping("masked"), "mgpu_dp", 2, 7, 1)
+    assert "replica 1 returned from training_step while replica(s) wait in {0: 'global_mean'}" in str(
+        caught.value.__cause__
+    )
 
 
 def test_count_must_be_a_scalar() -> None:

@@ -1,0 +1,104 @@
+"""Micro-batching and ``global_mean`` under ``mgpu_ddp``: two gloo processes, real allocation failures.
+
+One launch runs every fit: ``global_mean`` losses and fixed micro-batches against one device, a
+real out-of-memory in backward on rank 1 only (the case that deadlocks plain DDP), and last a
+batch that does not fit even in micro-batches of one row on rank 1, which must end both ranks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from tests.helpers import run_script, script_env
+from tests.strategies.microbatch._models import (
+    QUIET,
+    Hungry,
+    loader,
+    max_difference,
+    reference,
+    regression_data,
+    token_data,
+)
+
+ATOL = 1e-6
+
+SCRIPT = """
+import json, time, torch, lightning as L
+from lightning_mgpu import MGPUDDPStrategy
+from tests.strategies.microbatch._models import QUIET, Hungry, TokenModel, loader, regression_data, token_data
+
+def fit(model, data, batch_size, steps, **strategy):
+    strategy = MGPUDDPStrategy(**strategy)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, **QUIET)
+    trainer.fit(model, loader(data, batch_size))
+    return trainer, strategy
+
+results = {}
+for kind in ("masked", "sum", "naive"):  # global_mean, 8 rows per rank
+    model = TokenModel(kind)
+    trainer, _ = fit(model, token_data(), 8, 2)
+    results[kind] = model.state_dict()
+for kind in ("masked", "mean"):  # and in micro-batches of at most 3 rows
+    model = TokenModel(kind)
+    trainer, _ = fit(model, token_data(), 8, 2, micro_batch_size=3)
+    results["micro_" + kind] = model.state_dict()
+
+# rank 1 runs out of memory in backward with its whole batch of 8 rows
+model = Hungry(limit_rank=1, budget=24)
+trainer, strategy = fit(model, regression_data(), 8, 2, micro_batch_size="auto")
+results["oom"] = model.state_dict()
+with open(f"sizes_rank{trainer.global_rank}.json", "w") as f:
+    json.dump({"final": strategy.micro_batches.size, "seen": model.sizes_seen}, f)
+if trainer.is_global_zero:
+    torch.save(results, "ddp.pt")
+
+# rank 1 cannot hold the activations of one row: both ranks must stop, promptly
+print(f"rank {trainer.global_rank} starts the fit that cannot fit at {time.time()}", flush=True)
+fit(Hungry(limit_rank=1, budget=32, forward_extra=40), regression_data(), 8, 2, micro_batch_size="auto")
+"""
+
+
+def test_ddp_global_mean_micro_batches_and_out_of_memory(tmp_path: Path) -> None:
+    env = script_env(MALLOC_MMAP_THRESHOLD_="65536")  # large tensors in mmap: freed memory is returned
+    result = run_script(SCRIPT, tmp_path, timeout=300, env=env)
+    final = torch.load(tmp_path / "ddp.pt")
+
+    # two ranks of 8 rows = one device with batches of 16
+    for kind in ("masked", "sum"):
+        assert max_difference(final[kind], reference(token_data(), kind, 16, 2).state_dict()) < ATOL, kind
+    # the masked loss written as err.sum() / mask.sum() per rank is not the single-device step
+    assert max_difference(final["naive"], reference(token_data(), "masked", 16, 2).state_dict()) > 1e-4
+    for kind in ("masked", "mean"):
+        expected = reference(token_data(), kind, 16, 2).state_dict()
+        assert max_difference(final["micro_" + kind], expected) < ATOL, kind
+
+    # the out-of-memory in rank 1's backward: one line, the batch run again in halves, nothing hung
+    line = (
+        "[rank 1] out of memory in backward at batch 0 of epoch 0 with micro-batches of 8 rows: running"
+        " the batch again in micro-batches of 4 rows (8 rows on this rank; the global batch is unchanged)"
+    )
+    assert result.output.count(line) == 1, result.output
+    assert "[rank 0] out of memory" not in result.output
+    sizes = [__import__("json").loads((tmp_path / f"sizes_rank{r}.json").read_text()) for r in (0, 1)]
+    assert sizes[0] == {"final": None, "seen": [8, 8]}  # rank 0 never split
+    assert sizes[1] == {"final": 4, "seen": [8, 4, 4, 4, 4]}  # ranks settle on different sizes
+    single = Hungry()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, **QUIET)
+    trainer.fit(single, loader(regression_data(), 16))
+    assert max_difference(final["oom"], single.state_dict()) < ATOL
+    assert max_difference(final["oom"], Hungry().state_dict()) > 1e-4  # training moved the weights
+
+    # a batch that never fits: both ranks stop with the guidance, rank 1 listing its attempts
+    assert result.returncode != 0
+    assert (
+        "[rank 1] out of memory at batch 0 of epoch 0 even with micro-batches of 1 row. Attempts on this"
+        " rank: 8 rows (out of memory in forward); 4 rows (out of memory in forward); 2 rows (out of memory"
+        " in forward); 1 rows (out of memory in forward)." in result.output
+    ), result.output
+    assert (
+        "[rank 0] stopping: rank(s) [1] ran out of memory at batch 0 of epoch 0 even with micro-batches"
+        " of 1 row" in result.output
+    )

@@ -1,0 +1,176 @@
+"""Micro-batching in one process (``mgpu_dp`` on one device and on two CPU replicas).
+
+The weights after each step equal the unsplit step; logs and metrics combine as over the
+whole batch; under ``"auto"`` a real allocation failure (an address-space limit) in forward or
+backward reruns the batch in halves, growth comes back after clean batches, and a batch that
+never fits stops the run with every attempt named.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics import CatMetric, MeanSquaredError
+
+from lightning_mgpu.strategies.dp.strategy import MGPUDataParallelStrategy
+from tests.helpers import run_script, script_env
+from tests.strategies.microbatch._models import (
+    QUIET,
+    Hungry,
+    TokenModel,
+    loader,
+    max_difference,
+    reference,
+    regression_data,
+    token_data,
+)
+
+ATOL = 1e-6
+
+
+def fit(model: L.LightningModule, data: Any, batch_size: int, devices: int = 1, **kwargs: Any) -> L.Trainer:
+    micro = kwargs.pop("micro_batch_size", None)
+    strategy = MGPUDataParallelStrategy(micro_batch_size=micro)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, **QUIET, **kwargs)
+    trainer.fit(model, loader(data, batch_size))
+    return trainer
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("kind", ["mean", "masked", "sum"])
+def test_micro_batches_give_the_unsplit_step(devices: int, kind: str) -> None:
+    model = TokenModel(kind)
+    trainer = fit(model, token_data(), 8, devices, micro_batch_size=3, max_steps=3)
+    # micro-batches of 3, 3 and 2 rows, each spread over the replicas: the last one was 2 rows
+    assert trainer.strategy.last_chunk_sizes == ([2] if devices == 1 else [1, 1])
+    expected = reference(token_data(), kind, 8, 3).state_dict()
+    assert max_difference(model.state_dict(), expected) < ATOL
+    assert max_difference(model.state_dict(), TokenModel(kind).state_dict()) > 1e-3
+
+
+def test_with_accumulation_micro_batches_change_nothing() -> None:
+    # a sum over rows is exact across accumulated batches too
+    model = TokenModel("sum")
+    fit(model, token_data(), 4, micro_batch_size=3, accumulate_grad_batches=2, max_steps=2)
+    assert max_difference(model.state_dict(), reference(token_data(), "sum", 8, 2).state_dict()) < ATOL
+    # a token mean is averaged per accumulated batch, as Lightning does without micro-batches
+    split, whole = TokenModel("masked"), TokenModel("masked")
+    fit(split, token_data(), 4, micro_batch_size=3, accumulate_grad_batches=2, max_steps=2)
+    fit(whole, token_data(), 4, accumulate_grad_batches=2, max_steps=2)
+    assert max_difference(split.state_dict(), whole.state_dict()) < ATOL
+
+
+class Logged(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 1)
+        self.mse = MeanSquaredError()
+        self.firsts = CatMetric()
+        self.after_backward: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self.net(x)
+        loss = F.mse_loss(out, y)
+        self.mse(out, y)
+        self.firsts.update(x[:, 0])
+        self.log("train_mse", self.mse, on_step=True, on_epoch=True)
+        self.log("rows", float(len(x)), reduce_fx="sum", on_step=True, on_epoch=False)
+        self.log("loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def on_after_backward(self) -> None:
+        self.after_backward.append(self.net.weight.grad.norm().item())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_logs_metrics_and_hooks_see_the_whole_batch() -> None:
+    whole, split = Logged(), Logged()
+    expected = fit(whole, regression_data(20), 8, max_epochs=1).callback_metrics
+    logged = fit(split, regression_data(20), 8, micro_batch_size=3, max_epochs=1).callback_metrics
+    assert logged.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(logged[name], value, atol=ATOL, rtol=0, msg=name)
+    assert logged["rows"].item() == 4.0  # the last batch: 4 rows, logged once as the sum of its parts
+    torch.testing.assert_close(split.firsts.compute(), whole.firsts.compute())
+    # on_after_backward runs once per batch, with the whole batch's gradients
+    assert split.after_backward == pytest.approx(whole.after_backward, abs=ATOL)
+    assert max_difference(split.state_dict(), whole.state_dict()) < ATOL
+
+
+def test_manual_optimization_is_refused_with_the_fix() -> None:
+    class Manual(TokenModel):
+        def __init__(self) -> None:
+            super().__init__("mean")
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            self.manual_backward(super().training_step(batch, batch_idx))
+
+    with pytest.raises(ValueError, match=r"micro_batch_size needs automatic optimization"):
+        fit(Manual(), token_data(), 8, micro_batch_size=3, max_steps=1)
+
+
+OOM_SCRIPT = """
+import json, sys, lightning as L
+from lightning_mgpu.strategies.dp.strategy import MGPUDataParallelStrategy
+from tests.strategies.microbatch._models import QUIET, Hungry, loader, regression_data
+
+def fit(model, batch_size, steps, grow_after=100):
+    strategy = MGPUDataParallelStrategy(micro_batch_size="auto")
+    strategy.micro_batches.grow_after = grow_after
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, **QUIET)
+    trainer.fit(model, loader(regression_data(), batch_size))
+    return model
+
+seen = {}
+# backward needs about 4 row-sizes per row, forward 1 (+ forward_extra): 24 fit 4 rows, not 8
+seen["backward"] = fit(Hungry(limit_rank=0, budget=24), 8, 2).sizes_seen
+seen["forward"] = fit(Hungry(limit_rank=0, budget=32, forward_extra=5), 8, 2).sizes_seen
+# 16 and 8 rows fail, 4 fit; the limit is lifted at step 1 and after 2 clean batches it grows to 7
+model = fit(Hungry(limit_rank=0, budget=24, lift_at=1), 16, 4, grow_after=2)
+seen["grow"] = model.sizes_seen
+json.dump(seen, open("seen.json", "w"))
+fit(Hungry(limit_rank=0, budget=32, forward_extra=40), 8, 2)  # never fits: the run ends
+"""
+
+
+def test_auto_recovers_from_real_out_of_memory(tmp_path: Path) -> None:
+    env = script_env(MALLOC_MMAP_THRESHOLD_="65536")  # large tensors in mmap: freed memory is returned
+    result = run_script(OOM_SCRIPT, tmp_path, timeout=240, env=env)
+    seen = __import__("json").loads((tmp_path / "seen.json").read_text())
+    out = result.output
+    assert seen["backward"] == [8, 4, 4, 4, 4]
+    assert (
+        "[rank 0] out of memory in backward at batch 0 of epoch 0 with micro-batches of 8 rows: running"
+        " the batch again in micro-batches of 4 rows" in out
+    )
+    assert seen["forward"] == [8, 4, 4, 4, 4]
+    assert "[rank 0] out of memory in forward at batch 0 of epoch 0 with micro-batches of 8 rows" in out
+    assert seen["grow"] == [16, 8] + [4] * 8 + [6, 5, 5] * 2
+    assert "micro-batches of 16 rows: running the batch again in micro-batches of 8 rows" in out
+    assert "micro-batches of 8 rows: running the batch again in micro-batches of 4 rows" in out
+    assert result.returncode != 0
+    assert (
+        "MicroBatchOutOfMemoryError: [rank 0] out of memory at batch 0 of epoch 0 even with micro-batches"
+        " of 1 row." in out
+    )
+    assert "8 rows (out of memory in forward); 4 rows (out of memory in forward);" in out
+
+
+def test_auto_weights_equal_the_unsplit_step_after_an_out_of_memory(tmp_path: Path) -> None:
+    """The fit of the script above that recovered in backward ends where one unsplit fit ends."""
+    model = Hungry()
+    fit(model, regression_data(), 4, micro_batch_size=2, max_steps=3)
+    whole = Hungry()
+    fit(whole, regression_data(), 4, max_steps=3)
+    assert max_difference(model.state_dict(), whole.state_dict()) < ATOL
