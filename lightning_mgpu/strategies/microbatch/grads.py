@@ -28,13 +28,23 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 __all__ = ["BatchGradients", "average_over_ranks"]
 
 _BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
+_OWN_BYTES = 1024 * 1024  # a gradient this large is reduced in place: copying it costs more than a call
 
 
 def average_over_ranks(grads: Sequence[Tensor], world_size: int) -> None:
-    """All-reduce ``grads`` in place and divide by ``world_size``, in flat buckets of one dtype and device."""
+    """All-reduce ``grads`` in place and divide by ``world_size``.
+
+    Large contiguous gradients are reduced where they lie, all at once; the small ones in flat
+    buckets of one dtype and device.
+    """
+    large = [g for g in grads if g.is_contiguous() and g.numel() * g.element_size() >= _OWN_BYTES]
+    works = [dist.all_reduce(grad, async_op=True) for grad in large]
     buckets: dict[tuple[torch.dtype, torch.device], list[list[Tensor]]] = {}
     sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+    chosen = {id(g) for g in large}
     for grad in grads:
+        if id(grad) in chosen:
+            continue
         key = (grad.dtype, grad.device)
         nbytes = grad.numel() * grad.element_size()
         if key not in buckets or sizes[key] + nbytes > _BUCKET_BYTES:
@@ -49,6 +59,9 @@ def average_over_ranks(grads: Sequence[Tensor], world_size: int) -> None:
             flat.div_(world_size)
             for grad, synced in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
                 grad.copy_(synced)
+    for work, grad in zip(works, large, strict=True):
+        work.wait()
+        grad.div_(world_size)
 
 
 class BatchGradients:

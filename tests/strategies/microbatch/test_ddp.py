@@ -52,6 +52,13 @@ trainer, strategy = fit(model, regression_data(), 8, 2, micro_batch_size="auto")
 results["oom"] = model.state_dict()
 with open(f"sizes_rank{trainer.global_rank}.json", "w") as f:
     json.dump({"final": strategy.micro_batches.size, "seen": model.sizes_seen}, f)
+# the gradient average itself: a large tensor reduced in place, a small one and a strided one in a bucket
+from lightning_mgpu.strategies.microbatch.grads import average_over_ranks
+factor = trainer.global_rank + 1.0
+strided = torch.arange(6.0).reshape(2, 3).t() * factor
+grads = [torch.full((300_000,), factor), torch.full((3,), 10 * factor), strided]
+average_over_ranks(grads, 2)
+results["averaged"] = grads
 if trainer.is_global_zero:
     torch.save(results, "ddp.pt")
 
@@ -74,6 +81,11 @@ def test_ddp_global_mean_micro_batches_and_out_of_memory(tmp_path: Path) -> None
     for kind in ("masked", "mean"):
         expected = reference(token_data(), kind, 16, 2).state_dict()
         assert max_difference(final["micro_" + kind], expected) < ATOL, kind
+
+    big, small, strided = final["averaged"]
+    assert torch.equal(big, torch.full((300_000,), 1.5))
+    assert torch.equal(small, torch.full((3,), 15.0))
+    assert torch.equal(strided, torch.arange(6.0).reshape(2, 3).t() * 1.5)
 
     # the out-of-memory in rank 1's backward: one line, the batch run again in halves, nothing hung
     line = (
