@@ -16,6 +16,8 @@ divides by the count of the *whole* batch instead of the part's:
   knows the whole count while its backward runs. Each one's loss is its own mean; the
   micro-batching weights it by its count and divides the gradients by the whole batch's count
   (all ranks, through the step's one all-reduce) once every micro-batch is done (``MicroCounts``).
+  Under micro-batching a ``training_step`` may hold one ``global_mean`` term, and other terms
+  added to it are then weighted by the count of their micro-batch rather than its rows.
 - **``accumulate_grad_batches``**: Lightning averages the losses of the accumulated batches, each
   divided by its own global count. That equals one step on all of them only when every
   accumulated batch has the same global count (a sum over rows with equal batch sizes, tokens of
