@@ -1,6 +1,9 @@
 """Predict what a training or inference step needs on each device, before anything runs.
 
-- ``predict.py``: ``estimate_memory`` and the ``MemoryEstimate`` it returns (public);
+- ``predict.py``: ``estimate_memory`` (public);
+- ``memory_estimate.py``: the ``MemoryEstimate`` it returns, each strategy's peak from it (public);
+- ``shard_plan.py``: which submodules ``mgpu_fsdp`` shards as units (the strategy uses it too);
+- ``sharded.py``: what sharding leaves on each device: shards with padding, gathered units, the lower bound;
 - ``report.py``: the estimate's one table, for ``str(estimate)`` and ``lightning-mgpu estimate``;
 - ``batch.py``: a batch's rows (Lightning's ``extract_batch_size``), its tensors, a resized copy;
 - ``measuring.py``: what both measurements share: copies of the module, byte counts, the result;

@@ -11,9 +11,12 @@ counts every byte it creates:
   sizes, so the peak is known as ``fixed + per_sample * batch`` for any batch.
 
 From these it predicts the fullest device's peak for a single device, ``mgpu_dp``
-(the first card also receives the whole batch and the gathered outputs) and
-``mgpu_ddp`` (each device also holds DDP's gradient buckets), and the largest
-per-device batch that fits a given memory. The module's own weights, gradients,
+(the first card also receives the whole batch and the gathered outputs),
+``mgpu_ddp`` (each device also holds DDP's gradient buckets) and ``mgpu_fsdp`` (each
+device holds 1/N of the parameters, gradients and optimizer state, padding included,
+plus the largest unit of ``mgpu_fsdp``'s sharding plan while it is gathered; see
+``sharded.py``), the largest per-device batch that fits a given memory, and how many
+devices make the model fit under ``mgpu_fsdp``. The module's own weights, gradients,
 buffers and random state are left untouched.
 
 With ``inference=True`` it measures two forward passes in eval mode under ``torch.no_grad()``
@@ -25,9 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,135 +37,15 @@ from torch import nn
 from lightning_mgpu.devices import cuda_devices, parse_bytes
 from lightning_mgpu.estimate.inference import measure_inference
 from lightning_mgpu.estimate.measuring import MeasuredStep
+from lightning_mgpu.estimate.memory_estimate import STRATEGIES, MemoryEstimate
+from lightning_mgpu.estimate.shard_plan import BlockClasses, plan_sharding
+from lightning_mgpu.estimate.sharded import parameter_rows, unit_bytes
 from lightning_mgpu.estimate.training import measure_steps
 from lightning_mgpu.precision import ALIASES, PRECISIONS, precision_names
 
-__all__ = ["MemoryEstimate", "estimate_memory"]
-
-STRATEGIES = ("single", "mgpu_dp", "mgpu_ddp")
+__all__ = ["STRATEGIES", "MemoryEstimate", "estimate_memory"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Predicted per-device memory of one training step (or of inference); ``str()`` gives a readable report.
-
-    Byte counts are for one copy of the model; ``*_per_sample`` fields scale with the
-    batch on a device. ``forward_backward`` and ``optimizer_step`` hold the peak of each
-    phase as ``(fixed, per_sample)`` bytes, both including the parameters, buffers,
-    gradients, optimizer state and the batch that are alive at that time. For an
-    ``inference`` estimate gradients, optimizer state and saved activations are zero and
-    ``forward_backward`` is the forward's peak without gradients.
-
-    Example::
-
-        import torch
-        from torch import nn
-        from lightning_mgpu import estimate_memory
-
-        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
-        est = estimate_memory(model, torch.randn(16, 32), devices=4, device_memory="24GiB")
-        print(est)
-        est.peak("mgpu_ddp")                  # bytes on each device under mgpu_ddp
-        est.largest_per_device_batch("single")
-    """
-
-    model: str
-    batch_size: int
-    """The batch each process's DataLoader yields (per device under ``mgpu_ddp``, split under ``mgpu_dp``)."""
-    devices: int
-    device_memory: int | None
-    measured_on: str
-    precision: str
-    optimizer: str
-    parameter_bytes: int
-    buffer_bytes: int
-    gradient_bytes: int
-    optimizer_state_bytes: int
-    batch_bytes_per_sample: float
-    activation_bytes_per_sample: float
-    output_bytes_per_sample: float
-    forward_backward: tuple[float, float]
-    optimizer_step: tuple[float, float]
-    notes: tuple[str, ...] = field(default_factory=tuple)
-    inference: bool = False
-    """Whether this is the memory of inference (``predict``/``validate``) rather than of training."""
-
-    def per_device_batch(self, strategy: str = "single") -> int:
-        """The batch on each device under ``strategy`` at the configured batch size."""
-        _check_strategy(strategy)
-        if strategy == "mgpu_dp":
-            return math.ceil(self.batch_size / self.devices)
-        return self.batch_size
-
-    def _slope_and_fixed(self, strategy: str) -> list[tuple[float, float]]:
-        fb, step = self.forward_backward, self.optimizer_step
-        if strategy == "mgpu_ddp":
-            # DDP keeps a bucket copy of every gradient for its all-reduce
-            return [(fb[0] + self.gradient_bytes, fb[1]), (step[0] + self.gradient_bytes, step[1])]
-        if strategy == "mgpu_dp":
-            # card 0 receives the whole batch before scattering it and gathers every replica's outputs
-            batch = (self.devices - 1) * self.batch_bytes_per_sample
-            outputs = self.devices * self.output_bytes_per_sample
-            return [(fb[0], fb[1] + batch + outputs), (step[0], step[1] + batch)]
-        return [fb, step]
-
-    def peak(self, strategy: str = "single", per_device_batch: int | None = None) -> int:
-        """Predicted peak bytes on the fullest device (card 0 under ``mgpu_dp``).
-
-        Args:
-            strategy: ``"single"``, ``"mgpu_dp"`` or ``"mgpu_ddp"``.
-            per_device_batch: samples on each device; defaults to the configured batch.
-        """
-        b = self.per_device_batch(strategy) if per_device_batch is None else per_device_batch
-        return int(max(fixed + slope * b for fixed, slope in self._slope_and_fixed(strategy)))
-
-    def other_device_peak(self, per_device_batch: int | None = None) -> int:
-        """Predicted peak on each ``mgpu_dp`` replica other than card 0.
-
-        A replica holds a broadcast copy of the parameters and buffers, its slice of
-        the batch, its saved activations and, during backward, its gradients; in
-        inference, its forward's peak.
-        """
-        b = self.per_device_batch("mgpu_dp") if per_device_batch is None else per_device_batch
-        static = self.parameter_bytes + self.buffer_bytes + self.gradient_bytes
-        if self.inference:
-            return int(static + b * self.forward_backward[1])
-        return int(static + b * (self.batch_bytes_per_sample + self.activation_bytes_per_sample))
-
-    def largest_per_device_batch(
-        self, strategy: str = "single", device_memory: int | str | None = None
-    ) -> int:
-        """The largest batch per device whose predicted peak fits; 0 when not even one sample fits.
-
-        Args:
-            strategy: ``"single"``, ``"mgpu_dp"`` (card 0, the fullest) or ``"mgpu_ddp"``.
-            device_memory: memory of one device; defaults to the one given to ``estimate_memory``.
-
-        Raises:
-            ValueError: if no device memory was given here or to ``estimate_memory``.
-        """
-        memory = self.device_memory if device_memory is None else parse_bytes(device_memory)
-        if memory is None:
-            raise ValueError("no device memory to fit: pass device_memory='12GiB' (or a number of bytes)")
-        best = math.inf
-        for fixed, slope in self._slope_and_fixed(strategy):
-            if fixed + slope > memory:
-                return 0
-            if slope > 0:
-                best = min(best, math.floor((memory - fixed) / slope))
-        return int(best) if math.isfinite(best) else 1 << 31
-
-    def __str__(self) -> str:
-        from lightning_mgpu.estimate.report import format_estimate
-
-        return format_estimate(self)
-
-
-def _check_strategy(strategy: str) -> None:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
 
 
 def _precision_name(precision: str | int | None) -> str:
@@ -197,6 +78,7 @@ def estimate_memory(
     step_fn: Callable[[nn.Module, Any], Any] | None = None,
     measure_on: str = "auto",
     inference: bool = False,
+    block_classes: BlockClasses | None = None,
 ) -> MemoryEstimate:
     """Predict per-device memory for training ``module`` on batches like ``sample_batch``.
 
@@ -227,6 +109,8 @@ def estimate_memory(
             the module in eval mode under ``torch.no_grad()``, a ``LightningModule`` through its
             ``predict_step(batch, 0)`` (or ``step_fn``); no gradients, optimizer state or saved
             activations, so ``optimizer`` is not used.
+        block_classes: the classes (or class names) ``mgpu_fsdp`` shards as units, as given to
+            ``MGPUFSDPStrategy(block_classes=...)``; ``None`` for its automatic policy.
 
     Returns:
         A :class:`MemoryEstimate`; ``print()`` it for the report.
@@ -292,6 +176,7 @@ def estimate_memory(
             notes.append(f"could not step on meta tensors ({type(err).__name__}: {err}); measured on CPU")
     assert measured is not None  # the loop either measured or raised
     notes.extend(measured.notes)
+    rows, units = _sharding(module, param_dtype, precision_name, block_classes)
     return MemoryEstimate(
         model=type(module).__name__,
         batch_size=batch_size or measured.sample_batch_size,
@@ -311,7 +196,22 @@ def estimate_memory(
         optimizer_step=measured.optimizer_step.pair,
         notes=tuple(notes),
         inference=inference,
+        parameter_rows=rows,
+        unit_bytes=units,
     )
+
+
+def _sharding(
+    module: nn.Module, param_dtype: torch.dtype | None, precision: str, block_classes: BlockClasses | None
+) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
+    """What ``mgpu_fsdp`` would split: each parameter's rows, and each unit's gathered bytes."""
+    if next(module.parameters(), None) is None:
+        return (), ()  # nothing to shard; plan_sharding would refuse the model
+    plan = plan_sharding(module, block_classes)
+    # mgpu_fsdp gathers in bfloat16 under bf16-mixed (its MixedPrecisionPolicy); "-true" converts the model
+    gather = torch.bfloat16 if precision == "bf16-mixed" else param_dtype
+    itemsize = gather.itemsize if gather is not None else None
+    return parameter_rows(module, param_dtype), tuple(unit_bytes(module, plan, itemsize))
 
 
 def _smallest_cuda_device() -> int | None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from lightning_mgpu.devices import format_bytes
 
 if TYPE_CHECKING:
-    from lightning_mgpu.estimate.predict import MemoryEstimate
+    from lightning_mgpu.estimate.memory_estimate import MemoryEstimate
 
 __all__ = ["StrategyRow", "format_estimate", "strategy_rows"]
 
@@ -55,10 +55,11 @@ def strategy_rows(est: MemoryEstimate, *, global_batch: bool = False) -> list[St
     """
     n = est.devices
     split = math.ceil(est.batch_size / n)  # mgpu_dp's largest chunk
-    if global_batch:
-        shapes = [("single", est.batch_size, 1), ("mgpu_dp", split, n), ("mgpu_ddp", est.batch_size // n, n)]
-    else:  # each mgpu_ddp process loads the DataLoader's whole batch
-        shapes = [("single", est.batch_size, 1), ("mgpu_dp", split, n), ("mgpu_ddp", est.batch_size, n)]
+    # each mgpu_ddp / mgpu_fsdp process loads the DataLoader's whole batch, or its share of a global one
+    per_process = est.batch_size // n if global_batch else est.batch_size
+    shapes = [("single", est.batch_size, 1), ("mgpu_dp", split, n), ("mgpu_ddp", per_process, n)]
+    if est.unit_bytes:  # a model with parameters: mgpu_fsdp has something to shard
+        shapes.append(("mgpu_fsdp", per_process, n))
     rows = []
     for strategy, per_device, devices in shapes[: 1 if n == 1 else None]:
         peak = est.peak(strategy, per_device_batch=per_device)
@@ -129,9 +130,43 @@ def format_estimate(est: MemoryEstimate, *, heading: str | None = None, global_b
             lines.append(
                 f"  mgpu_ddp needs the global batch divisible by {est.devices}; {est.batch_size} is not."
             )
+    lines += _sharded_lines(est, rows)
     lines += _nothing_fits(est, rows)
     lines.extend(f"  note: {note}" for note in est.notes)
     return "\n".join(lines)
+
+
+def _sharded_lines(est: MemoryEstimate, rows: list[StrategyRow]) -> list[str]:
+    """What each ``mgpu_fsdp`` device holds, and on how many devices the model fits."""
+    if not est.unit_bytes:
+        return []
+    held = "parameters" if est.inference else "parameters, gradients and optimizer state"
+    lines = []
+    if est.devices > 1:
+        lines.append(
+            f"  mgpu_fsdp: {held} 1/{est.devices} each ({format_bytes(est.sharded_state_bytes())} of"
+            f" {format_bytes(est.model_state_bytes)}, padding included),"
+        )
+        lines.append(
+            f"    plus the largest of {len(est.unit_bytes)} unit(s) while gathered"
+            f" ({format_bytes(est.largest_unit_bytes)})."
+        )
+    if est.device_memory is None:
+        return lines
+    batch = rows[-1].per_device_batch  # the mgpu_fsdp row's, or the single device's when there is one
+    fewest = est.devices_to_fit(per_device_batch=batch)
+    memory = format_bytes(est.device_memory)
+    if fewest is None:
+        lines.append(
+            f"  mgpu_fsdp: no number of devices fits {batch} sample(s) per device in {memory}: the largest"
+            " unit, the buffers and the activations alone exceed it (shard smaller blocks, or fewer samples)."
+        )
+    else:
+        lines.append(
+            f"  mgpu_fsdp fits {batch} sample(s) per device in {memory} from {fewest} device(s)"
+            f" (peak {format_bytes(est.peak('mgpu_fsdp', batch, devices=fewest))} there)."
+        )
+    return lines
 
 
 def _largest(value: int | None) -> str:
@@ -169,10 +204,15 @@ def _nothing_fits(est: MemoryEstimate, rows: list[StrategyRow]) -> list[str]:
         "  What would fit:",
         f"  - devices with at least {format_bytes(need)} each;",
     ]
+    fewest = est.devices_to_fit(per_device_batch=1) if est.unit_bytes else None
+    if fewest is not None and fewest > est.devices:
+        lines.append(
+            f"  - strategy='mgpu_fsdp' on {fewest} devices: each holds 1/{fewest} of the model state;"
+        )
     if model > est.device_memory:
         lines += [
             f"  - a smaller model: its {held} alone take {format_bytes(model)};",
-            "    more devices do not help, as mgpu_dp and mgpu_ddp keep a whole copy on each device;",
+            "    more devices do not help mgpu_dp and mgpu_ddp, which keep a whole copy on each device;",
         ]
     else:
         lines.append(

@@ -312,7 +312,7 @@ def test_report_says_when_nothing_fits_and_what_would() -> None:
     est = estimate_memory(model, torch.randn(B, D), devices=2, device_memory=PARAM_BYTES, optimizer=adam)
     assert est.largest_per_device_batch("single") == 0
     report = str(est)
-    one_sample = min(est.peak(s, 1) for s in ("single", "mgpu_dp", "mgpu_ddp"))
+    one_sample = min(est.peak(s, 1) for s in ("single", "mgpu_dp", "mgpu_ddp", "mgpu_fsdp"))
     assert f"  Nothing fits: one sample per device needs {format_bytes(one_sample)}," in report
     # weights, gradients and Adam's two moments: four copies of the parameters
     assert f"optimizer state alone take {format_bytes(4 * PARAM_BYTES)};" in report

@@ -2,13 +2,13 @@
 
 - ``strategy.py``: ``MGPUFSDPStrategy``, on Lightning's ``ModelParallelStrategy`` (launcher,
   device mesh, sharded checkpoints) and ``ddp/services.py``'s ``ProcessGroupServices``;
-- ``plan.py``: which submodules become units of their own (a pure function of the module tree);
+- ``lightning_mgpu.estimate.shard_plan``: which submodules become units (shared with the estimate);
 - ``sharding.py``: the options, the Trainer precision's dtypes, and the ``fully_shard`` calls;
-- ``fits.py``: the least memory a device needs under a plan, checked on GPUs before anything moves;
+- ``lightning_mgpu.estimate.sharded``: the least memory a device needs under a plan, checked on GPUs;
 - ``state.py``: bytes of parameters, gradients and optimizer state held by this rank and by the whole model.
 """
 
-from lightning_mgpu.strategies.fsdp.plan import ShardingPlan, find_blocks, plan_sharding
+from lightning_mgpu.estimate.shard_plan import ShardingPlan, find_blocks, plan_sharding
 from lightning_mgpu.strategies.fsdp.state import ModelState, StateBytes, measure_model_state
 from lightning_mgpu.strategies.fsdp.strategy import MGPUFSDPStrategy
 

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from lightning_mgpu.strategies.fsdp.plan import ShardingPlan
+from lightning_mgpu.estimate.shard_plan import ShardingPlan
 
 __all__ = [
     "ShardingOptions",

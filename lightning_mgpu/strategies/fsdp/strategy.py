@@ -21,9 +21,9 @@ from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_mgpu.devices import format_bytes
+from lightning_mgpu.estimate.shard_plan import ShardingPlan, plan_sharding, validate_block_classes
+from lightning_mgpu.estimate.sharded import check_fits, sharded_need
 from lightning_mgpu.strategies.ddp.services import ProcessGroupServices
-from lightning_mgpu.strategies.fsdp.fits import check_fits, sharded_need
-from lightning_mgpu.strategies.fsdp.plan import ShardingPlan, plan_sharding, validate_block_classes
 from lightning_mgpu.strategies.fsdp.sharding import (
     ShardingOptions,
     apply_plan,
@@ -94,7 +94,7 @@ class MGPUFSDPStrategy(ProcessGroupServices, _ShardingModelParallel):
     - **Automatic sharding**: a LightningModule without ``configure_model`` needs nothing:
       each repeated block (the same-class entries of an ``nn.ModuleList`` / ``nn.Sequential``,
       transformer blocks, ResNet blocks, user-defined stages; see
-      ``lightning_mgpu.strategies.fsdp.plan``) is sharded, then the root. ``block_classes``
+      ``lightning_mgpu.estimate.shard_plan``) is sharded, then the root. ``block_classes``
       names the blocks instead. A ``configure_model`` that calls ``fully_shard`` itself is
       left as it is; one that only builds layers is sharded afterwards.
     - **Mixed precision from the Trainer**: ``precision="bf16-mixed"`` gathers the parameters
@@ -104,7 +104,7 @@ class MGPUFSDPStrategy(ProcessGroupServices, _ShardingModelParallel):
       built the model from different seeds train one model.
     - **Refused early on GPUs**: a model whose parameter and gradient shards plus its largest
       unit exceed a device's memory fails before anything moves, with the numbers and the
-      fewest devices that would hold it (``lightning_mgpu.strategies.fsdp.fits``).
+      fewest devices that would hold it (``lightning_mgpu.estimate.sharded``).
 
     Args:
         block_classes: The classes (or class names) of the blocks to shard one by one, e.g.
@@ -274,7 +274,7 @@ class MGPUFSDPStrategy(ProcessGroupServices, _ShardingModelParallel):
         )
 
     def _check_fits(self, module: nn.Module, plan: ShardingPlan, precision: str) -> None:
-        """Refuse, before anything moves to a GPU, a model whose shards cannot fit it (see ``fits``)."""
+        """Refuse, before anything moves to a GPU, a model whose shards cannot fit it (``sharded_need``)."""
         if self.root_device.type != "cuda":
             return
         policy = mixed_precision_policy(precision)

@@ -1,24 +1,28 @@
-"""Whether a sharded model can fit the devices at all: a lower bound checked before anything is moved.
+"""What a model sharded by ``mgpu_fsdp``'s plan leaves on each device: one place for the arithmetic.
 
-Each device holds at least its shard of the parameters and of their gradients, plus one
-unit's parameters while they are gathered; optimizer state and activations come on top.
-When even that exceeds a device's memory, no setting of the run can work, and the error
-says how many devices would hold it. Tensors on the meta device count by their shapes, so
-a model too large to build anywhere is measured too.
+Each device holds ``1/N`` of every parameter (FSDP2 splits dim 0 and pads it to a multiple of
+``N``), of its gradient and of its optimizer state, plus one unit's parameters while they are
+gathered. ``estimate_memory`` predicts the ``mgpu_fsdp`` peak with ``shard_bytes`` and
+``unit_bytes``; the strategy and ``choose_strategy`` check the lower bound, ``sharded_need``:
+parameters and gradients only, optimizer state and activations come on top. When even that
+exceeds a device's memory, no setting of the run can work, and the error says how many
+devices would hold it. Tensors on the meta device count by their shapes, so a model too
+large to build anywhere is measured too.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from lightning_mgpu.devices import format_bytes
-from lightning_mgpu.strategies.fsdp.plan import ShardingPlan
+from lightning_mgpu.estimate.shard_plan import ShardingPlan
 
-__all__ = ["ShardedNeed", "check_fits", "sharded_need"]
+__all__ = ["ShardedNeed", "check_fits", "parameter_rows", "shard_bytes", "sharded_need", "unit_bytes"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,51 @@ def _bytes(module: nn.Module, gather_itemsize: int | None, skip: Collection[int]
     return int(size)
 
 
+def unit_bytes(module: nn.Module, plan: ShardingPlan, gather_itemsize: int | None = None) -> list[int]:
+    """Bytes of each unit's parameters once gathered: the plan's blocks in order, then the root's rest.
+
+    Args:
+        module: The model, before sharding.
+        plan: Its sharding plan.
+        gather_itemsize: Bytes per number of the gathered parameters (2 under bf16-mixed);
+            ``None`` for the parameters' own.
+    """
+    in_blocks: set[int] = set()
+    units = []
+    for name in plan.blocks:
+        block = module.get_submodule(name)
+        units.append(_bytes(block, gather_itemsize))
+        in_blocks |= {id(p) for p in block.parameters()}
+    units.append(_bytes(module, gather_itemsize, skip=in_blocks))  # the root holds the rest
+    return units
+
+
+def parameter_rows(module: nn.Module, dtype: torch.dtype | None = None) -> tuple[tuple[int, int], ...]:
+    """``(rows, bytes per row)`` of each parameter, held once: dim 0 is what FSDP2 splits.
+
+    Args:
+        module: The model.
+        dtype: The dtype floating-point parameters are kept in (``"bf16-true"``: bfloat16);
+            ``None`` for their own.
+    """
+    params = {id(p): p for p in module.parameters()}.values()
+    out = []
+    for p in params:
+        size = dtype.itemsize if dtype is not None and p.is_floating_point() else p.element_size()
+        rows = p.shape[0] if p.dim() else 1
+        out.append((rows, p.numel() // rows * size if rows else 0))
+    return tuple(out)
+
+
+def shard_bytes(rows: Iterable[tuple[int, int]], world: int) -> int:
+    """Bytes of the fullest rank's shards of parameters given by ``parameter_rows``, padding included.
+
+    FSDP2 splits each parameter's dim 0 into ``world`` chunks of ``ceil(rows / world)`` rows
+    (the last padded), so a 33-row weight over 2 ranks takes 17 rows on each.
+    """
+    return sum(math.ceil(n / world) * row for n, row in rows)
+
+
 def sharded_need(
     module: nn.Module,
     plan: ShardingPlan,
@@ -76,13 +125,7 @@ def sharded_need(
     """
     params = {id(p): p for p in module.parameters()}
     state = 2 * sum(p.numel() * p.element_size() for p in params.values())
-    in_blocks: set[int] = set()
-    units = []
-    for name in plan.blocks:
-        block = module.get_submodule(name)
-        units.append(_bytes(block, gather_itemsize))
-        in_blocks |= {id(p) for p in block.parameters()}
-    units.append(_bytes(module, gather_itemsize, skip=in_blocks))  # the root holds the rest
+    units = unit_bytes(module, plan, gather_itemsize)
     return ShardedNeed(state=state, largest_unit=max(units), world=world, offloaded=offloaded)
 
 

@@ -19,6 +19,9 @@ The automatic policy (``find_blocks``), walking the tree from the root, outermos
 ``block_classes=`` replaces the policy: every outermost submodule of one of those classes
 (given as classes, or as class names, plain or dotted) is a block. The root is always the
 last unit and is never listed as a block.
+
+It lives with the estimate, which predicts ``mgpu_fsdp``'s memory from the same units; the
+strategy (``strategies/fsdp``) builds on it, as strategies build on the estimate.
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mgpu.strategies.fsdp import find_blocks, measure_model_state, plan_sharding
-from lightning_mgpu.strategies.fsdp.plan import validate_block_classes
+from lightning_mgpu.estimate.shard_plan import find_blocks, plan_sharding, validate_block_classes
 from recipes.resnet import resnet18
 
 
@@ -115,15 +114,3 @@ def test_block_classes_of_the_wrong_type(bad: object) -> None:
         validate_block_classes(bad)
     with pytest.raises(ValueError, match="block_classes is empty"):
         validate_block_classes([])
-
-
-def test_model_state_of_an_unsharded_model_is_held_whole() -> None:
-    model = nn.Linear(4, 2)
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(3, 4)).sum().backward()
-    optimizer.step()
-    state = measure_model_state(model, [optimizer])
-    assert state.local == state.whole
-    assert (state.local.parameters, state.local.gradients) == (40, 40)
-    assert state.local.optimizer == 2 * 40 + 2 * 4  # two moments, and a step count per parameter
-    assert state.share == 1.0
