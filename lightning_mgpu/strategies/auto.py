@@ -15,6 +15,11 @@ the facts of the environment, in this order:
 - the same on a platform without ``fork`` (Windows): ``mgpu_dp``;
 - several devices in an interactive session otherwise: Lightning's ``ddp_notebook``.
 
+Given the model, and the device memory (CUDA's, or ``device_memory=``), where the rules above
+pick ``mgpu_ddp`` but a whole copy of the parameters and gradients does not fit one device
+while their shards and the largest gathered unit do: ``mgpu_fsdp``, the reason giving the
+numbers (``lightning_mgpu.estimate.sharded``; optimizer state and activations come on top).
+
 On CUDA without NCCL (Windows builds) the DDP choices use the ``gloo`` backend.
 ``devices="auto"`` means every GPU in a script but one GPU in an interactive session,
 because that is how Lightning resolves it there: pass ``devices=N`` in a notebook.
@@ -46,7 +51,20 @@ from lightning.pytorch.strategies import ParallelStrategy, SingleDeviceStrategy,
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-__all__ = ["EnvironmentFacts", "MGPUAutoStrategy", "StrategyChoice", "choose_strategy", "decide"]
+from lightning_mgpu.strategies.model_memory import (
+    ModelMemory,
+    device_memory_of,
+    model_memory,
+    sharding_reason,
+)
+
+__all__ = [
+    "EnvironmentFacts",
+    "MGPUAutoStrategy",
+    "StrategyChoice",
+    "choose_strategy",
+    "decide",
+]
 
 log = logging.getLogger(__name__)
 
@@ -140,11 +158,17 @@ class StrategyChoice:
         return f"{self.strategy}: {self.reason}"
 
 
-def decide(devices: int, num_nodes: int, device_type: str, facts: EnvironmentFacts) -> StrategyChoice:
+def decide(
+    devices: int,
+    num_nodes: int,
+    device_type: str,
+    facts: EnvironmentFacts,
+    memory: ModelMemory | None = None,
+) -> StrategyChoice:
     """The decision for ``devices`` devices (already resolved) of type ``device_type`` per node.
 
     ``choose_strategy`` resolves the Trainer-style arguments and calls this; the rules are
-    listed in the module docstring.
+    listed in the module docstring. ``memory`` is what the model needs, when known.
 
     Example::
 
@@ -172,6 +196,8 @@ def decide(devices: int, num_nodes: int, device_type: str, facts: EnvironmentFac
                 " install a torch build with distributed support"
             )
         why = f"{num_nodes} nodes" if num_nodes > 1 else f"started by {facts.launcher}"
+        if memory is not None and memory.needs_sharding:
+            return choice("mgpu_fsdp", f"{why}: one process per device; {sharding_reason(memory)}")
         return choice("mgpu_ddp", f"{why}: one process per device")
     if devices <= 1:
         return choice("single_device", f"one {device_type} device: nothing to split")
@@ -180,6 +206,8 @@ def decide(devices: int, num_nodes: int, device_type: str, facts: EnvironmentFac
             "mgpu_dp", f"{devices} devices but no torch.distributed in this build: one process drives all"
         )
     if not facts.interactive:
+        if memory is not None and memory.needs_sharding:
+            return choice("mgpu_fsdp", f"{devices} devices in a script: {sharding_reason(memory)}")
         return choice("mgpu_ddp", f"{devices} devices in a script: one process per device")
     if facts.cuda_initialized:
         return choice(
@@ -232,6 +260,8 @@ def choose_strategy(
     num_nodes: int = 1,
     accelerator: str | Accelerator = "auto",
     facts: EnvironmentFacts | None = None,
+    model: Any = None,
+    device_memory: int | str | None = None,
 ) -> StrategyChoice:
     """The strategy ``Trainer(strategy="mgpu_auto")`` would use with these arguments, and why.
 
@@ -240,6 +270,10 @@ def choose_strategy(
         num_nodes: as for the Trainer.
         accelerator: as for the Trainer.
         facts: the environment; read from this process when ``None``.
+        model: the model to train (an ``nn.Module``, meta tensors welcome): with a known device
+            memory, ``mgpu_fsdp`` is chosen over ``mgpu_ddp`` when only its shards fit a device.
+        device_memory: memory of one device (``"24GiB"`` or bytes); ``None`` reads the smallest
+            CUDA device when the accelerator is CUDA.
 
     Raises:
         ValueError: on devices the accelerator cannot provide (Lightning's message, e.g. ``[0]``
@@ -256,7 +290,13 @@ def choose_strategy(
         raise ValueError(f"`num_nodes` must be a positive integer, got {num_nodes!r}")
     facts = facts if facts is not None else EnvironmentFacts.detect()
     count, device_type = _resolve_devices(devices, accelerator, facts)
-    return decide(count, num_nodes, device_type, facts)
+    memory = None
+    if model is not None:
+        size = device_memory_of(device_memory, device_type)
+        if size is not None:
+            memory = model_memory(model, count * num_nodes, size)
+            log.debug("model memory: %s", memory)
+    return decide(count, num_nodes, device_type, facts, memory)
 
 
 class MGPUAutoStrategy(ParallelStrategy):

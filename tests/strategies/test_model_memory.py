@@ -1,0 +1,55 @@
+"""``choose_strategy`` given the model: ``mgpu_fsdp`` when only the shards fit (``device_memory=`` on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_mgpu.strategies.auto import EnvironmentFacts, choose_strategy
+
+MiB = 1024**2
+SCRIPT = EnvironmentFacts(
+    interactive=False,
+    cuda_initialized=False,
+    launcher=None,
+    fork_available=True,
+    nccl_available=False,
+    distributed_available=True,
+)
+
+
+def big_model() -> nn.Module:
+    """Four 1024x1024 blocks (4 MiB of float32 weights each) and a 1024x512 head, never allocated."""
+    with torch.device("meta"):
+        return nn.ModuleDict(
+            {"blocks": nn.Sequential(*(nn.Linear(1024, 1024, bias=False) for _ in range(4))),
+             "head": nn.Linear(1024, 512, bias=False)}
+        )  # fmt: skip
+
+
+def test_a_model_whose_shards_alone_fit_gets_mgpu_fsdp_and_the_numbers() -> None:
+    # parameters and gradients: 36 MiB whole; over 4 processes 9 MiB of shards and a 4 MiB block
+    choice = choose_strategy(4, accelerator="cpu", facts=SCRIPT, model=big_model(), device_memory="24MiB")
+    assert choice.strategy == "mgpu_fsdp"
+    assert "36.00 MiB, more than the 24.00 MiB of a device" in choice.reason
+    assert "13.00 MiB per device" in choice.reason
+
+
+@pytest.mark.parametrize(
+    ("devices", "memory", "expected"),
+    [
+        (4, "64MiB", "mgpu_ddp"),  # a whole copy fits: no reason to shard
+        (2, "16MiB", "mgpu_ddp"),  # 18 + 4 MiB sharded does not fit either: nothing is gained
+        (1, "24MiB", "single_device"),  # one device: nothing to shard over
+    ],
+)
+def test_the_other_rules_stand(devices: int, memory: str, expected: str) -> None:
+    choice = choose_strategy(
+        devices, accelerator="cpu", facts=SCRIPT, model=big_model(), device_memory=memory
+    )
+    assert choice.strategy == expected
+
+
+def test_without_a_device_memory_on_cpu_the_model_changes_nothing() -> None:
+    assert choose_strategy(4, accelerator="cpu", facts=SCRIPT, model=big_model()).strategy == "mgpu_ddp"
