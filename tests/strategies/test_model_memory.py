@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from torch import nn
 
 from lightning_mgpu.strategies.auto import EnvironmentFacts, choose_strategy
+from tests.estimate.test_sharded import big_model  # 4 blocks of 4 MiB and a 2 MiB head, on meta
 
 MiB = 1024**2
 SCRIPT = EnvironmentFacts(
@@ -17,15 +16,6 @@ SCRIPT = EnvironmentFacts(
     nccl_available=False,
     distributed_available=True,
 )
-
-
-def big_model() -> nn.Module:
-    """Four 1024x1024 blocks (4 MiB of float32 weights each) and a 1024x512 head, never allocated."""
-    with torch.device("meta"):
-        return nn.ModuleDict(
-            {"blocks": nn.Sequential(*(nn.Linear(1024, 1024, bias=False) for _ in range(4))),
-             "head": nn.Linear(1024, 512, bias=False)}
-        )  # fmt: skip
 
 
 def test_a_model_whose_shards_alone_fit_gets_mgpu_fsdp_and_the_numbers() -> None:
