@@ -69,6 +69,10 @@ class DeviceMemoryMonitor(Callback):
       ``memory/<d>/nvml_used_MiB`` (all processes and CUDA contexts, as ``nvidia-smi``; needs
       ``nvidia-ml-py``) and ``memory/<d>/total_MiB``.
     - CPU process of rank ``<r>``: ``memory/cpu:rank<r>/rss_MiB``, ``memory/cpu:rank<r>/peak_rss_MiB``.
+    - Each rank's first device (its CPU process on CPU): ``memory/<d>/model_state_MiB``, the
+      parameters, gradients and optimizer state the rank holds (under ``mgpu_fsdp`` its local
+      shards, about 1/N of the model's; whole copies under the other strategies). The table's
+      "Model state (rank)" column and ``model_state_bytes`` in the JSON show its largest value.
     - CPU ``mgpu_dp`` replica ``<i>`` (threads of one process, sharing its RSS):
       ``memory/cpu:replica<i>/saved_MiB``, the bytes it saved for backward in its last forward.
     - ``memory/imbalance``: max over devices of peak allocated (CUDA), saved bytes (CPU replicas)

@@ -3,7 +3,9 @@
 - ``plan_readings`` decides once per fit which devices this process reads: its CUDA device (or,
   under ``mgpu_dp``, every replica's), its CPU process, and under ``mgpu_dp`` on CPU each replica's
   bytes saved for backward (the replicas are threads of one process and share its RSS);
-- ``take_readings`` reads them, as plain ``Reading`` records (``memory_report.py``).
+- ``take_readings`` reads them, as plain ``Reading`` records (``memory_report.py``); the rank's
+  first device also carries the bytes of parameters, gradients and optimizer state the rank holds
+  (``measure_model_state``: the local shards under ``mgpu_fsdp``, whole tensors otherwise).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from lightning.pytorch import Trainer
 
 from lightning_mgpu.callbacks.memory_report import Reading
 from lightning_mgpu.devices import allocator_memory, nvml_memory, process_memory
+from lightning_mgpu.strategies.fsdp.state import measure_model_state
 
 __all__ = [
     "PlannedReading",
@@ -98,6 +101,8 @@ def take_readings(
     """Read every planned device now; ``rows`` is the batch this process got in the last step."""
     strategy = trainer.strategy
     chunks = getattr(strategy, "last_chunk_sizes", None) or []
+    module = trainer.lightning_module
+    state = measure_model_state(module, trainer.optimizers).local.total if module is not None else math.nan
     readings = []
     for item in plan:
         if item.index is None:
@@ -113,6 +118,8 @@ def take_readings(
             nvml = nvml_memory(item.device)
             values["nvml_used"] = float(nvml[0]) if nvml else math.nan
             values["total"] = float(nvml[1]) if nvml else float(_total_memory(item.device))
+        if item.kind != "replica":  # the rank's model state, on its first device (the process's)
+            values["model_state"] = float(state) if item.index in (0, None) else math.nan
         else:
             saved = getattr(strategy, "replica_saved_bytes", None) or []
             index = item.index or 0

@@ -14,8 +14,8 @@ from lightning_mgpu.devices import MiB, format_bytes
 
 # reading kind -> its fields, in the order they travel between ranks; all bytes
 FIELDS: dict[str, tuple[str, ...]] = {
-    "cuda": ("allocated", "reserved", "peak_allocated", "peak_reserved", "nvml_used", "total"),
-    "cpu": ("rss", "peak_rss"),
+    "cuda": ("allocated", "reserved", "peak_allocated", "peak_reserved", "nvml_used", "total", "model_state"),
+    "cpu": ("rss", "peak_rss", "model_state"),
     "replica": ("saved",),
 }
 # the field compared across devices for ``memory/imbalance`` and drawn by the plot
@@ -150,6 +150,9 @@ def table(readings: list[Reading], title: str = "") -> str:
         ]
     if "replica" in kinds:
         columns += [("Saved for backward", lambda r: format_bytes(r.values.get("saved", math.nan)))]
+    if any(not math.isnan(r.values.get("model_state", math.nan)) for r in readings):
+        # parameters, gradients and optimizer state this rank holds: 1/N of the model's under mgpu_fsdp
+        columns += [("Model state (rank)", lambda r: _bytes_or_dash(r.values.get("model_state", math.nan)))]
     cells = [[h for h, _ in columns]] + [[str(get(r)) for _, get in columns] for r in readings]
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     rule = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
@@ -161,6 +164,10 @@ def table(readings: list[Reading], title: str = "") -> str:
             lines.append(rule.replace("-", "="))
     lines.append(rule)
     return "\n".join(lines)
+
+
+def _bytes_or_dash(value: float) -> str:
+    return "-" if math.isnan(value) else format_bytes(value)
 
 
 def _used_total(r: Reading) -> str:

@@ -113,6 +113,9 @@ print("LOG_DIR", t.log_dir)
     assert [d["device"] for d in summary["devices"]] == ["cpu:rank0", "cpu:rank1"]
     assert summary["max_imbalance"] > 1.25
     assert summary["devices"][0]["peak_rss_bytes"] > summary["devices"][1]["peak_rss_bytes"] + 300 * 2**20
+    # each DDP rank holds the whole model state: 9 float32 parameters and their gradients (plain SGD)
+    assert [d["model_state_bytes"] for d in summary["devices"]] == [72, 72]
+    assert "Model state (rank)" in table
 
 
 def test_ddp_readings_gathered_in_windows_keep_their_steps(tmp_path: Path) -> None:

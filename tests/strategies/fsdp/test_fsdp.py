@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mgpu import MGPUFSDPStrategy
+from lightning_mgpu import MGPUFSDPStrategy, estimate_memory
 from tests.helpers import run_script
 
 FIT_SCRIPT = """
@@ -26,7 +26,7 @@ from dataclasses import asdict
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning_mgpu import MGPUFSDPStrategy
+from lightning_mgpu import DeviceMemoryMonitor, MGPUFSDPStrategy
 from lightning_mgpu.strategies.fsdp import measure_model_state
 
 RANK = int(os.environ.get("LOCAL_RANK", 0))
@@ -82,7 +82,8 @@ x, y = torch.randn(64, 6), torch.randn(64, 2)
 if RANK == 0:
     torch.save({"x": x, "y": y}, "data.pt")
 fit("sgd", "sgd")
-fit("adamw", "adamw", callbacks=[Measure()])
+monitor = DeviceMemoryMonitor(every_n_steps=1, summary_file="adamw_memory.json")
+fit("adamw", "adamw", callbacks=[Measure(), monitor])
 fit("bf16", "sgd", precision="bf16-mixed")
 # resume: one epoch saved as a sharded folder, then a second epoch from it
 fit("first_epoch", "adamw", epochs=1, callbacks=[ModelCheckpoint(dirpath="ckpt", save_last=True)])
@@ -154,6 +155,24 @@ def test_each_rank_holds_half_of_the_model_state(fsdp_run) -> None:
         assert sum(local.values()) <= 0.55 * sum(whole.values())
     for kind in ("parameters", "gradients"):  # the shards add up to the whole, nothing held twice
         assert ranks[0]["local"][kind] + ranks[1]["local"][kind] == whole[kind]
+
+
+def test_the_memory_monitor_and_the_estimate_show_each_rank_half_of_the_model_state(fsdp_run) -> None:
+    tmp_path, result = fsdp_run
+    measured = [json.loads((tmp_path / f"state_rank{rank}.json").read_text()) for rank in (0, 1)]
+    whole = sum(measured[0]["whole"].values())
+    summary = json.loads((tmp_path / "adamw_memory.json").read_text())
+    held = {d["device"]: d["model_state_bytes"] for d in summary["devices"]}
+    assert set(held) == {"cpu:rank0", "cpu:rank1"}
+    for rank in (0, 1):
+        assert 0.45 * whole <= held[f"cpu:rank{rank}"] <= 0.55 * whole
+        assert held[f"cpu:rank{rank}"] == sum(measured[rank]["local"].values())
+    assert "Model state (rank)" in result.stdout.split("Device memory over the fit (peaks):")[1]
+    # the estimate's fullest rank, padding included, is rank 0's shards (less AdamW's six step counts)
+    model = Reference()
+    optimizer = torch.optim.AdamW(model.parameters())
+    est = estimate_memory(model, torch.randn(4, 6), devices=2, optimizer=optimizer)
+    assert 0 <= sum(measured[0]["local"].values()) - est.sharded_state_bytes() <= 6 * 8
 
 
 def test_bf16_mixed_computes_in_bf16_and_keeps_float32_shards(fsdp_run) -> None:
