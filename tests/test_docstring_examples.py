@@ -17,6 +17,7 @@ SCRIPT_ONLY = "run as a script"
 NAMES = [
     "MGPUDataParallelStrategy",
     "MGPUDDPStrategy",
+    "MGPUFSDPStrategy",
     "MemoryEstimate",
     "estimate_memory",
     "LoadReport",

@@ -10,8 +10,9 @@ Builds the config's model and one small batch of its data, measures one training
 ``task: predict`` or ``validate`` an inference pass, without gradients or optimizer state) and
 prints each strategy's peak per device for the config's GLOBAL ``data.batch_size``: one device
 holds it all, ``mgpu_dp`` splits it over the devices (card 0 also receives the whole batch
-and the gathered outputs), ``mgpu_ddp`` gives each process ``batch_size / N``. With a device
-memory it also says whether each fits and the largest ``data.batch_size`` that would.
+and the gathered outputs), ``mgpu_ddp`` gives each process ``batch_size / N``, and ``mgpu_fsdp``
+does too with 1/N of the model state on each device. With a device memory it also says whether
+each fits, the largest ``data.batch_size`` that would, and from how many devices ``mgpu_fsdp`` fits.
 """
 
 from __future__ import annotations

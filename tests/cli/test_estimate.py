@@ -8,13 +8,16 @@ from lightning_mgpu.cli.main import main
 from lightning_mgpu.config import load_config
 from lightning_mgpu.config.instantiate import build_data, build_module, resolve_devices
 from lightning_mgpu.devices import format_bytes
-from lightning_mgpu.estimate import estimate_memory
+from lightning_mgpu.estimate import STRATEGIES, estimate_memory
 
 
 def rows(out: str) -> dict[str, list[str]]:
     """The strategy table: strategy -> the other columns."""
-    lines = [line.split() for line in out.splitlines()]
-    return {cols[0]: cols[1:] for cols in lines if cols and cols[0] in ("single", "mgpu_dp", "mgpu_ddp")}
+    table: dict[str, list[str]] = {}
+    for cols in (line.split() for line in out.splitlines()):
+        if cols and cols[0] in STRATEGIES:
+            table.setdefault(cols[0], cols[1:])  # the table comes first; notes below may start alike
+    return table
 
 
 def test_estimate_reports_each_strategy_for_the_global_batch(capsys: pytest.CaptureFixture[str]) -> None:
@@ -40,6 +43,10 @@ def test_estimate_reports_each_strategy_for_the_global_batch(capsys: pytest.Capt
     assert table["mgpu_ddp"][4] == "yes"
     assert int(table["mgpu_ddp"][5]) == est.largest_per_device_batch("mgpu_ddp")
     assert int(table["mgpu_ddp"][6]) == est.largest_per_device_batch("mgpu_ddp") * 2
+    # mgpu_fsdp: 32 per process as under mgpu_ddp, with the model state halved and one unit gathered
+    assert table["mgpu_fsdp"][:2] == ["32", "64"]
+    assert " ".join(table["mgpu_fsdp"][2:4]) == format_bytes(est.peak("mgpu_fsdp", per_device_batch=32))
+    assert "mgpu_fsdp fits 32 sample(s) per device in 1.00 GiB from 1 device(s)" in out
 
 
 def test_options_may_follow_the_overrides(capsys: pytest.CaptureFixture[str]) -> None:
