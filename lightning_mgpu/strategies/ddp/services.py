@@ -292,6 +292,10 @@ class ProcessGroupServices(_Base):
         trainer = self._trainer()
         return self._progress + (_loop_progress(trainer) if trainer is not None else 0)
 
+    def note_progress(self) -> None:
+        """Count work that passes none of the hooks below (a micro-batch's backward, run by the module)."""
+        self._progress += 1
+
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         # the gradient all-reduce waits inside backward

@@ -172,6 +172,7 @@ class MicroBatchRunner:
         chunks = scatter_batch(args[0], sizes, [device] * len(sizes))
         scaler = getattr(self.strategy.precision_plugin, "scaler", None)
         outputs, captures, counts = [], [], []
+        note_progress = getattr(self.strategy, "note_progress", None)  # ProcessGroupServices' counter
         self._metrics.begin(module)
         for index, (chunk, chunk_rows) in enumerate(zip(chunks, sizes, strict=True)):
             capture = LogCapture()
@@ -195,6 +196,9 @@ class MicroBatchRunner:
                     self._phase = "backward"
                     module.backward(scaled)
                     del scaled, loss
+            if note_progress is not None:
+                # a batch run again in small micro-batches can take long: the watchdog must see it move
+                note_progress()
             counts.extend(seen.counts)
             outputs.append(_detached(output))
             del output

@@ -54,6 +54,17 @@ def test_micro_batches_give_the_unsplit_step(devices: int, kind: str) -> None:
     assert max_difference(model.state_dict(), TokenModel(kind).state_dict()) > 1e-3
 
 
+def test_the_watchdog_sees_each_micro_batch_of_mgpu_ddp() -> None:
+    # a batch rerun in small micro-batches may outlast stall_timeout: each micro-batch must count as progress
+    from lightning_mgpu.strategies.ddp.strategy import MGPUDDPStrategy
+
+    strategy = MGPUDDPStrategy(micro_batch_size=1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, **QUIET)
+    trainer.fit(TokenModel("mean"), loader(token_data(), 8))
+    # the counter the watchdog reads: two batches of 8 rows, one micro-batch per row
+    assert strategy._progress >= 2 * 8
+
+
 def test_with_accumulation_micro_batches_change_nothing() -> None:
     # a sum over rows is exact across accumulated batches too
     model = TokenModel("sum")
