@@ -56,11 +56,15 @@ def test_dp_without_the_helper_differs_and_a_replica_that_skips_it_is_named() ->
                 return ((self.net(x) - y) ** 2).mean()
             return super().training_step(batch, batch_idx)
 
-    with pytest.raises(RuntimeError, match=r"replica 0 stopped while waiting in `global_mean`") as caught:
+    with pytest.raises(RuntimeError) as caught:
         fit(Skipping("masked"), "mgpu_dp", 2, 7, 1)
-    assert "replica 1 returned from training_step while replica(s) wait in {0: 'global_mean'}" in str(
-        caught.value.__cause__
-    )
+    # which replica thread gets there first is up to the scheduler: either way the error names the
+    # call and the replica that skipped it
+    text = f"{caught.value} {caught.value.__cause__}"
+    assert (
+        "replica 1 returned from training_step while replica(s) wait in {0: 'global_mean'}" in text
+        or "replica 0 calls `global_mean` but replica(s) [1] already returned from training_step" in text
+    ), text
 
 
 def test_count_must_be_a_scalar() -> None:
