@@ -27,6 +27,7 @@ _LAZY = {
     "MGPUDDPStrategy": "lightning_mgpu.strategies.ddp.strategy",
     "MGPUDataParallelStrategy": "lightning_mgpu.strategies.dp.strategy",
     "MGPUFSDPStrategy": "lightning_mgpu.strategies.fsdp.strategy",
+    "MGPUAutoStrategy": "lightning_mgpu.strategies.auto",
     "choose_strategy": "lightning_mgpu.strategies.auto",
     "StrategyChoice": "lightning_mgpu.strategies.auto",
     "DeviceMemoryMonitor": "lightning_mgpu.callbacks.memory",

@@ -1,6 +1,8 @@
 """The ``mgpu_*`` strategies, one folder per family; each class registers its names itself.
 
-- ``auto.py``: ``mgpu_auto`` and ``choose_strategy``, which pick one of the others and say why;
+- ``auto.py``: ``mgpu_auto`` and ``choose_strategy``, which pick one of the others and say why, from
+  ``auto_facts.py`` (what they read of the environment) and ``model_memory.py`` (what the model needs);
+  ``auto_model.py`` turns ``mgpu_auto`` into its choice, and into ``mgpu_fsdp`` once the model is known;
 - ``ddp/``: ``mgpu_ddp``, and the process-group services every multi-process strategy shares
   (``ProcessGroupServices``: checks, watched launcher, start-up summary, watchdog);
 - ``dp/``: ``mgpu_dp``, DataParallel in one process: replicas, scatter/gather, log and metric merging;

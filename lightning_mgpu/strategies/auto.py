@@ -16,9 +16,10 @@ the facts of the environment, in this order:
 - several devices in an interactive session otherwise: Lightning's ``ddp_notebook``.
 
 Given the model, and the device memory (CUDA's, or ``device_memory=``), where the rules above
-pick ``mgpu_ddp`` but a whole copy of the parameters and gradients does not fit one device
-while their shards and the largest gathered unit do: ``mgpu_fsdp``, the reason giving the
-numbers (``lightning_mgpu.estimate.sharded``; optimizer state and activations come on top).
+pick ``mgpu_ddp``: ``mgpu_fsdp`` when a whole copy of the parameters and gradients does not
+fit one device while their shards and the largest gathered unit do, the reason giving the
+numbers (``model_memory.py``; optimizer state and activations come on top); when even the
+shards do not fit, ``mgpu_ddp`` stays, its reason saying so and how many devices would do.
 
 On CUDA without NCCL (Windows builds) the DDP choices use the ``gloo`` backend.
 ``devices="auto"`` means every GPU in a script but one GPU in an interactive session,
@@ -32,14 +33,20 @@ decides, builds the chosen strategy with exactly those settings, and takes its p
 (the object becomes an instance of the chosen class), so ``trainer.strategy`` is an
 ordinary ``MGPUDDPStrategy``, ``DDPStrategy``, ``SingleDeviceStrategy`` or
 ``MGPUDataParallelStrategy``. The decision is logged once, with its reason.
+
+The model is not known there. When the choice is ``mgpu_ddp`` and the device memory is
+known, the log says so and ``mgpu_auto`` decides again when the Trainer connects the model,
+in every process (``auto_model.PendingDDPStrategy``): ``mgpu_fsdp`` by the rule above, logged
+with the numbers (``mgpu_ddp`` stays, with a warning, under a precision ``mgpu_fsdp``
+refuses), and a ``ValueError`` with the numbers when even the shards do not fit, before
+anything is moved. ``micro_batch_size=`` is passed on to the chosen strategy; one device
+and ``ddp_notebook``, which cannot micro-batch, give way to ``mgpu_dp``.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import logging
-import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,15 +54,25 @@ import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry
-from lightning.pytorch.strategies import ParallelStrategy, SingleDeviceStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_mgpu.devices import format_bytes, parse_bytes
+from lightning_mgpu.strategies.auto_facts import EnvironmentFacts
+from lightning_mgpu.strategies.auto_model import (
+    PendingChoice,
+    PendingDDPStrategy,
+    become,
+    with_micro_batching,
+)
+from lightning_mgpu.strategies.microbatch.mixin import check_micro_batch_size
 from lightning_mgpu.strategies.model_memory import (
     ModelMemory,
     device_memory_of,
     model_memory,
     sharding_reason,
+    shortfall_reason,
 )
 
 __all__ = [
@@ -67,69 +84,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-def _interactive() -> bool:
-    if hasattr(sys, "ps1") or sys.flags.interactive:
-        return True
-    ipython = sys.modules.get("IPython")
-    return ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
-
-
-def _launcher() -> str | None:
-    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
-
-    if TorchElasticEnvironment.detect():
-        return "torchrun"
-    if SLURMEnvironment.detect():
-        return "SLURM"
-    if "LOCAL_RANK" in os.environ:
-        return "a launcher (LOCAL_RANK is set)"
-    return None
-
-
-@dataclass(frozen=True)
-class EnvironmentFacts:
-    """What ``choose_strategy`` reads from the environment. ``detect()`` reads them; tests may set any.
-
-    Example::
-
-        facts = EnvironmentFacts.detect(interactive=True, cuda_initialized=True)
-        choose_strategy(devices=2, facts=facts).strategy  # 'mgpu_dp'
-    """
-
-    interactive: bool
-    """A notebook, IPython or ``python -i`` session."""
-    cuda_initialized: bool
-    """``torch.cuda.is_initialized()``: fork-based DDP is impossible afterwards."""
-    launcher: str | None
-    """The tool that started this process as one of several ranks (torchrun, SLURM), if any."""
-    fork_available: bool
-    """Whether the ``fork`` start method exists on this platform."""
-    nccl_available: bool
-    """Whether this torch build has NCCL."""
-    distributed_available: bool
-    """Whether this torch build has ``torch.distributed``."""
-
-    @classmethod
-    def detect(cls, **overrides: Any) -> EnvironmentFacts:
-        """Read every fact from this process, then apply ``overrides`` (fact name -> value)."""
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise TypeError(
-                f"unknown environment facts {sorted(unknown)};"
-                f" known: {[f.name for f in dataclasses.fields(cls)]}"
-            )
-        distributed = torch.distributed.is_available()
-        facts = cls(
-            interactive=_interactive(),
-            cuda_initialized=torch.cuda.is_initialized(),
-            launcher=_launcher(),
-            fork_available="fork" in torch.multiprocessing.get_all_start_methods(),
-            nccl_available=distributed and torch.distributed.is_nccl_available(),
-            distributed_available=distributed,
-        )
-        return dataclasses.replace(facts, **overrides)
 
 
 @dataclass(frozen=True)
@@ -147,7 +101,7 @@ class StrategyChoice:
     """
 
     strategy: str
-    """A registered strategy name: ``mgpu_ddp``, ``mgpu_dp``, ``ddp_notebook`` or ``single_device``."""
+    """A registered name: ``mgpu_ddp``, ``mgpu_fsdp``, ``mgpu_dp``, ``ddp_notebook`` or ``single_device``."""
     reason: str
     devices: int
     num_nodes: int = 1
@@ -189,16 +143,21 @@ def decide(
         log.debug("-> %s: %s", strategy, reason)
         return StrategyChoice(strategy, reason, devices, num_nodes, options)
 
+    def processes(why: str) -> StrategyChoice:
+        if memory is not None and memory.needs_sharding:
+            return choice("mgpu_fsdp", f"{why}: one process per device; {sharding_reason(memory)}")
+        reason = f"{why}: one process per device"
+        if memory is not None and memory.fits_nowhere:
+            reason += f"; but {shortfall_reason(memory)}"
+        return choice("mgpu_ddp", reason)
+
     if num_nodes > 1 or facts.launcher is not None:
         if not facts.distributed_available:
             raise ValueError(
                 "several processes need torch.distributed, which this torch build lacks;"
                 " install a torch build with distributed support"
             )
-        why = f"{num_nodes} nodes" if num_nodes > 1 else f"started by {facts.launcher}"
-        if memory is not None and memory.needs_sharding:
-            return choice("mgpu_fsdp", f"{why}: one process per device; {sharding_reason(memory)}")
-        return choice("mgpu_ddp", f"{why}: one process per device")
+        return processes(f"{num_nodes} nodes" if num_nodes > 1 else f"started by {facts.launcher}")
     if devices <= 1:
         return choice("single_device", f"one {device_type} device: nothing to split")
     if not facts.distributed_available:
@@ -206,9 +165,7 @@ def decide(
             "mgpu_dp", f"{devices} devices but no torch.distributed in this build: one process drives all"
         )
     if not facts.interactive:
-        if memory is not None and memory.needs_sharding:
-            return choice("mgpu_fsdp", f"{devices} devices in a script: {sharding_reason(memory)}")
-        return choice("mgpu_ddp", f"{devices} devices in a script: one process per device")
+        return processes(f"{devices} devices in a script")
     if facts.cuda_initialized:
         return choice(
             "mgpu_dp",
@@ -306,6 +263,17 @@ class MGPUAutoStrategy(ParallelStrategy):
 
     Args:
         facts: the environment facts to decide with; read from this process when ``None``.
+        device_memory: memory of one device (``"24GiB"`` or bytes), as for ``choose_strategy``;
+            ``None`` reads the smallest CUDA device on CUDA, and is unknown elsewhere. Where
+            ``mgpu_ddp`` is chosen and the memory is known, the model decides between it and
+            ``mgpu_fsdp`` when the Trainer connects it (module docstring).
+        micro_batch_size: ``None`` (off), a number of rows or ``"auto"``: passed on to the chosen
+            strategy (see ``MGPUDDPStrategy``); one device and ``ddp_notebook`` give way to
+            ``mgpu_dp``, which micro-batches.
+
+    Raises:
+        ValueError: a ``device_memory`` that is not a size, a ``micro_batch_size`` that is not a
+            positive int, ``"auto"`` or ``None``.
 
     Example::
 
@@ -313,13 +281,23 @@ class MGPUAutoStrategy(ParallelStrategy):
         import lightning_mgpu
 
         trainer = L.Trainer(accelerator="gpu", devices=2, strategy="mgpu_auto")
+        # on CPU, or to plan for smaller cards: the model decides between mgpu_ddp and mgpu_fsdp
+        strategy = lightning_mgpu.MGPUAutoStrategy(device_memory="24GiB", micro_batch_size="auto")
     """
 
     strategy_name = "mgpu_auto"
 
-    def __init__(self, facts: EnvironmentFacts | None = None) -> None:
+    def __init__(
+        self,
+        facts: EnvironmentFacts | None = None,
+        *,
+        device_memory: int | str | None = None,
+        micro_batch_size: int | str | None = None,
+    ) -> None:
         super().__init__()
         self.facts = facts
+        self.device_memory = None if device_memory is None else parse_bytes(device_memory)
+        self.micro_batch_size = check_micro_batch_size(micro_batch_size)
         self.num_nodes = 1
         self.choice: StrategyChoice | None = None
 
@@ -329,39 +307,23 @@ class MGPUAutoStrategy(ParallelStrategy):
         # a custom accelerator may list objects of its own (strings, say) rather than torch.device
         device_type = str(getattr(devices[0], "type", devices[0])) if devices else "cpu"
         facts = self.facts if self.facts is not None else EnvironmentFacts.detect()
-        choice = decide(len(devices), self.num_nodes, device_type, facts)
-        rank_zero_info(f"mgpu_auto chose {choice.strategy}: {choice.reason}")
-        target = self._build(choice, devices)
-        # take the chosen strategy's place: the Trainer keeps this object
-        state = dict(target.__dict__, choice=choice)
-        self.__dict__.clear()
-        self.__dict__.update(state)
-        self.__class__ = type(target)  # type: ignore[assignment]
-
-    def _build(self, choice: StrategyChoice, devices: list[torch.device]) -> Strategy:
-        target: Strategy
-        if choice.strategy == "single_device":
-            target = SingleDeviceStrategy(device=devices[0] if devices else "cpu")
+        choice = with_micro_batching(
+            decide(len(devices), self.num_nodes, device_type, facts), self.micro_batch_size
+        )
+        memory = device_memory_of(self.device_memory, device_type) if choice.strategy == "mgpu_ddp" else None
+        if memory is None:
+            rank_zero_info(f"mgpu_auto chose {choice.strategy}: {choice.reason}")
+            become(self, choice, devices)
         else:
-            entry = StrategyRegistry[choice.strategy]
-            target = entry["strategy"](**{**entry["init_params"], **choice.options})
-        if self._accelerator is not None:
-            target.accelerator = self._accelerator
-        if self._precision_plugin is not None:
-            target.precision_plugin = self._precision_plugin
-        if self._checkpoint_io is not None:
-            target.checkpoint_io = self._checkpoint_io
-        if isinstance(target, ParallelStrategy):
-            if target.cluster_environment is None:
-                target.cluster_environment = self.cluster_environment
-            target.parallel_devices = devices
-            target._layer_sync = self._layer_sync
-        if hasattr(target, "num_nodes"):
-            target.num_nodes = self.num_nodes
-        if hasattr(target, "set_world_ranks"):
-            target.set_world_ranks()
-        target._configure_launcher()
-        return target
+            rank_zero_info(
+                f"mgpu_auto chose mgpu_ddp: {choice.reason}; unless the model needs sharding (its parameters"
+                f" and gradients do not fit the {format_bytes(memory)} of a device, their shards do), then"
+                " mgpu_fsdp: decided when the model is known"
+            )
+            redecide = functools.partial(decide, len(devices), self.num_nodes, device_type, facts)
+            pending = PendingChoice(redecide, memory, len(devices) * self.num_nodes, self.micro_batch_size)
+            become(self, choice, devices, strategy_class=PendingDDPStrategy)
+            self.pending = pending  # self is a PendingDDPStrategy now
 
     def _undecided(self) -> RuntimeError:
         return RuntimeError(
@@ -395,6 +357,6 @@ class MGPUAutoStrategy(ParallelStrategy):
         strategy_registry.register(
             cls.strategy_name,
             cls,
-            description="picks mgpu_ddp, mgpu_dp, ddp_notebook or one device for where the code runs",
+            description="picks mgpu_ddp, mgpu_fsdp, mgpu_dp, ddp_notebook or one device for the code, model",
             override=True,
         )

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import sys
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -181,15 +181,21 @@ def test_trainer_gets_the_chosen_strategy() -> None:
     ]
 
 
-_RESUME_UNDER_DDP = """
-import sys
+# One launch of two processes: a checkpoint of mgpu_dp resumed under the mgpu_ddp that mgpu_auto
+# picks, then two fits of MGPUAutoStrategy(device_memory=...) that see the model (the later
+# Trainers reuse the processes): the model fits only sharded (mgpu_fsdp), then whole (mgpu_ddp).
+_AUTO_SCRIPT = """
+import json, sys
 
 import lightning as L
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_mgpu
+from lightning_mgpu.strategies.auto import MGPUAutoStrategy
 from lightning_mgpu.strategies.ddp.strategy import MGPUDDPStrategy
+from lightning_mgpu.strategies.fsdp.strategy import MGPUFSDPStrategy
 from tests.strategies.dp._dp_models import QUIET, Regressor, regression_data
 
 model = Regressor()
@@ -203,37 +209,90 @@ trainer.fit(model, DataLoader(data, batch_size=5, sampler=sampler), ckpt_path=sy
 assert type(trainer.strategy) is MGPUDDPStrategy, type(trainer.strategy)
 if trainer.is_global_zero:
     torch.save(model.state_dict(), sys.argv[2])
+
+def fit_auto(device_memory):
+    model = Regressor()
+    strategy = MGPUAutoStrategy(device_memory=device_memory)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=3, **QUIET)
+    trainer.fit(model, DataLoader(data, batch_size=5))
+    weight = model.net[0].weight
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    final = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    if trainer.is_global_zero:
+        torch.save(final, f"{device_memory}.pt")
+    return {
+        "strategy": type(trainer.strategy).__name__,
+        "is_fsdp": isinstance(trainer.strategy, MGPUFSDPStrategy),
+        "dtensors": sorted({type(p).__name__ for p in model.parameters()}),
+        "rows": [local.shape[0], weight.shape[0]],
+    }
+
+with open(f"auto_rank{trainer.global_rank}.json", "w") as f:
+    json.dump({"740": fit_auto(740), "1KiB": fit_auto("1KiB")}, f)
 """
 
 
-@pytest.mark.slow
-def test_dp_checkpoint_resumes_under_ddp_chosen_by_auto(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory: pytest.TempPathFactory):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    data = regression_data(rows=20)
+    tmp_path = tmp_path_factory.mktemp("auto")
     callback = ModelCheckpoint(dirpath=tmp_path / "ckpt")
     fit(
         Regressor(),
         "mgpu_dp",
         2,
-        loader(data, 10),
+        loader(regression_data(rows=20), 10),
         max_epochs=1,
         callbacks=[callback],
         enable_checkpointing=True,
     )
     checkpoint = callback.best_model_path
-    expected = Regressor()
-    fit(expected, "auto", 1, loader(data, 10), max_epochs=2, ckpt_path=checkpoint)
-
-    result = run_script(_RESUME_UNDER_DDP, tmp_path, args=[checkpoint, str(tmp_path / "ddp.pt")], timeout=180)
+    result = run_script(_AUTO_SCRIPT, tmp_path, args=[checkpoint, str(tmp_path / "ddp.pt")], timeout=240)
     assert result.returncode == 0, result.output[-3000:]
+    return tmp_path, checkpoint, result
+
+
+@pytest.mark.slow
+def test_dp_checkpoint_resumes_under_ddp_chosen_by_auto(auto_run) -> None:
+    tmp_path, checkpoint, result = auto_run
+    expected = Regressor()
+    fit(expected, "auto", 1, loader(regression_data(rows=20), 10), max_epochs=2, ckpt_path=checkpoint)
     assert result.output.count("mgpu_auto chose mgpu_ddp: 2 devices in a script") == 1, result.output[-3000:]
     resumed = Regressor()
     resumed.load_state_dict(torch.load(tmp_path / "ddp.pt", weights_only=True))
     assert max_difference(resumed, expected) < 1e-6
 
 
+@pytest.mark.slow
+def test_a_model_that_fits_only_sharded_trains_under_mgpu_fsdp(auto_run) -> None:
+    tmp_path, _, result = auto_run
+    ranks = [json.loads((tmp_path / f"auto_rank{rank}.json").read_text()) for rank in (0, 1)]
+    for rank in ranks:
+        # 776 B of parameters and gradients, 708 B sharded: more than 740 B whole, less sharded
+        assert rank["740"] == {
+            "strategy": "MGPUFSDPStrategy", "is_fsdp": True, "dtensors": ["DTensor"], "rows": [8, 16]
+        }  # fmt: skip
+        assert rank["1KiB"] == {
+            "strategy": "MGPUDDPStrategy", "is_fsdp": False, "dtensors": ["Parameter"], "rows": [16, 16]
+        }  # fmt: skip
+    numbers = (
+        "the parameters and gradients take 776 B, more than the 740 B of a device, but sharded they need"
+        " 708 B per device with the largest unit gathered"
+    )
+    assert result.output.count("mgpu_auto chose mgpu_fsdp: ") == 1, result.output[-3000:]
+    assert numbers in result.output
+    assert result.output.count("then mgpu_fsdp: decided when the model is known") == 2
+    # sharded or not, the same steps from the same start: the same weights
+    sharded = torch.load(tmp_path / "740.pt", weights_only=True)
+    whole = torch.load(tmp_path / "1KiB.pt", weights_only=True)
+    for name, value in whole.items():
+        torch.testing.assert_close(sharded[name], value, atol=1e-5, rtol=0)
+    assert not torch.equal(whole["net.0.weight"], Regressor().net[0].weight.detach())
+
+
 def test_public_names() -> None:
     assert lightning_mgpu.choose_strategy is choose_strategy
     assert lightning_mgpu.StrategyChoice is StrategyChoice
+    assert lightning_mgpu.MGPUAutoStrategy is MGPUAutoStrategy
     assert torch.distributed.is_available()  # the rules above were read from a real torch.distributed

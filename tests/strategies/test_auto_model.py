@@ -1,0 +1,178 @@
+"""mgpu_auto once the model is known, and with micro-batching: the decisions in this process.
+
+The whole run under real processes (a fit that ends under ``mgpu_fsdp``, one that stays on
+``mgpu_ddp``) is in ``test_auto.py``'s two-process script; here ``connect`` is called as the
+Trainer calls it in each process, without starting any.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import lightning as L
+import pytest
+
+from lightning_mgpu.strategies.auto import EnvironmentFacts, MGPUAutoStrategy
+from lightning_mgpu.strategies.auto_model import PendingDDPStrategy
+from lightning_mgpu.strategies.ddp.strategy import MGPUDDPStrategy
+from lightning_mgpu.strategies.dp.strategy import MGPUDataParallelStrategy
+from lightning_mgpu.strategies.fsdp.strategy import MGPUFSDPStrategy
+from tests.strategies.dp._dp_models import QUIET, Regressor, fit, loader, regression_data
+
+# Regressor: 97 float32 parameters; parameters and gradients 776 B whole, over 2 processes
+# 388 B of shards plus its largest unit (net.0: 320 B) gathered = 708 B
+FITS_SHARDED = 740
+FITS_WHOLE = "1KiB"
+
+
+@pytest.fixture(autouse=True)
+def _plain_script(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_JOB_NAME", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delattr(sys, "ps1", raising=False)
+
+
+@pytest.fixture
+def messages() -> Iterator[list[str]]:
+    """What mgpu_auto logged, through Lightning's rank-zero logging."""
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("mgpu_auto"):
+                seen.append(record.getMessage())
+
+    handler = Collect()
+    logger = logging.getLogger("lightning.pytorch")
+    logger.addHandler(handler)
+    yield seen
+    logger.removeHandler(handler)
+
+
+def _trainer(devices: int = 2, **auto: Any) -> L.Trainer:
+    precision = auto.pop("precision", "32-true")
+    return L.Trainer(
+        accelerator="cpu", devices=devices, strategy=MGPUAutoStrategy(**auto), precision=precision, **QUIET
+    )
+
+
+def test_with_a_device_memory_mgpu_ddp_waits_for_the_model(messages: list[str]) -> None:
+    trainer = _trainer(device_memory=FITS_SHARDED)
+    strategy = trainer.strategy
+    assert type(strategy) is PendingDDPStrategy
+    assert strategy.strategy_name == "mgpu_ddp"
+    assert messages == [
+        "mgpu_auto chose mgpu_ddp: 2 devices in a script: one process per device; unless the model needs"
+        " sharding (its parameters and gradients do not fit the 740 B of a device, their shards do), then"
+        " mgpu_fsdp: decided when the model is known"
+    ]
+    # without a device memory on CPU nothing waits: the plain mgpu_ddp as before
+    assert type(_trainer().strategy) is MGPUDDPStrategy
+
+
+def test_a_model_that_fits_only_sharded_turns_mgpu_ddp_into_mgpu_fsdp(messages: list[str]) -> None:
+    trainer = _trainer(device_memory=FITS_SHARDED)
+    strategy = trainer.strategy
+    kept = (strategy.launcher, strategy.accelerator, strategy.precision_plugin, strategy.cluster_environment)
+    model = Regressor()
+    strategy.connect(model)  # as trainer.fit does in every process, after the launch
+    assert type(trainer.strategy) is MGPUFSDPStrategy
+    assert trainer.strategy is strategy  # the Trainer's object, now the chosen class
+    assert (
+        strategy.launcher,
+        strategy.accelerator,
+        strategy.precision_plugin,
+        strategy.cluster_environment,
+    ) == kept
+    assert strategy.parallel_devices is not None
+    assert (len(strategy.parallel_devices), strategy.num_nodes, strategy.world_size) == (2, 1, 2)
+    assert strategy.lightning_module is model
+    assert strategy.choice.strategy == "mgpu_fsdp"  # type: ignore[attr-defined]
+    assert messages[-1] == (
+        "mgpu_auto chose mgpu_fsdp: 2 devices in a script: one process per device; the parameters and"
+        " gradients take 776 B, more than the 740 B of a device, but sharded they need 708 B per device with"
+        " the largest unit gathered (optimizer state and activations come on top)"
+    )
+
+
+def test_a_model_that_fits_whole_stays_on_mgpu_ddp(messages: list[str]) -> None:
+    trainer = _trainer(device_memory=FITS_WHOLE)
+    trainer.strategy.connect(Regressor())
+    assert type(trainer.strategy) is MGPUDDPStrategy
+    assert len(messages) == 1  # the decision at Trainer(...) only
+
+
+def test_a_model_that_fits_no_device_even_sharded_is_refused_with_the_numbers() -> None:
+    trainer = _trainer(device_memory=500)
+    with pytest.raises(
+        ValueError, match="mgpu_auto: the model does not fit a device of 500 B even sharded"
+    ) as err:
+        trainer.strategy.connect(Regressor())
+    assert "776 B whole and 708 B per device sharded over 2 process(es)" in str(err.value)
+    # (776 B of state) / (500 B less the 320 B unit gathered) = 4.3
+    assert "use at least 5 devices (devices=, num_nodes=) or a lower precision" in str(err.value)
+
+
+def test_a_precision_mgpu_fsdp_refuses_keeps_mgpu_ddp_and_says_why() -> None:
+    # under 64-true the parameters are doubles: 1552 B whole, 1416 B sharded
+    trainer = _trainer(device_memory=1500, precision="64-true")
+    with pytest.warns(
+        UserWarning, match="mgpu_auto keeps mgpu_ddp although the parameters and gradients take 1.52"
+    ):
+        trainer.strategy.connect(Regressor())
+    assert type(trainer.strategy) is MGPUDDPStrategy
+    # bf16-true halves them: a whole copy fits, no reason to shard
+    trainer = _trainer(device_memory=FITS_SHARDED, precision="bf16-true")
+    trainer.strategy.connect(Regressor())
+    assert type(trainer.strategy) is MGPUDDPStrategy
+
+
+def test_micro_batch_size_reaches_the_chosen_strategy(messages: list[str]) -> None:
+    assert trainer_micro(_trainer(micro_batch_size=2)) == (MGPUDDPStrategy, 2)
+    pending = _trainer(device_memory=FITS_SHARDED, micro_batch_size="auto").strategy
+    pending.connect(Regressor())
+    assert (type(pending), pending.micro_batch_size) == (MGPUFSDPStrategy, "auto")  # type: ignore[attr-defined]
+    notebook = EnvironmentFacts.detect(interactive=True, cuda_initialized=False)
+    assert trainer_micro(_trainer(facts=notebook, micro_batch_size=3)) == (MGPUDataParallelStrategy, 3)
+    assert messages[-1] == (
+        "mgpu_auto chose mgpu_dp: 2 devices in an interactive session before CUDA is initialised: forked"
+        " processes; micro_batch_size=3, which Lightning's ddp_notebook cannot run, so mgpu_dp"
+    )
+
+
+def trainer_micro(trainer: L.Trainer) -> tuple[type, Any]:
+    return type(trainer.strategy), getattr(trainer.strategy, "micro_batch_size", None)
+
+
+class Counting(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.rows.append(len(batch[0]))
+        return super().training_step(batch, batch_idx)
+
+
+def test_one_device_micro_batches_under_mgpu_dp(messages: list[str]) -> None:
+    model = Counting()
+    trainer = fit(
+        model, MGPUAutoStrategy(micro_batch_size=2), 1, loader(regression_data(rows=12), 6), max_steps=2
+    )
+    assert type(trainer.strategy) is MGPUDataParallelStrategy
+    assert len(trainer.strategy.parallel_devices or []) == 1
+    assert model.rows == [2, 2, 2, 2, 2, 2]  # two batches of 6, three micro-batches each
+    assert messages[0] == (
+        "mgpu_auto chose mgpu_dp: one cpu device: nothing to split; micro_batch_size=2, which a single device"
+        " cannot run, so mgpu_dp"
+    )
+
+
+def test_bad_arguments_are_refused_at_once() -> None:
+    with pytest.raises(ValueError, match="cannot read the memory size '24 gigs'"):
+        MGPUAutoStrategy(device_memory="24 gigs")
+    with pytest.raises(ValueError, match="micro_batch_size must be a positive number of rows.*got 0"):
+        MGPUAutoStrategy(micro_batch_size=0)
