@@ -25,7 +25,7 @@ from lightning_mgpu.config.callbacks import (
     ExportConfig,
     MemoryConfig,
 )
-from lightning_mgpu.config.checks import at_least, batch_limit, minimums, one_of
+from lightning_mgpu.config.checks import at_least, batch_limit, micro_batch_size, minimums, one_of
 from lightning_mgpu.config.optimizer import OptimizerConfig
 from lightning_mgpu.precision import precision_names
 
@@ -93,6 +93,10 @@ class TrainerConfig:
     """Sum gradients over this many batches before each optimizer step."""
     gradient_clip_val: float | None = None
     """Clip gradients to this norm; ``null`` does not clip."""
+    micro_batch_size: Any = None
+    """Passed to the ``mgpu_*`` strategy (``mgpu_ddp``, ``mgpu_dp``, ...): each batch runs forward and
+    backward in micro-batches of this many rows, one optimizer step per batch; ``auto`` runs whole batches
+    and halves them on out-of-memory; ``null``: off."""
     deterministic: bool = False
     """Ask torch for deterministic algorithms (slower on GPUs)."""
     num_sanity_val_steps: int = 0
@@ -121,6 +125,7 @@ class TrainerConfig:
         out += at_least("log_every_n_steps", self.log_every_n_steps, 1)
         out += at_least("accumulate_grad_batches", self.accumulate_grad_batches, 1)
         out += at_least("gradient_clip_val", self.gradient_clip_val, 0.0)
+        out += micro_batch_size(self.micro_batch_size)
         out += at_least("num_sanity_val_steps", self.num_sanity_val_steps, -1, " (-1 runs them all)")
         return out
 

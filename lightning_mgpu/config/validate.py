@@ -5,7 +5,8 @@
 - Wrong types: omegaconf's structured configs decide, the message says what was expected
   and what was given (``trainer.max_epochs: expected an integer, got 'ten'``).
 - Impossible values: each section's ``problems()`` (``optimizer.lr: must be > 0, got -1``),
-  the recipe name and the strategy name.
+  the recipe name, the strategy name, and ``trainer.micro_batch_size`` with a strategy that
+  does not take it.
 
 All problems are collected and raised as one ``ConfigError`` (a ``ValueError``, which the
 command line prints without a traceback). Settings that are valid but do nothing in the run
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import logging
 import typing
 from typing import Any, cast
@@ -24,8 +26,9 @@ from typing import Any, cast
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
+from lightning_mgpu.config.checks import micro_batch_size
 from lightning_mgpu.config.optimizer import misplaced_arguments, use_component_key
-from lightning_mgpu.config.schema import RunConfig
+from lightning_mgpu.config.schema import RunConfig, TrainerConfig
 
 __all__ = ["ConfigError", "run_schema", "validate"]
 
@@ -104,6 +107,7 @@ def validate(raw: DictConfig, source: str = "config") -> RunConfig:
     cfg = cast(RunConfig, OmegaConf.to_object(typed))
     problems += _value_problems(cfg, "")
     problems += _strategy_problems(cfg.trainer.strategy)
+    problems += _micro_batching_problems(cfg.trainer)
     if not problems:  # cross-section checks assume each section is sound
         problems += _recipe_problems(cfg)
     if problems:
@@ -196,9 +200,12 @@ def _unknown_key(path: str, valid: list[str]) -> str:
     """The message for an unknown key: the closest key of its section, else that name in another section."""
     parent, _, leaf = path.rpartition(".")
     siblings = {k.rpartition(".")[2]: k for k in valid if k.rpartition(".")[0] == parent}
-    close = [siblings[name] for name in difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.6)]
-    if not close:  # e.g. trainer.lr -> optimizer.lr, trainer.batch_size -> data.batch_size
-        leaves = {k.rpartition(".")[2]: k for k in reversed(valid)}  # first key of each name wins
+    leaves = {k.rpartition(".")[2]: k for k in reversed(valid)}  # first key of each name wins
+    if leaf in leaves:  # the exact name in another section: trainer.batch_size -> data.batch_size
+        close = [leaves[leaf]]
+    else:
+        close = [siblings[name] for name in difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.6)]
+    if not close:  # e.g. trainer.lr -> optimizer.lr
         close = [leaves[name] for name in difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.8)]
     if close:
         return f"{path}: unknown key; did you mean {close[0]}?"
@@ -262,3 +269,34 @@ def _strategy_problems(strategy: str) -> list[str]:
     hint = f"did you mean {close[0]}? " if close else ""
     mgpu = ", ".join(n for n in names if n.startswith("mgpu_"))
     return [f"trainer.strategy: {strategy!r} is not a registered strategy; {hint}e.g. {mgpu}"]
+
+
+def _micro_batching_strategies() -> list[str]:
+    """The registered strategies whose class takes ``micro_batch_size=`` (``mgpu_ddp``, ``mgpu_dp``, ...)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_mgpu  # noqa: F401  registers the mgpu_* names
+
+    return [
+        name
+        for name in StrategyRegistry.available_strategies()
+        if "micro_batch_size" in inspect.signature(StrategyRegistry[name]["strategy"]).parameters
+    ]
+
+
+def _micro_batching_problems(trainer: TrainerConfig) -> list[str]:
+    """``trainer.micro_batch_size`` set for a (known) strategy that cannot run micro-batches."""
+    if trainer.micro_batch_size is None or micro_batch_size(trainer.micro_batch_size):
+        return []  # off, or a value that has its own message
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    takers = _micro_batching_strategies()
+    known = ("auto", *StrategyRegistry.available_strategies())
+    if trainer.strategy in takers or trainer.strategy not in known:
+        return []  # a name that is not a strategy has its own message
+    log.debug("trainer.strategy %r does not take micro_batch_size; these do: %s", trainer.strategy, takers)
+    return [
+        f"trainer.micro_batch_size: strategy {trainer.strategy!r} cannot run micro-batches; the strategies"
+        f" that take micro_batch_size are {', '.join(takers)} (set trainer.strategy to one of them), or set"
+        " trainer.micro_batch_size=null"
+    ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,3 +50,17 @@ def test_progress_in_a_log_is_one_line_per_epoch_without_lightnings_own_warnings
     assert all(" batches in " in line and "val/loss=" in line for line in lines)
     leaf = [str(w.message) for w in caught if "LeafSpec" in str(w.message)]
     assert leaf == ["`isinstance(treespec, LeafSpec)` is deprecated"]  # only the one raised here, by a test
+
+
+@pytest.mark.parametrize("strategy", ["mgpu_ddp", "mgpu_dp", "mgpu_auto"])
+def test_micro_batch_size_reaches_the_strategy(strategy: str, tmp_path: Path) -> None:
+    two_cpus = ["trainer.accelerator=cpu", "trainer.devices=2", f"trainer.strategy={strategy}"]
+    for setting, rows in (("auto", None), ("3", 3)):
+        cfg = load_config("digits", [*two_cpus, f"trainer.micro_batch_size={setting}"])
+        trainer = build_trainer(cfg, tmp_path, [])  # Trainer(...) only: no process starts before fit
+        chosen: Any = trainer.strategy  # mgpu_auto has become the strategy it picked
+        assert chosen.micro_batch_size == (setting if setting == "auto" else rows)
+        assert chosen.micro_batches.size == rows
+        assert chosen.micro_batches.auto == (setting == "auto")
+    off: Any = build_trainer(load_config("digits", two_cpus), tmp_path, []).strategy
+    assert off.micro_batch_size is None

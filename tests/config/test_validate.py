@@ -203,3 +203,27 @@ def test_optimizer_name_is_the_older_key_of_component_and_overrides_the_file() -
     assert info.value.problems == [
         "optimizer.name: 'adam' and _component_: 'sgd' both name the class; keep one"
     ]
+
+
+def test_micro_batch_size_takes_rows_auto_or_null_and_only_where_a_strategy_takes_it() -> None:
+    assert load_config("digits").trainer.micro_batch_size is None
+    rows = load_config("digits", ["trainer.strategy=mgpu_ddp", "trainer.micro_batch_size=4"])
+    assert rows.trainer.micro_batch_size == 4
+    auto = load_config("digits", ["trainer.strategy=mgpu_dp", "trainer.micro_batch_size=auto"])
+    assert auto.trainer.micro_batch_size == "auto"
+    expected = (
+        "trainer.micro_batch_size: expected a positive number of rows, 'auto' (halve on out-of-memory)"
+        " or null (off)"
+    )
+    assert problems(["trainer.micro_batch_size=0"]) == [f"{expected}, got 0"]
+    assert problems(["trainer.micro_batch_size=2.5", "trainer.strategy=ddp"]) == [f"{expected}, got 2.5"]
+    assert problems(["trainer.micro_batch_size=true"]) == [f"{expected}, got True"]
+    for lightnings_own in ("ddp", "single_device", "auto"):
+        (message,) = problems(["trainer.micro_batch_size=4", f"trainer.strategy={lightnings_own}"])
+        takers = message.partition("the strategies that take micro_batch_size are ")[2].partition(" (")[0]
+        assert message.startswith(
+            f"trainer.micro_batch_size: strategy '{lightnings_own}' cannot run micro-batches;"
+        )
+        assert message.endswith("(set trainer.strategy to one of them), or set trainer.micro_batch_size=null")
+        assert {"mgpu_ddp", "mgpu_dp"} <= set(takers.split(", "))
+        assert "ddp" not in takers.split(", ")
