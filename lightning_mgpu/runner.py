@@ -195,7 +195,8 @@ def _describe_files(trainer: L.Trainer, run_dir: Path) -> list[str]:
 
 
 def _peak_memory_lines(trainer: L.Trainer) -> list[str]:
-    """Each device's peak: the memory monitor's fit-wide maxima, else this process's own device."""
+    """Each device's peak (the memory monitor's fit-wide maxima, and each rank's micro-batch size), else
+    this process's own device."""
     from lightning_mgpu.callbacks.memory import DeviceMemoryMonitor
     from lightning_mgpu.devices import format_bytes, process_memory
 
@@ -206,6 +207,10 @@ def _peak_memory_lines(trainer: L.Trainer) -> list[str]:
     for d in devices:
         label = f"{d['device']} ({d['name']})" if d.get("name") else d["device"]
         parts = [f"{what} {format_bytes(d[key])}" for key, what in _PEAK_FIELDS if d.get(key) is not None]
+        if "micro_batch_size" in d:  # on the rank's first device, when the strategy runs micro-batches
+            size = d["micro_batch_size"]
+            rows = f"{size} row{'s' * (size != 1)}" if size is not None else ""
+            parts.append(f"micro-batches of {rows}" if rows else "whole batches")
         lines.append(f"{label}: {', '.join(parts) or 'not measured'}")
     if lines:
         return lines

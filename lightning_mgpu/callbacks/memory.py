@@ -26,6 +26,7 @@ from lightning_mgpu.callbacks._distributed import all_gather_objects
 from lightning_mgpu.callbacks.memory_readings import (
     PlannedReading,
     device_label,
+    micro_batch_sizes,
     plan_readings,
     replica_devices,
     strategy_kind,
@@ -53,7 +54,8 @@ class DeviceMemoryMonitor(Callback):
     - ``memory/imbalance`` is the largest device's peak divided by the mean; above
       ``imbalance_threshold`` it warns once, naming the likely cause in this run.
     - At the end of ``fit`` rank 0 prints an ``nvidia-smi``-like table and writes the
-      same data to ``<trainer.log_dir>/memory_summary.json``.
+      same data to ``<trainer.log_dir>/memory_summary.json``; under a strategy given
+      ``micro_batch_size=``, each rank's final micro-batch size too.
     - When a step runs out of memory (``torch.cuda.OutOfMemoryError`` or ``MemoryError``)
       the failing rank prints which device failed, what every device held (other ranks'
       devices as last gathered) and options computed from the run; the original exception
@@ -200,12 +202,13 @@ class DeviceMemoryMonitor(Callback):
         elif self._buffer:
             self._flush(trainer)
         self._finish_gather(trainer)
+        self.summary.micro_batches = micro_batch_sizes(trainer)  # a gather, when micro-batching
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank calls it
         if not trainer.is_global_zero or not self.summary.devices:
             return
-        rows = list(self.summary.devices.values())
+        rows, sizes = list(self.summary.devices.values()), self.summary.micro_batches
         if self.print_summary:
-            print(report.table(rows, title="Device memory over the fit (peaks):"), flush=True)
+            print(report.table(rows, "Device memory over the fit (peaks):", sizes), flush=True)
         if self.summary_file is not None:
             _write_json(os.path.join(log_dir, self.summary_file), self.summary.as_json())
 

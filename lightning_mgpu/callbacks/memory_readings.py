@@ -5,7 +5,9 @@
   bytes saved for backward (the replicas are threads of one process and share its RSS);
 - ``take_readings`` reads them, as plain ``Reading`` records (``memory_report.py``); the rank's
   first device also carries the bytes of parameters, gradients and optimizer state the rank holds
-  (``measure_model_state``: the local shards under ``mgpu_fsdp``, whole tensors otherwise).
+  (``measure_model_state``: the local shards under ``mgpu_fsdp``, whole tensors otherwise);
+- ``micro_batch_sizes`` gathers each rank's micro-batch size at the end of a fit, under a strategy
+  that runs micro-batches (``micro_batch_size=``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from lightning.pytorch import Trainer
 
+from lightning_mgpu.callbacks._distributed import all_gather_objects
 from lightning_mgpu.callbacks.memory_report import Reading
 from lightning_mgpu.devices import allocator_memory, nvml_memory, process_memory
 from lightning_mgpu.strategies.fsdp.state import measure_model_state
@@ -25,6 +28,7 @@ from lightning_mgpu.strategies.fsdp.state import measure_model_state
 __all__ = [
     "PlannedReading",
     "device_label",
+    "micro_batch_sizes",
     "plan_readings",
     "replica_devices",
     "strategy_kind",
@@ -126,6 +130,21 @@ def take_readings(
             values = {"saved": float(saved[index]) if index < len(saved) else math.nan}
         readings.append(Reading(item.label, item.kind, trainer.global_rank, item.name, values, device_rows))
     return readings
+
+
+def micro_batch_sizes(trainer: Trainer) -> dict[int, int | None]:
+    """Rank -> rows per micro-batch now (``None``: whole batches); empty for a strategy without micro-batches.
+
+    Under several processes every rank must call it (one all-gather); each reaches the same answer
+    whether to gather, as the setting is the same on every rank.
+    """
+    strategy = trainer.strategy
+    sizes = getattr(strategy, "micro_batches", None)
+    if sizes is None or getattr(strategy, "micro_batch_size", None) is None:
+        return {}
+    everyone = all_gather_objects(trainer, (trainer.global_rank, sizes.size))
+    log.debug("micro-batch sizes at the end of fit: %s", everyone)
+    return dict(everyone)
 
 
 @functools.lru_cache(maxsize=64)

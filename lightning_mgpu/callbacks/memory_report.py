@@ -102,6 +102,8 @@ class Summary:
     devices: dict[str, Reading] = field(default_factory=dict)
     max_imbalance: float = 1.0
     logs: int = 0
+    micro_batches: dict[int, int | None] = field(default_factory=dict)
+    """rank -> its micro-batch size at the end of fit (``None``: whole batches); empty without them."""
 
     def update(self, readings: list[Reading], imbalance_now: float) -> None:
         self.logs += 1
@@ -122,19 +124,28 @@ class Summary:
         def clean(v: float) -> int | None:
             return None if math.isnan(v) else int(v)
 
+        firsts = _first_of_each_rank(list(self.devices.values()), set(self.micro_batches))
         return {
             "devices": [
                 {"device": r.device, "rank": r.rank, "name": r.name}
                 | {f"{k}_bytes": clean(v) for k, v in r.values.items()}
-                for r in self.devices.values()
+                # on the rank's first device, as in the table; null: whole batches
+                | ({"micro_batch_size": self.micro_batches[r.rank]} if i in firsts else {})
+                for i, r in enumerate(self.devices.values())
             ],
             "max_imbalance": round(self.max_imbalance, 4),
             "logs": self.logs,
         }
 
 
-def table(readings: list[Reading], title: str = "") -> str:
-    """An ``nvidia-smi``-like table: one row per device, only the columns some device knows."""
+def table(
+    readings: list[Reading], title: str = "", micro_batches: dict[int, int | None] | None = None
+) -> str:
+    """An ``nvidia-smi``-like table: one row per device, only the columns some device knows.
+
+    ``micro_batches`` (rank -> rows per micro-batch, ``None`` for whole batches) adds the column
+    "Micro-batch (rank)", filled on each rank's first device.
+    """
     columns: list[tuple[str, Any]] = [("Device", lambda r: r.device), ("Name", lambda r: r.name)]
     kinds = {r.kind for r in readings}
     if "cuda" in kinds:
@@ -154,7 +165,12 @@ def table(readings: list[Reading], title: str = "") -> str:
         # parameters, gradients and optimizer state this rank holds: 1/N of the model's under mgpu_fsdp
         columns += [("Model state (rank)", lambda r: _bytes_or_dash(r.values.get("model_state", math.nan)))]
     cells = [[h for h, _ in columns]] + [[str(get(r)) for _, get in columns] for r in readings]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    if micro_batches:  # the rank's setting, not a device's: on its first row
+        firsts = _first_of_each_rank(readings, set(micro_batches))
+        cells[0].append("Micro-batch (rank)")
+        for i, (row, r) in enumerate(zip(cells[1:], readings, strict=True)):
+            row.append(_micro_batch_text(micro_batches[r.rank]) if i in firsts else "-")
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     rule = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
     lines = [title] if title else []
     lines.append(rule)
@@ -164,6 +180,19 @@ def table(readings: list[Reading], title: str = "") -> str:
             lines.append(rule.replace("-", "="))
     lines.append(rule)
     return "\n".join(lines)
+
+
+def _first_of_each_rank(readings: list[Reading], ranks: set[int] | None = None) -> set[int]:
+    """Indices of each rank's first reading (its process or first device), for ``ranks`` (or every rank)."""
+    seen: dict[int, int] = {}
+    for i, r in enumerate(readings):
+        if ranks is None or r.rank in ranks:
+            seen.setdefault(r.rank, i)
+    return set(seen.values())
+
+
+def _micro_batch_text(size: int | None) -> str:
+    return "whole batch" if size is None else f"{size} row{'s' * (size != 1)}"
 
 
 def _bytes_or_dash(value: float) -> str:

@@ -57,6 +57,7 @@ def test_run_folder_and_summary(tmp_path: Path, capsys: pytest.CaptureFixture[st
     memory = json.loads((run_dir / "memory_summary.json").read_text())
     assert [d["device"] for d in memory["devices"]] == ["cpu:rank0"]
     assert memory["devices"][0]["peak_rss_bytes"] > 0
+    assert "micro_batch_size" not in memory["devices"][0]  # the strategy runs whole batches
     assert (run_dir / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     summary = out[out.index("digits: fit done in") :]
@@ -71,6 +72,25 @@ def test_run_folder_and_summary(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "  checkpoints/final.safetensors  plain weights at the end of fit" in summary
     peak = memory["devices"][0]["peak_rss_bytes"]
     assert summary.endswith(f"peak memory:\n  cpu:rank0 (CPU process): peak RSS {format_bytes(peak)}\n")
+
+
+def test_micro_batch_size_from_the_config_reaches_the_strategy_and_the_summary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "micro"
+    dp = ["trainer.strategy=mgpu_dp", "trainer.devices=2", "data.batch_size=16", "trainer.max_epochs=1"]
+    assert main(["run", "digits", *SHORT, *dp, "trainer.micro_batch_size=4", f"run_dir={run_dir}"]) == 0
+    out = capsys.readouterr().out
+
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["micro_batch_size"] == 4
+    memory = json.loads((run_dir / "memory_summary.json").read_text())
+    process, *replicas = memory["devices"]
+    assert (process["device"], process["micro_batch_size"]) == ("cpu:rank0", 4)  # the strategy's own size
+    assert [d["device"] for d in replicas] == ["cpu:replica0", "cpu:replica1"]
+    assert not any("micro_batch_size" in d for d in replicas)  # the rank's setting, once
+    peak = format_bytes(process["peak_rss_bytes"])
+    assert f"  cpu:rank0 (CPU process): peak RSS {peak}, micro-batches of 4 rows\n" in out
+    assert "with mgpu_dp on 2 cpu devices, 1 epoch, 3 optimizer steps" in out
 
 
 def test_a_run_dir_holding_files_is_refused_before_anything_starts(

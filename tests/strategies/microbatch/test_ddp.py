@@ -1,12 +1,14 @@
 """Micro-batching and ``global_mean`` under ``mgpu_ddp``: two gloo processes, real allocation failures.
 
 One launch runs every fit: ``global_mean`` losses and fixed micro-batches against one device, a
-real out-of-memory in backward on rank 1 only (the case that deadlocks plain DDP), and last a
-batch that does not fit even in micro-batches of one row on rank 1, which must end both ranks.
+real out-of-memory in backward on rank 1 only (the case that deadlocks plain DDP; the memory
+monitor's end-of-fit table then shows each rank's final size), and last a batch that does not
+fit even in micro-batches of one row on rank 1, which must end both ranks.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import lightning as L
@@ -27,12 +29,14 @@ ATOL = 1e-6
 
 SCRIPT = """
 import json, time, torch, lightning as L
-from lightning_mgpu import MGPUDDPStrategy
+from lightning_mgpu import DeviceMemoryMonitor, MGPUDDPStrategy
 from tests.strategies.microbatch._models import QUIET, Hungry, TokenModel, loader, regression_data, token_data
 
-def fit(model, data, batch_size, steps, **strategy):
+def fit(model, data, batch_size, steps, callbacks=(), **strategy):
     strategy = MGPUDDPStrategy(**strategy)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, **QUIET)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, callbacks=list(callbacks), **QUIET
+    )
     trainer.fit(model, loader(data, batch_size))
     return trainer, strategy
 
@@ -46,9 +50,10 @@ for kind in ("masked", "mean"):  # and in micro-batches of at most 3 rows
     trainer, _ = fit(model, token_data(), 8, 2, micro_batch_size=3)
     results["micro_" + kind] = model.state_dict()
 
-# rank 1 runs out of memory in backward with its whole batch of 8 rows
+# rank 1 runs out of memory in backward with its whole batch of 8 rows; the monitor's table shows the sizes
 model = Hungry(limit_rank=1, budget=24)
-trainer, strategy = fit(model, regression_data(), 8, 2, micro_batch_size="auto")
+monitor = DeviceMemoryMonitor(every_n_steps=1)
+trainer, strategy = fit(model, regression_data(), 8, 2, [monitor], micro_batch_size="auto")
 results["oom"] = model.state_dict()
 with open(f"sizes_rank{trainer.global_rank}.json", "w") as f:
     json.dump({"final": strategy.micro_batches.size, "seen": model.sizes_seen}, f)
@@ -94,9 +99,16 @@ def test_ddp_global_mean_micro_batches_and_out_of_memory(tmp_path: Path) -> None
     )
     assert result.output.count(line) == 1, result.output
     assert "[rank 0] out of memory" not in result.output
-    sizes = [__import__("json").loads((tmp_path / f"sizes_rank{r}.json").read_text()) for r in (0, 1)]
+    sizes = [json.loads((tmp_path / f"sizes_rank{r}.json").read_text()) for r in (0, 1)]
     assert sizes[0] == {"final": None, "seen": [8, 8]}  # rank 0 never split
     assert sizes[1] == {"final": 4, "seen": [8, 4, 4, 4, 4]}  # ranks settle on different sizes
+    # the memory monitor's end-of-fit table and JSON give each rank's final size, on its one device
+    table = result.output[result.output.index("Device memory over the fit (peaks):") :].splitlines()
+    assert table[2].split("|")[-2].strip() == "Micro-batch (rank)"
+    rows = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in table[4:6]}
+    assert rows == {"cpu:rank0": "whole batch", "cpu:rank1": "4 rows"}
+    memory = json.loads((tmp_path / "memory_summary.json").read_text())["devices"]
+    assert [(d["device"], d["micro_batch_size"]) for d in memory] == [("cpu:rank0", None), ("cpu:rank1", 4)]
     single = Hungry()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, **QUIET)
     trainer.fit(single, loader(regression_data(), 16))
