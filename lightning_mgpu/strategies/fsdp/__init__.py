@@ -5,6 +5,8 @@
 - ``lightning_mgpu.estimate.shard_plan``: which submodules become units (shared with the estimate);
 - ``sharding.py``: the options, the Trainer precision's dtypes, and the ``fully_shard`` calls;
 - ``lightning_mgpu.estimate.sharded``: the least memory a device needs under a plan, checked on GPUs;
+- ``sync_points.py``: checkpoints between FSDP's gathers, so micro-batching's ``"auto"`` survives an
+  out-of-memory on one rank;
 - ``state.py``: bytes of parameters, gradients and optimizer state held by this rank and by the whole model.
 """
 

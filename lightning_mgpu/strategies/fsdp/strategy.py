@@ -32,6 +32,8 @@ from lightning_mgpu.strategies.fsdp.sharding import (
     mixed_precision_policy,
 )
 from lightning_mgpu.strategies.fsdp.state import measure_model_state
+from lightning_mgpu.strategies.fsdp.sync_points import SyncPoints
+from lightning_mgpu.strategies.microbatch.mixin import MicroBatching
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -81,7 +83,7 @@ class _ShardingModelParallel(ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
 
-class MGPUFSDPStrategy(ProcessGroupServices, _ShardingModelParallel):
+class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, _ShardingModelParallel):
     """Fully sharded data parallel training (torch's FSDP2): each process keeps 1/N of the model state.
 
     Each process holds a shard of every parameter, of its gradient and of the optimizer
@@ -123,6 +125,16 @@ class MGPUFSDPStrategy(ProcessGroupServices, _ShardingModelParallel):
         timeout: Timeout of the process group's collectives.
         stall_timeout: Seconds without progress on every rank after which the run stops
             (see ``MGPUDDPStrategy``); ``None`` turns stall detection off.
+        micro_batch_size: ``None`` (off), a number of rows, or ``"auto"``: each training batch
+            runs as micro-batches with one optimizer step, ``"auto"`` running the batch again in
+            smaller ones after an out-of-memory (``lightning_mgpu.strategies.microbatch.MicroBatching``).
+            Every rank runs the same number of micro-batches, because each one gathers the
+            parameters collectively: a rank that needs more splits every rank's batch as finely.
+            Gradients are reduce-scattered after each micro-batch's backward (they stay sharded:
+            no whole copy builds up). Under ``"auto"`` the ranks meet at a checkpoint (one small
+            all-reduce) around every unit's gathers (``fsdp/sync_points.py``), so an out-of-memory
+            on one rank, in forward or backward, leaves no rank waiting; one inside FSDP's own
+            gathering buffers is not recovered.
 
     Raises:
         TypeError: If ``block_classes``, ``reshard_after_forward``, ``cpu_offload`` or
@@ -173,6 +185,7 @@ class MGPUFSDPStrategy(ProcessGroupServices, _ShardingModelParallel):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         stall_timeout: float | None = 300.0,
+        micro_batch_size: int | str | None = None,
     ) -> None:
         self.block_classes = validate_block_classes(block_classes)
         self.options = ShardingOptions(reshard_after_forward, cpu_offload, activation_checkpointing)
@@ -191,7 +204,9 @@ class MGPUFSDPStrategy(ProcessGroupServices, _ShardingModelParallel):
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            micro_batch_size=micro_batch_size,
         )
+        self._sync_points: SyncPoints | None = None
         self.plan: ShardingPlan | None = None
         """The plan applied by the last ``setup``; ``None`` before, and when ``configure_model`` shards."""
 
@@ -309,13 +324,27 @@ class MGPUFSDPStrategy(ProcessGroupServices, _ShardingModelParallel):
         """
         module = self.lightning_module
         if not isinstance(module, FSDPModule) or self.model is not module:
-            return getattr(super(), name)(*args, **kwargs)
+            # past MicroBatching: training_step comes here from inside micro_batched
+            return getattr(super(MicroBatching, self), name)(*args, **kwargs)
         with context():
             return self._forward_redirection(module, module, name, *args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self.micro_batched(self._training_step, *args, **kwargs)
+
+    def _training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         return self._step("training_step", self.precision_plugin.train_step_context, *args, **kwargs)
+
+    @property
+    def micro_lockstep(self) -> SyncPoints:
+        """What micro-batching needs of a sharded model: every rank in step, checkpoints under ``"auto"``."""
+        if self._sync_points is None or self._sync_points.root is not self.model:
+            if self._sync_points is not None:
+                self._sync_points.remove()
+            assert self.model is not None
+            self._sync_points = SyncPoints(self.model)
+        return self._sync_points
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

@@ -1,8 +1,9 @@
 """Micro-batching for every ``mgpu_*`` strategy: one implementation, mixed into each strategy class.
 
 - ``mixin.py``: ``MicroBatching``, the ``micro_batch_size=`` argument (an int or ``"auto"``);
-- ``runner.py``: one batch run as micro-batches, the agreement between ranks after each attempt,
-  recovery from out-of-memory;
+- ``runner.py``: one batch run as micro-batches, retried smaller after an out-of-memory;
+- ``agreement.py``: how the ranks learn of each other's out-of-memory errors (one all-reduce at
+  the end of each attempt, and at the checkpoints ``mgpu_fsdp`` puts inside its passes);
 - ``sizes.py``: the micro-batch size of one rank: halve on out-of-memory, grow after clean batches;
 - ``grads.py``: the gradients of a batch kept apart until every rank succeeded, then averaged once;
 - ``metrics.py``: torchmetrics updated per micro-batch, merged as ``mgpu_dp`` merges its replicas'.

@@ -22,9 +22,9 @@ import gc
 import logging
 import math
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_mgpu.losses import MicroCounts, micro_counts
 from lightning_mgpu.strategies.dp.replicas import LogCapture, replay_logs
 from lightning_mgpu.strategies.dp.scatter import batch_rows, combine_outputs, scatter_batch, split_sizes
+from lightning_mgpu.strategies.microbatch.agreement import FATAL, OK, RETRY, Agreement, PeerOutOfMemory
 from lightning_mgpu.strategies.microbatch.grads import BatchGradients
 from lightning_mgpu.strategies.microbatch.metrics import MicroBatchMetrics
 from lightning_mgpu.strategies.microbatch.sizes import MicroBatchSizes
@@ -45,8 +46,6 @@ from lightning_mgpu.strategies.microbatch.sizes import MicroBatchSizes
 __all__ = ["MicroBatchOutOfMemoryError", "MicroBatchRunner", "is_out_of_memory"]
 
 log = logging.getLogger(__name__)
-
-_OK, _RETRY, _FATAL = 0, 1, 2
 
 
 class MicroBatchOutOfMemoryError(MemoryError):
@@ -66,6 +65,24 @@ class _Done:
     captures: list[LogCapture]
     sizes: list[int]
     counts: list[Tensor]
+
+    def local_count(self) -> Tensor | None:
+        """The count ``global_mean`` saw over this rank's micro-batches, if the step used it."""
+        if not self.counts:
+            return None
+        return torch.stack([c.to(torch.float64) for c in self.counts]).sum()
+
+
+class Lockstep(Protocol):
+    """What a strategy with collective passes (``mgpu_fsdp``) gives micro-batching, as ``micro_lockstep``."""
+
+    def watching(self, agreement: Agreement) -> AbstractContextManager[None]:
+        """Checkpoints (``agreement.checkpoint``) between the collective parts of each pass, while open."""
+        ...
+
+    def reset(self) -> None:
+        """Put the model back in a state to run a pass after one was abandoned half-way."""
+        ...
 
 
 def _detached(output: Any) -> Any:
@@ -120,41 +137,68 @@ class MicroBatchRunner:
         where = f"batch {batch_index} of epoch {trainer.current_epoch}"
         model = self.strategy.model
         ddp = isinstance(model, DistributedDataParallel)
+        # mgpu_fsdp: passes gather parameters collectively, so every rank runs the same micro-batches
+        lockstep: Lockstep | None = getattr(self.strategy, "micro_lockstep", None)
+        averaged = ddp or lockstep is not None  # gradients averaged over the ranks, not summed
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        agreement = Agreement(self._rank(), world, self.strategy.root_device)
         syncing = isinstance(model, DistributedDataParallel) and model.require_backward_grad_sync
         grads = BatchGradients(module, zeroing=batch_index % accumulate == 0)
         attempts: list[str] = []
         done: _Done | None = None
         while True:
-            status = _OK
+            status = OK
             if done is None:
                 tried = self.sizes.rows(rows)
+                parts = math.ceil(rows / tried)
+                if lockstep is not None:
+                    parts = self._shared_parts(agreement, parts, rows, where)
+                watching = lockstep.watching(agreement) if lockstep is not None and self.sizes.auto else None
                 try:
-                    done = self._attempt(module, step, args, kwargs, rows, tried, accumulate, ddp)
+                    with watching or nullcontext():
+                        done = self._attempt(module, step, args, kwargs, rows, parts, accumulate, ddp)
+                except PeerOutOfMemory:
+                    log.debug("[rank %d] another rank ran out of memory: attempt abandoned", self._rank())
                 except BaseException as err:
                     if not (self.sizes.auto and is_out_of_memory(err)):
                         self._metrics.forget_attempt()
                         raise
                     attempts.append(f"{tried} rows (out of memory in {self._phase})")
-                    status = _RETRY
-                if status == _RETRY:
-                    status = self._recover(grads, tried, rows, where)
-            statuses, count = self._agree(status, done, world)
-            if _FATAL in statuses:
-                raise self._fatal(statuses, attempts, where)
-            if all(s == _OK for s in statuses):
+                    status = self._recover(tried, rows, where)
+                if done is None:
+                    self._drop(grads, lockstep)
+            verdict = agreement.agree(status, None if done is None else done.local_count())
+            if FATAL in verdict.statuses:
+                raise self._fatal(verdict.statuses, attempts, where)
+            if all(s == OK for s in verdict.statuses) and done is not None:
                 break
-            others = [rank for rank, s in enumerate(statuses) if s != _OK and rank != self._rank()]
+            others = [rank for rank, s in enumerate(verdict.statuses) if s != OK and rank != self._rank()]
             if others:
                 log.debug("rank(s) %s ran out of memory at %s: waiting for the rerun", others, where)
-        assert done is not None
-        scale = None if count is None else (world if ddp else 1) / count
+            if lockstep is not None and done is not None:
+                done = None  # another rank failed after this one's last checkpoint: all run it again
+                self._drop(grads, lockstep)
+        count = verdict.count
+        scale = None if count is None else (world if averaged else 1) / count
         grads.finish(scale, world if syncing else 1)
         self._grads = grads
         grown = self.sizes.succeeded()
         if grown is not None:
             log.info("[rank %d] micro-batches grow to %d rows after clean batches", self._rank(), grown)
         return self._combine(module, done)
+
+    def _shared_parts(self, agreement: Agreement, parts: int, rows: int, where: str) -> int:
+        """The number of micro-batches every rank runs: the most any rank needs."""
+        parts = agreement.most(parts)
+        if parts > rows:
+            name = getattr(self.strategy, "strategy_name", "this strategy")
+            raise ValueError(
+                f"micro_batch_size: at {where} this rank has {rows} rows but another rank's batch needs"
+                f" {parts} micro-batches, and under {name}"
+                " every rank must run the same number. Give every rank batches of the same size (a"
+                " DistributedSampler does, with drop_last=True for the last batch)."
+            )
+        return parts
 
     def _attempt(
         self,
@@ -163,11 +207,11 @@ class MicroBatchRunner:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         rows: int,
-        size: int,
+        parts: int,
         accumulate: int,
         ddp: bool,
     ) -> _Done:
-        sizes = split_sizes(rows, math.ceil(rows / size))
+        sizes = split_sizes(rows, parts)
         device = self.strategy.root_device
         chunks = scatter_batch(args[0], sizes, [device] * len(sizes))
         scaler = getattr(self.strategy.precision_plugin, "scaler", None)
@@ -227,15 +271,20 @@ class MicroBatchRunner:
     def _rank(self) -> int:
         return int(getattr(self.strategy, "global_rank", 0))
 
-    def _recover(self, grads: BatchGradients, tried: int, rows: int, where: str) -> int:
+    def _drop(self, grads: BatchGradients, lockstep: Lockstep | None) -> None:
+        """Free what an abandoned attempt held; under ``mgpu_fsdp`` reset its half-run pass too."""
         grads.drop_attempt()
         self._metrics.forget_attempt()
+        if lockstep is not None:
+            lockstep.reset()
         gc.collect()
         if self.strategy.root_device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _recover(self, tried: int, rows: int, where: str) -> int:
         shrink = self.sizes.out_of_memory(tried)
         if shrink is None:
-            return _FATAL
+            return FATAL
         log.warning(
             "[rank %d] out of memory in %s at %s with micro-batches of %d rows: running the batch again"
             " in micro-batches of %d rows (%d rows on this rank; the global batch is unchanged)",
@@ -246,24 +295,10 @@ class MicroBatchRunner:
             shrink.new,
             rows,
         )
-        return _RETRY
-
-    def _agree(self, status: int, done: _Done | None, world: int) -> tuple[list[int], Tensor | None]:
-        """Every rank's status, and the count global_mean saw over every micro-batch of every rank."""
-        local = None
-        if done is not None and done.counts:
-            local = torch.stack([c.to(torch.float64) for c in done.counts]).sum()
-        if world == 1:
-            return [status], local
-        vector = torch.zeros(world + 1, dtype=torch.float64, device=self.strategy.root_device)
-        vector[self._rank()] = status
-        if local is not None:
-            vector[world] = local
-        dist.all_reduce(vector)
-        return [int(s) for s in vector[:world].tolist()], (vector[world] if local is not None else None)
+        return RETRY
 
     def _fatal(self, statuses: list[int], attempts: list[str], where: str) -> MicroBatchOutOfMemoryError:
-        failed = [rank for rank, s in enumerate(statuses) if s == _FATAL]
+        failed = [rank for rank, s in enumerate(statuses) if s == FATAL]
         if self._rank() in failed:
             return MicroBatchOutOfMemoryError(
                 f"[rank {self._rank()}] out of memory at {where} even with micro-batches of 1 row."

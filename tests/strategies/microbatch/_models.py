@@ -159,3 +159,54 @@ class Hungry(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class HungryBlock(nn.Module):
+    """A unit ``mgpu_fsdp`` shards on its own, holding ``Hungry.ROW_FLOATS`` floats per row for backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(h))
+        big = h.repeat(1, Hungry.ROW_FLOATS // 16)
+        return h + (big * big).mean(1, keepdim=True)
+
+
+class HungryBlocks(Hungry):
+    """``Hungry`` whose activations live in two blocks, so an out-of-memory falls between FSDP's gathers.
+
+    ``forward_extra`` row-sizes per row are held for a moment in the root, before the blocks.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        torch.manual_seed(1)
+        self.blocks = nn.ModuleList([HungryBlock(), HungryBlock()])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.sizes_seen.append(len(x))
+        h = torch.tanh(self.lin(x))
+        if self.forward_extra:
+            with torch.no_grad():
+                held = h.repeat(1, self.ROW_FLOATS // 16 * self.forward_extra)
+            del held
+        for block in self.blocks:
+            h = block(h)
+        return F.mse_loss(self.head(h), y)
+
+
+def assert_both_ranks_stopped(result: Any) -> None:
+    """``result`` (a finished script) ended because rank 1 could not fit one row: both ranks say so."""
+    assert result.returncode != 0
+    assert (
+        "[rank 1] out of memory at batch 0 of epoch 0 even with micro-batches of 1 row. Attempts on this"
+        " rank: 8 rows (out of memory in forward); 4 rows (out of memory in forward); 2 rows (out of memory"
+        " in forward); 1 rows (out of memory in forward)." in result.output
+    ), result.output
+    assert (
+        "[rank 0] stopping: rank(s) [1] ran out of memory at batch 0 of epoch 0 even with micro-batches"
+        " of 1 row" in result.output
+    ), result.output

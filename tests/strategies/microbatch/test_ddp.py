@@ -18,6 +18,7 @@ from tests.helpers import run_script, script_env
 from tests.strategies.microbatch._models import (
     QUIET,
     Hungry,
+    assert_both_ranks_stopped,
     loader,
     max_difference,
     reference,
@@ -116,13 +117,4 @@ def test_ddp_global_mean_micro_batches_and_out_of_memory(tmp_path: Path) -> None
     assert max_difference(final["oom"], Hungry().state_dict()) > 1e-4  # training moved the weights
 
     # a batch that never fits: both ranks stop with the guidance, rank 1 listing its attempts
-    assert result.returncode != 0
-    assert (
-        "[rank 1] out of memory at batch 0 of epoch 0 even with micro-batches of 1 row. Attempts on this"
-        " rank: 8 rows (out of memory in forward); 4 rows (out of memory in forward); 2 rows (out of memory"
-        " in forward); 1 rows (out of memory in forward)." in result.output
-    ), result.output
-    assert (
-        "[rank 0] stopping: rank(s) [1] ran out of memory at batch 0 of epoch 0 even with micro-batches"
-        " of 1 row" in result.output
-    )
+    assert_both_ranks_stopped(result)

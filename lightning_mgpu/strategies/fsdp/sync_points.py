@@ -1,0 +1,157 @@
+"""Checkpoints between the collectives of FSDP2's passes, so an out-of-memory on one rank leaves none waiting.
+
+Under ``mgpu_fsdp`` every unit gathers its parameters in its forward and again in its backward,
+and reduce-scatters its gradients after its backward: collectives every rank must call in the
+same order. A rank that runs out of memory while computing a unit stops calling them, and the
+others would wait in the next one for good. With ``micro_batch_size="auto"``, ``SyncPoints``
+puts a checkpoint (``Agreement.checkpoint``, one small all-reduce) before each collective step:
+
+- before each unit's forward (before its parameters are gathered);
+- in backward, where the gradient reaches a unit's output (before FSDP gathers it again) and
+  where it leaves the unit's input (before the unit's gradients are reduce-scattered);
+- at the end of the backward, before the root unit's gradients are reduce-scattered.
+
+The rank that failed meets the others at their next checkpoint, where they abandon the pass; every
+rank then resets FSDP's per-pass state (``FSDPModule.reset_iter_state``) and the batch runs again.
+An out-of-memory inside FSDP's own gathering or reduce-scatter (allocating its buffers) happens
+after the checkpoint, while the other ranks are in the collective: that one is not recovered, and the
+watchdog stops the run (``stall_timeout``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+from torch.autograd import Variable
+from torch.distributed.fsdp import FSDPModule
+from torch.utils.hooks import RemovableHandle
+
+from lightning_mgpu.strategies.microbatch.agreement import Agreement
+
+__all__ = ["SyncPoints"]
+
+log = logging.getLogger(__name__)
+
+
+class _BackwardCheckpoint(torch.autograd.Function):
+    """Identity in forward; runs ``check`` when the gradient passes in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, check: Callable[[], None]) -> Tensor:
+        ctx.check = check
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        ctx.check()
+        return grad, None
+
+
+class SyncPoints:
+    """The checkpoints of one sharded model; inactive (no cost but a flag test) unless ``watching``.
+
+    Args:
+        root: The root FSDP module (the LightningModule ``mgpu_fsdp`` sharded).
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self._agreement: Agreement | None = None
+        self._handles: list[RemovableHandle] = []
+        units = [m for m in root.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            self._handles += [
+                # before FSDP's own pre-forward (its gather): prepend
+                unit.register_forward_pre_hook(self._before_forward, prepend=True),
+                # after FSDP's pre-forward: the inputs it wrapped for its reduce-scatter
+                unit.register_forward_pre_hook(self._wrap_inputs, with_kwargs=True),
+                # after FSDP's post-forward: the outputs it hooked for its backward gather
+                unit.register_forward_hook(self._wrap_outputs),
+            ]
+        log.debug("checkpoints around %d FSDP units", len(units))
+
+    @contextmanager
+    def watching(self, agreement: Agreement) -> Iterator[None]:
+        """Checkpoints active: each one meets the other ranks through ``agreement``."""
+        if not isinstance(self.root, FSDPModule):
+            raise ValueError(
+                f"micro_batch_size='auto' under mgpu_fsdp needs the LightningModule itself sharded, so that a"
+                f" pass abandoned after an out-of-memory can be reset, but {type(self.root).__name__}'s"
+                " configure_model shards only parts of it: end configure_model with fully_shard(self), or"
+                " use a fixed micro_batch_size"
+            )
+        self._agreement = agreement
+        try:
+            yield
+        finally:
+            self._agreement = None
+
+    def reset(self) -> None:
+        """FSDP's per-pass state reset after a pass was abandoned (``FSDPModule.reset_iter_state``)."""
+        reset = getattr(self.root, "reset_iter_state", None) if isinstance(self.root, FSDPModule) else None
+        if reset is None:
+            raise RuntimeError(
+                "micro_batch_size='auto' under mgpu_fsdp needs FSDPModule.reset_iter_state, which this"
+                f" torch ({torch.__version__}) lacks: upgrade torch, or use a fixed micro_batch_size"
+            )
+        reset()
+        # reset_iter_state leaves the gradients autograd already wrote to the gathered parameters:
+        # they would be added to the next attempt's, so they are dropped here
+        dropped = 0
+        for module in self.root.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            state = module._get_fsdp_state()
+            for group in getattr(state, "_fsdp_param_groups", []):
+                for param in group.fsdp_params:
+                    unsharded = getattr(param, "_unsharded_param", None)
+                    if unsharded is not None and unsharded.grad is not None:
+                        unsharded.grad = None
+                        dropped += 1
+                    if getattr(param, "unsharded_accumulated_grad", None) is not None:
+                        param.unsharded_accumulated_grad = None
+        log.debug("pass reset; %d gathered gradients of the abandoned attempt dropped", dropped)
+
+    def remove(self) -> None:
+        """Take the hooks off the model."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # ------------------------------------------------------------------ hooks
+    def _check(self) -> None:
+        if self._agreement is not None:
+            self._agreement.checkpoint()
+
+    def _check_then_final(self) -> None:
+        """The backward checkpoint of the root's output: also one at the end of the backward."""
+        self._check()
+        if self._agreement is not None:
+            Variable._execution_engine.queue_callback(self._check)
+
+    def _wrap(self, value: Any, check: Callable[[], None]) -> Any:
+        def wrap(tensor: Tensor) -> Tensor:
+            if not tensor.requires_grad or not torch.is_grad_enabled():
+                return tensor
+            return _BackwardCheckpoint.apply(tensor, check)
+
+        return apply_to_collection(value, Tensor, wrap)
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        self._check()
+
+    def _wrap_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if self._agreement is None:
+            return None
+        return self._wrap(args, self._check), self._wrap(kwargs, self._check)
+
+    def _wrap_outputs(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self._agreement is None:
+            return None
+        return self._wrap(output, self._check_then_final if module is self.root else self._check)

@@ -1,0 +1,99 @@
+"""Micro-batching under ``mgpu_fsdp``: two gloo processes, real allocation failures between FSDP's gathers.
+
+One launch runs every fit: fixed micro-batches with a ``global_mean`` loss against one device,
+a real out-of-memory on rank 1 only in forward and then in backward (inside a sharded block,
+where the other rank would otherwise wait in the next gather for good), and last a batch that
+does not fit even in micro-batches of one row on rank 1, which must end both ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from tests.helpers import run_script, script_env
+from tests.strategies.microbatch._models import (
+    QUIET,
+    HungryBlocks,
+    assert_both_ranks_stopped,
+    loader,
+    max_difference,
+    reference,
+    regression_data,
+    token_data,
+)
+
+ATOL = 1e-6
+
+SCRIPT = """
+import json, torch, lightning as L
+from lightning_mgpu import MGPUFSDPStrategy
+from tests.strategies.microbatch._models import QUIET, HungryBlocks, TokenModel, loader
+from tests.strategies.microbatch._models import regression_data, token_data
+
+def fit(model, data, batch_size, steps, **strategy):
+    strategy = MGPUFSDPStrategy(**strategy)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, **QUIET)
+    trainer.fit(model, loader(data, batch_size))
+    return trainer, strategy
+
+def full(model):
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+results = {}
+model = TokenModel("masked")  # global_mean over tokens, micro-batches of at most 3 of 8 rows
+trainer, _ = fit(model, token_data(), 8, 2, micro_batch_size=3)
+results["micro_masked"] = full(model)
+
+sizes = {}
+for phase, budget in (("forward", 24), ("backward", 32)):  # rank 1 fails with its whole batch of 8 rows
+    model = HungryBlocks(limit_rank=1, budget=budget)
+    trainer, strategy = fit(model, regression_data(), 8, 2, micro_batch_size="auto")
+    results[phase] = full(model)
+    sizes[phase] = {"final": strategy.micro_batches.size, "seen": model.sizes_seen}
+with open(f"sizes_rank{trainer.global_rank}.json", "w") as f:
+    json.dump(sizes, f)
+if trainer.is_global_zero:
+    torch.save(results, "fsdp.pt")
+
+# rank 1 cannot hold the activations of one row: both ranks must stop
+fit(HungryBlocks(limit_rank=1, budget=32, forward_extra=40), regression_data(), 8, 2, micro_batch_size="auto")
+"""
+
+
+def test_fsdp_micro_batches_and_out_of_memory_between_gathers(tmp_path: Path) -> None:
+    env = script_env(MALLOC_MMAP_THRESHOLD_="65536")  # large tensors in mmap: freed memory is returned
+    result = run_script(SCRIPT, tmp_path, timeout=300, env=env)
+    final = torch.load(tmp_path / "fsdp.pt")
+
+    expected = reference(token_data(), "masked", 16, 2).state_dict()
+    assert max_difference(final["micro_masked"], expected) < ATOL
+
+    single = HungryBlocks()
+    L.Trainer(accelerator="cpu", devices=1, max_steps=2, **QUIET).fit(single, loader(regression_data(), 16))
+    sizes = [json.loads((tmp_path / f"sizes_rank{r}.json").read_text()) for r in (0, 1)]
+    # one line per out-of-memory, from rank 1 only: the two recovered fits, then the one that never fits
+    lines = re.findall(
+        r"\[rank \d\] out of memory in \w+ at batch 0 .*? of (\d+) rows: .*? of (\d+) rows \(", result.output
+    )
+    assert re.findall(r"\[rank (\d)\] out of memory in (\w+) at batch 0", result.output) == [
+        ("1", "forward"),
+        ("1", "backward"),
+        ("1", "forward"),
+        ("1", "forward"),
+        ("1", "forward"),
+    ], result.output
+    assert lines == [("8", "4"), ("8", "4"), ("8", "4"), ("4", "2"), ("2", "1")]
+    assert "(8 rows on this rank; the global batch is unchanged)" in result.output
+    for phase in ("forward", "backward"):
+        assert max_difference(final[phase], single.state_dict()) < ATOL, phase
+        # every rank runs the batch again in as many micro-batches as the rank that failed (FSDP gathers)
+        assert sizes[0][phase] == {"final": None, "seen": [8, 4, 4, 4, 4]}
+        assert sizes[1][phase] == {"final": 4, "seen": [8, 4, 4, 4, 4]}
+    assert max_difference(final["forward"], HungryBlocks().state_dict()) > 1e-4  # training moved the weights
+
+    assert_both_ranks_stopped(result)
