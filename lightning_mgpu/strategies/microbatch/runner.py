@@ -39,6 +39,7 @@ from lightning_mgpu.losses import MicroCounts, micro_counts
 from lightning_mgpu.strategies.dp.replicas import LogCapture, replay_logs
 from lightning_mgpu.strategies.dp.scatter import batch_rows, combine_outputs, scatter_batch, split_sizes
 from lightning_mgpu.strategies.microbatch.agreement import FATAL, OK, RETRY, Agreement, PeerOutOfMemory
+from lightning_mgpu.strategies.microbatch.first_size import estimated_start
 from lightning_mgpu.strategies.microbatch.grads import BatchGradients
 from lightning_mgpu.strategies.microbatch.metrics import MicroBatchMetrics
 from lightning_mgpu.strategies.microbatch.sizes import MicroBatchSizes
@@ -112,6 +113,7 @@ class MicroBatchRunner:
         self._metrics = MicroBatchMetrics()
         self._grads: BatchGradients | None = None
         self._phase = "forward"
+        self._estimated = False
 
     # ------------------------------------------------------------------ the batch
     def run(self, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -131,6 +133,9 @@ class MicroBatchRunner:
                 " training_step calls backward itself. Split the batch inside training_step instead, or"
                 " remove micro_batch_size."
             )
+        if self.sizes.auto and not self._estimated:
+            self._estimated = True
+            self._start_from_estimate(module, args[0], rows)
         trainer = module.trainer
         accumulate = trainer.accumulate_grad_batches
         batch_index = trainer.fit_loop.epoch_loop.batch_idx
@@ -186,6 +191,19 @@ class MicroBatchRunner:
         if grown is not None:
             log.info("[rank %d] micro-batches grow to %d rows after clean batches", self._rank(), grown)
         return self._combine(module, done)
+
+    def _start_from_estimate(self, module: LightningModule, batch: Any, rows: int) -> None:
+        """Where the device's memory is known, start ``"auto"`` at the size the estimate says fits."""
+        self._metrics.begin(module)
+        try:
+            with self._captured(
+                module, LogCapture(), 0
+            ):  # the estimate's steps log nothing, update no metric
+                start = estimated_start(self.strategy, module, batch, rows)
+        finally:
+            self._metrics.forget_attempt()
+        if start is not None:
+            self.sizes.start(start)
 
     def _shared_parts(self, agreement: Agreement, parts: int, rows: int, where: str) -> int:
         """The number of micro-batches every rank runs: the most any rank needs."""

@@ -46,6 +46,12 @@ class MicroBatchSizes:
         self._clean = 0
         self._largest_batch = 0
 
+    def start(self, size: int) -> None:
+        """Start ``"auto"`` at ``size`` rows instead of the whole batch (before any batch ran)."""
+        if self.auto and self.size is None and self.failed is None:
+            self.size = size
+            log.debug("first micro-batch size: %d rows", size)
+
     def rows(self, batch_rows: int) -> int:
         """Rows per micro-batch for a batch of ``batch_rows`` rows."""
         self._largest_batch = max(self._largest_batch, batch_rows)

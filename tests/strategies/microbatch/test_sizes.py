@@ -61,3 +61,34 @@ def test_an_out_of_memory_resets_the_clean_count() -> None:
 def test_a_bad_setting_is_named(bad: object) -> None:
     with pytest.raises(ValueError, match=rf"micro_batch_size must be a positive number .* got {bad!r}"):
         check_micro_batch_size(bad)
+
+
+def test_auto_can_start_below_the_whole_batch_and_still_grows_back() -> None:
+    sizes = MicroBatchSizes(None, auto=True, grow_after=1)
+    sizes.start(3)
+    assert sizes.rows(16) == 3
+    assert sizes.succeeded() == 6
+    fixed = MicroBatchSizes(4, auto=False)
+    fixed.start(2)  # a size the user fixed is kept
+    assert fixed.rows(16) == 4
+
+
+def test_the_first_size_is_what_the_estimate_says_fits() -> None:
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from lightning_mgpu import estimate_memory
+    from lightning_mgpu.strategies.microbatch.first_size import estimated_start
+    from tests.strategies.microbatch._models import Hungry, regression_data
+
+    model = Hungry()
+    batch = list(regression_data().tensors)
+    x = [t[:16] for t in batch]
+    strategy = SingleDeviceStrategy(device="cpu")
+    memory = 40 * Hungry.ROW_FLOATS * 4  # room for a few rows' activations, not 16
+    start = estimated_start(strategy, model, x, 16, device_memory=memory)
+    expected = estimate_memory(model, x, device_memory=memory).largest_per_device_batch()
+    assert start == expected
+    assert start is not None
+    assert 1 <= start < 16
+    assert estimated_start(strategy, model, x, 16, device_memory=100 * memory) is None  # all 16 fit
+    assert estimated_start(strategy, model, x, 16) is None  # a CPU's memory is not known: the whole batch

@@ -1,0 +1,95 @@
+"""The first micro-batch size of ``"auto"`` where the device's memory is known: what the estimate says fits.
+
+Without it ``"auto"`` starts with the whole batch and learns from the first out-of-memory; on a
+CUDA device, whose memory is known, ``lightning_mgpu.estimate_memory`` (on meta tensors: nothing
+is computed or allocated) predicts the largest batch that fits, so a batch far too large for the
+card starts in micro-batches that fit instead of failing first. The estimate only sets the start:
+out-of-memory errors still halve it, and clean batches still grow it back up to the whole batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import Strategy
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from lightning_mgpu.estimate import MemoryEstimate, estimate_memory
+
+__all__ = ["estimated_start", "start_from_estimate"]
+
+log = logging.getLogger(__name__)
+
+
+def start_from_estimate(estimate: MemoryEstimate, rows: int, kind: str, replicas: int = 1) -> int | None:
+    """Rows per micro-batch the estimate expects to fit a device; ``None`` when the whole batch does.
+
+    Args:
+        estimate: ``estimate_memory``'s result, made with the device's memory.
+        rows: the batch's rows on this rank.
+        kind: ``"single"``, ``"mgpu_ddp"`` or ``"mgpu_dp"`` (whose micro-batches are split over
+            ``replicas`` devices, the first one holding the most).
+        replicas: devices one micro-batch is split over (``mgpu_dp``).
+    """
+    per_device = estimate.largest_per_device_batch(kind)
+    fits = per_device * replicas if kind == "mgpu_dp" else per_device
+    if fits >= rows:
+        return None
+    return max(1, fits)
+
+
+def _kind(strategy: Strategy) -> tuple[str, int]:
+    name = getattr(strategy, "strategy_name", "")
+    if name == "mgpu_dp":
+        return "mgpu_dp", len(getattr(strategy, "parallel_devices", None) or [None])
+    if name == "mgpu_ddp":
+        return "mgpu_ddp", 1
+    return "single", 1
+
+
+def estimated_start(
+    strategy: Strategy, module: nn.Module, batch: Any, rows: int, device_memory: int | None = None
+) -> int | None:
+    """The first micro-batch size for ``batch`` under ``strategy``, or ``None`` for the whole batch.
+
+    ``device_memory`` defaults to the total memory of the strategy's CUDA device; on other devices
+    (memory unknown), for a sharded model (``mgpu_fsdp``: its gathered units are not measured this
+    way), or when the step cannot run on meta tensors, the answer is ``None``.
+    """
+    if isinstance(module, FSDPModule):
+        return None
+    device = strategy.root_device
+    if device_memory is None:
+        if device.type != "cuda":
+            return None
+        device_memory = torch.cuda.mem_get_info(device)[1]
+    kind, replicas = _kind(strategy)
+    precision = getattr(strategy.precision_plugin, "precision", None)
+    try:
+        estimate = estimate_memory(
+            module,
+            batch,
+            devices=replicas,
+            device_memory=device_memory,
+            precision=precision,
+            measure_on="meta",
+        )
+    except Exception as err:  # the estimate is a hint: without it the whole batch is tried first
+        log.debug(
+            "no estimate for the first micro-batch size (%s: %s): the whole batch first",
+            type(err).__name__,
+            err,
+        )
+        return None
+    start = start_from_estimate(estimate, rows, kind, replicas)
+    log.info(
+        "micro_batch_size='auto': the estimate (%s) says %s of %d rows fit %s",
+        kind,
+        "all" if start is None else start,
+        rows,
+        device,
+    )
+    return start
