@@ -52,7 +52,7 @@ def test_progress_in_a_log_is_one_line_per_epoch_without_lightnings_own_warnings
     assert leaf == ["`isinstance(treespec, LeafSpec)` is deprecated"]  # only the one raised here, by a test
 
 
-@pytest.mark.parametrize("strategy", ["mgpu_ddp", "mgpu_dp", "mgpu_auto"])
+@pytest.mark.parametrize("strategy", ["mgpu_ddp", "mgpu_dp", "mgpu_fsdp", "mgpu_auto"])
 def test_micro_batch_size_reaches_the_strategy(strategy: str, tmp_path: Path) -> None:
     two_cpus = ["trainer.accelerator=cpu", "trainer.devices=2", f"trainer.strategy={strategy}"]
     for setting, rows in (("auto", None), ("3", 3)):
