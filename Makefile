@@ -1,5 +1,6 @@
 # make demo  -- build .venv, install the project, train the digits recipe on all local devices
 # make test  -- build .venv with the test extras, lint, run the whole suite
+# make test-slurm -- the SLURM tests: a one-node cluster started for them (root; apt installs slurm-wlm)
 #
 # Torch: a CPU machine gets torch $(TORCH_VERSION) (the CPU build). A machine
 # with an NVIDIA driver keeps whatever CUDA torch the venv can already import:
@@ -17,7 +18,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: venv test-venv demo test lint format clean
+.PHONY: venv test-venv demo test test-slurm lint format clean
 
 venv: $(VENV)/.stamp-base
 
@@ -55,6 +56,10 @@ format: test-venv
 
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# not part of `make test`: pyproject's addopts leave the slurm marker out, `-m slurm` brings it back
+test-slurm: test-venv
+	$(BIN)/python -m pytest -m slurm tests/slurm $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
