@@ -4,13 +4,16 @@ Usage::
 
     python benchmarks/microbatch.py                  # 2 CPU processes, a few minutes
     python benchmarks/microbatch.py --rounds 8 --steps 30
+    python benchmarks/microbatch.py --strategy mgpu_fsdp   # the same under mgpu_fsdp
 
 The MLP, data and batch of ``ddp_overhead.py`` run in the same two CPU processes (gloo), four ways:
 
-- ``off``: ``MGPUDDPStrategy()``, no micro-batching;
+- ``off``: ``MGPUDDPStrategy()`` (or ``MGPUFSDPStrategy()`` with ``--strategy mgpu_fsdp``), no
+  micro-batching;
 - ``whole``: ``micro_batch_size=BATCH``: a batch that fits the size runs unsplit;
 - ``auto``: ``micro_batch_size="auto"`` with nothing running out of memory: the whole batch
-  in one micro-batch, the agreement all-reduce, DDP's sync done once after backward;
+  in one micro-batch, the agreement all-reduce, DDP's sync done once after backward (under
+  ``mgpu_fsdp``: its reduce-scatters as usual, and a checkpoint all-reduce around each unit);
 - ``off_again``: ``off`` once more, to show the noise.
 
 The ways take turns in blocks, in a rotating order, and rank 0 prints the median step times and
@@ -39,7 +42,7 @@ from ddp_overhead import BATCH, SKIP, WORLD, Stamps, build_data, build_model, st
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_mgpu import MGPUDDPStrategy
+from lightning_mgpu import MGPUDDPStrategy, MGPUFSDPStrategy
 
 WAYS = ("off", "whole", "auto", "off_again")
 RECOVER_AT = 10
@@ -77,13 +80,16 @@ class Regression(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def fit(way: str, steps: int, pad: bool = False) -> tuple[list[tuple[float, float]], int]:
+STRATEGIES = {"mgpu_ddp": MGPUDDPStrategy, "mgpu_fsdp": MGPUFSDPStrategy}
+
+
+def fit(way: str, steps: int, strategy: str, pad: bool = False) -> tuple[list[tuple[float, float]], int]:
     micro: int | str | None = {"whole": BATCH, "auto": "auto"}.get(way.removesuffix("_again"))
     stamps = Stamps()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=WORLD,
-        strategy=MGPUDDPStrategy(micro_batch_size=micro),
+        strategy=STRATEGIES[strategy](micro_batch_size=micro),
         max_steps=steps,
         callbacks=[stamps],
         logger=False,
@@ -99,18 +105,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20, help="steps per block (default: 20)")
     parser.add_argument("--rounds", type=int, default=8, help="blocks of each way (default: 8)")
+    parser.add_argument("--strategy", choices=sorted(STRATEGIES), default="mgpu_ddp")
     args = parser.parse_args()
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    _, rank = fit("off", SKIP + 2)  # starts the second process and the process group; not timed
+    _, rank = fit("off", SKIP + 2, args.strategy)  # starts the second process and the group; not timed
     rounds: list[dict[str, list[float]]] = []
     for index in range(args.rounds):
         order = WAYS[index % len(WAYS) :] + WAYS[: index % len(WAYS)]
-        rounds.append({way: step_times(fit(way, args.steps)[0], 0) for way in order})
+        rounds.append({way: step_times(fit(way, args.steps, args.strategy)[0], 0) for way in order})
         dist.barrier()
-    recovery, _ = fit("auto", RECOVERY_STEPS, pad=True)
+    recovery, _ = fit("auto", RECOVERY_STEPS, args.strategy, pad=True)
     if rank == 0:
+        print(f"strategy: {args.strategy}")
         report(rounds, args.steps, recovery)
 
 
