@@ -34,6 +34,7 @@ def install_packages() -> None:
     """Install Debian's slurm-wlm and munge when one of their daemons is missing."""
     if all(shutil.which(d) for d in DAEMONS):
         return
+    missing = ", ".join(d for d in DAEMONS if not shutil.which(d))
     if os.geteuid() != 0:
         raise SlurmUnavailable(f"{', '.join(PACKAGES)} are not installed and installing them needs root")
     if shutil.which("apt-get") is None:
@@ -43,7 +44,9 @@ def install_packages() -> None:
     for attempt in (install, ["apt-get", "update", "-q"], install):
         done = subprocess.run(attempt, env=env, capture_output=True, text=True, timeout=400)
         if done.returncode == 0 and attempt is install:
-            return
+            if all(shutil.which(d) for d in DAEMONS):
+                return
+            raise SlurmUnavailable(f"{missing} not found on PATH after apt-get install {' '.join(PACKAGES)}")
     output = done.stdout[-2000:] + done.stderr
     raise SlurmUnavailable(f"apt-get install {' '.join(PACKAGES)} failed:\n{output}")
 
@@ -69,7 +72,11 @@ class SlurmCluster:
         return env
 
     def start(self, timeout: float = 60) -> None:
-        """Write the key and config, start the three daemons, wait until the node is idle."""
+        """Write the key and config, start the three daemons, wait until the node is idle.
+
+        Raises:
+            SlurmUnavailable: a daemon could not start or exited, or the node did not become idle.
+        """
         self._write_config()
         munge = ["munged", "-F", "-f", f"--key-file={self.root / 'munge.key'}", f"--socket={self._socket}"]
         munge += [f"--pid-file={self.root / 'munged.pid'}", f"--log-file={self.root / 'munged.log'}"]
@@ -143,10 +150,14 @@ class SlurmCluster:
 
     def _daemon(self, name: str, cmd: list[str]) -> None:
         log = open(self.root / f"{name}.out", "wb")  # noqa: SIM115  the daemon holds it
-        self.daemons[name] = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True
-        )
-        log.close()
+        try:
+            self.daemons[name] = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True
+            )
+        except OSError as error:
+            raise SlurmUnavailable(f"{name} could not start: {error}") from error
+        finally:
+            log.close()
 
     def _wait(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout

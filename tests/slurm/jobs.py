@@ -12,7 +12,6 @@ single-process reference. It takes the strategy, the world it runs in and what h
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -56,7 +55,8 @@ x, y = torch.randn(64, 4), torch.randn(64, 1)  # the data reference_weights trai
 model = Regression()
 initial = {k: v.clone() for k, v in model.state_dict().items()}
 quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-nodes, tasks = int(os.environ["SLURM_NNODES"]), int(os.environ["SLURM_NTASKS_PER_NODE"])
+nodes = int(os.environ["SLURM_NNODES"])
+tasks = int(os.environ.get("SLURM_NTASKS_PER_NODE", os.environ["SLURM_NTASKS"]))
 trainer = L.Trainer(accelerator="cpu", devices=tasks, num_nodes=nodes, strategy=strategy, max_epochs=2,
                     **quiet)
 trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False))
@@ -81,10 +81,16 @@ def write_script(folder: Path) -> Path:
     return path
 
 
-def srun_train(cluster: SlurmCluster, folder: Path, strategy: str, timeout: float = 240) -> Result:
-    """``srun`` two tasks of ``TRAIN_SCRIPT`` on the one node and wait for them."""
+def srun_train(
+    cluster: SlurmCluster,
+    folder: Path,
+    strategy: str,
+    layout: tuple[str, ...] = ("--nodes=1", "--ntasks-per-node=2"),
+    timeout: float = 240,
+) -> Result:
+    """``srun`` ``TRAIN_SCRIPT`` as ``layout`` asks (two tasks on the one node) and wait for it."""
     script = write_script(folder)
-    cmd = ["srun", "--nodes=1", "--ntasks-per-node=2", f"--job-name=fit-{strategy}"]
+    cmd = ["srun", *layout, f"--job-name=fit-{strategy}"]
     cmd += [sys.executable, str(script), strategy, "fit"]
     return run_command(cmd, cwd=folder, timeout=timeout, env=cluster.env())
 
@@ -101,17 +107,14 @@ def batch_script(folder: Path, *srun_args: str, directives: tuple[str, ...] = ()
 
 
 def processes_of(folder: Path) -> list[str]:
-    """Command lines of live processes whose working folder is ``folder``: what a job left behind."""
-    done = subprocess.run(["ps", "-eo", "pid=,stat=,args="], capture_output=True, text=True)
+    """Command lines of live processes (zombies aside) working in ``folder``: what a job left behind."""
     left = []
-    for line in done.stdout.splitlines():
-        pid, stat, args = line.split(None, 2)
-        if stat.startswith("Z"):
-            continue
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            cwd = Path(f"/proc/{pid}/cwd").resolve(strict=True)
-        except OSError:
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state != "Z" and (proc / "cwd").resolve(strict=True) == folder.resolve():
+                args = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                left.append(f"{proc.name} {args}")
+        except (OSError, IndexError):
             continue
-        if cwd == folder.resolve():
-            left.append(f"{pid} {args}")
     return left

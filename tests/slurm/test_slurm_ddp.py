@@ -39,6 +39,13 @@ def test_auto_picks_ddp_which_takes_its_ranks_from_slurm(slurm: SlurmCluster, tm
     assert_same_weights(tmp_path / "result.pt")
 
 
+def test_a_bare_ntasks_is_refused_with_the_fix(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """``--ntasks=2`` sets no ``SLURM_NTASKS_PER_NODE``: Lightning stops and names the option to use."""
+    result = srun_train(slurm, tmp_path, "mgpu_ddp", layout=("--ntasks=2",))
+    assert result.returncode != 0
+    assert "HINT: Use `--ntasks-per-node=2` instead." in result.output, result.output[-3000:]
+
+
 def test_fsdp_under_srun_matches_one_process(slurm: SlurmCluster, tmp_path: Path) -> None:
     result = srun_train(slurm, tmp_path, "mgpu_fsdp")
     assert result.returncode == 0, result.output[-3000:]
