@@ -1,6 +1,8 @@
 """A job cut by its time limit: SLURM's signal, Lightning's checkpoint and requeue, nothing lost.
 
-The job asks SLURM for ``SIGUSR1`` 45 s before its one-minute limit (``--signal=USR1@45``).
+The job asks SLURM for ``SIGUSR1`` 30 s before its one-minute limit (``--signal=USR1@30``). SLURM
+sends it from a periodic pass, so seconds off that mark (29 s after submission here, while the
+run reached its long step after 8 s); a later mark would risk a signal before Lightning's handler.
 Lightning's ``SLURMEnvironment`` (``auto_requeue=True``, what ``mgpu_ddp`` gets under SLURM)
 saves ``hpc_ckpt_1.ckpt`` on that signal and calls ``scontrol requeue``; the requeued job runs
 the same command, which resumes from that checkpoint by itself.
@@ -25,7 +27,7 @@ pytestmark = pytest.mark.slurm
 def test_a_job_cut_by_its_time_limit_is_requeued_and_resumes_with_nothing_lost(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
-    limits = ("--time=1", "--signal=USR1@45", "--requeue", "--open-mode=append")
+    limits = ("--time=1", "--signal=USR1@30", "--requeue", "--open-mode=append")
     script = batch_script(tmp_path, "mgpu_ddp", "requeue", directives=limits)
     job = slurm.sbatch(script, "--job-name=requeued")
     state = slurm.wait_job(job, timeout=240)
