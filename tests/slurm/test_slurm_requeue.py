@@ -2,7 +2,8 @@
 
 The job asks SLURM for ``SIGUSR1`` 30 s before its one-minute limit (``--signal=USR1@30``). SLURM
 sends it from a periodic pass, so seconds off that mark (29 s after submission here, while the
-run reached its long step after 8 s); a later mark would risk a signal before Lightning's handler.
+run reached its long step after 8 s); asking earlier (a larger N) would risk a signal that comes
+before Lightning has set its handler.
 Lightning's ``SLURMEnvironment`` (``auto_requeue=True``, what ``mgpu_ddp`` gets under SLURM)
 saves ``hpc_ckpt_1.ckpt`` on that signal and calls ``scontrol requeue``; the requeued job runs
 the same command, which resumes from that checkpoint by itself.
