@@ -1,6 +1,6 @@
 """Micro-batching under ``mgpu_fsdp``: two gloo processes, real allocation failures between FSDP's gathers.
 
-One launch runs every fit: fixed micro-batches with a ``global_mean`` loss against one device,
+One launch runs every fit: ``global_mean`` losses, whole and in fixed micro-batches, against one device,
 a real out-of-memory on rank 1 only in forward and then in backward (inside a sharded block,
 where the other rank would otherwise wait in the next gather for good), and last a batch that
 does not fit even in micro-batches of one row on rank 1, which must end both ranks.
@@ -45,9 +45,10 @@ def full(model):
     return {k: v.full_tensor() for k, v in model.state_dict().items()}
 
 results = {}
-model = TokenModel("masked")  # global_mean over tokens, micro-batches of at most 3 of 8 rows
-trainer, _ = fit(model, token_data(), 8, 2, micro_batch_size=3)
-results["micro_masked"] = full(model)
+for kind, micro in (("masked", None), ("masked", 3), ("sum", 3)):  # global_mean; 8 rows per rank
+    model = TokenModel(kind)
+    trainer, _ = fit(model, token_data(), 8, 2, micro_batch_size=micro)
+    results[f"{kind}_{micro}"] = full(model)
 
 sizes = {}
 for phase, budget in (("forward", 24), ("backward", 32)):  # rank 1 fails with its whole batch of 8 rows
@@ -70,8 +71,10 @@ def test_fsdp_micro_batches_and_out_of_memory_between_gathers(tmp_path: Path) ->
     result = run_script(SCRIPT, tmp_path, timeout=300, env=env)
     final = torch.load(tmp_path / "fsdp.pt")
 
-    expected = reference(token_data(), "masked", 16, 2).state_dict()
-    assert max_difference(final["micro_masked"], expected) < ATOL
+    # two ranks of 8 rows, whole or in micro-batches of at most 3 = one device with batches of 16
+    for kind, micro in (("masked", None), ("masked", 3), ("sum", 3)):
+        expected = reference(token_data(), kind, 16, 2).state_dict()
+        assert max_difference(final[f"{kind}_{micro}"], expected) < ATOL, (kind, micro)
 
     single = HungryBlocks()
     L.Trainer(accelerator="cpu", devices=1, max_steps=2, **QUIET).fit(single, loader(regression_data(), 16))
