@@ -19,6 +19,7 @@ from tests.helpers import run_script, script_env
 from tests.strategies.microbatch._models import (
     QUIET,
     HungryBlocks,
+    TokenModel,
     assert_both_ranks_stopped,
     loader,
     max_difference,
@@ -35,9 +36,12 @@ from lightning_mgpu import MGPUFSDPStrategy
 from tests.strategies.microbatch._models import QUIET, HungryBlocks, TokenModel, loader
 from tests.strategies.microbatch._models import regression_data, token_data
 
-def fit(model, data, batch_size, steps, **strategy):
+def fit(model, data, batch_size, steps, accumulate=1, **strategy):
     strategy = MGPUFSDPStrategy(**strategy)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, **QUIET)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate,
+        **QUIET,
+    )
     trainer.fit(model, loader(data, batch_size))
     return trainer, strategy
 
@@ -49,6 +53,10 @@ for kind, micro in (("masked", None), ("masked", 3), ("sum", 3)):  # global_mean
     model = TokenModel(kind)
     trainer, _ = fit(model, token_data(), 8, 2, micro_batch_size=micro)
     results[f"{kind}_{micro}"] = full(model)
+for micro in (None, 3):  # two batches of 4 rows per rank accumulated into each step
+    model = TokenModel("mean")
+    trainer, _ = fit(model, token_data(), 4, 2, accumulate=2, micro_batch_size=micro)
+    results[f"accumulated_{micro}"] = full(model)
 
 sizes = {}
 for phase, budget in (("forward", 24), ("backward", 32)):  # rank 1 fails with its whole batch of 8 rows
@@ -76,6 +84,9 @@ def test_fsdp_micro_batches_and_out_of_memory_between_gathers(tmp_path: Path) ->
         expected = reference(token_data(), kind, 16, 2).state_dict()
         assert max_difference(final[f"{kind}_{micro}"], expected) < ATOL, (kind, micro)
 
+    # with accumulate_grad_batches the sharded gradients of earlier batches are kept aside, then added
+    assert max_difference(final["accumulated_3"], final["accumulated_None"]) < ATOL
+    assert max_difference(final["accumulated_3"], TokenModel("mean").state_dict()) > 1e-4
     single = HungryBlocks()
     L.Trainer(accelerator="cpu", devices=1, max_steps=2, **QUIET).fit(single, loader(regression_data(), 16))
     sizes = [json.loads((tmp_path / f"sizes_rank{r}.json").read_text()) for r in (0, 1)]
