@@ -10,14 +10,15 @@ out-of-memory errors still halve it, and clean batches still grow it back up to 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.strategies import Strategy
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_mgpu.estimate import MemoryEstimate, estimate_memory
+if TYPE_CHECKING:
+    from lightning_mgpu.estimate.memory_estimate import MemoryEstimate
 
 __all__ = ["estimated_start", "start_from_estimate"]
 
@@ -66,6 +67,8 @@ def estimated_start(
         if device.type != "cuda":
             return None
         device_memory = torch.cuda.mem_get_info(device)[1]
+    from lightning_mgpu.estimate.predict import estimate_memory  # the estimate imports strategies' helpers
+
     kind, replicas = _kind(strategy)
     precision = getattr(strategy.precision_plugin, "precision", None)
     try:
