@@ -6,8 +6,9 @@ single-process reference. It takes the strategy, the world it runs in and what h
 
 - ``fit``: train, then each rank writes what SLURM told it and what Lightning made of it;
 - ``kill``: rank 1 writes its pid and waits at batch 5 for the test to kill it;
-- ``requeue``: the first attempt waits at the first batch of epoch 1 until SLURM's time limit
-  ends it; the requeued attempt resumes from the checkpoint saved on SLURM's signal.
+- ``requeue``: in the first attempt the last step of epoch 0 lasts until SLURM's warning signal
+  arrives; the ranks then save at the next batch start (the first of epoch 1) and the job is
+  requeued; the requeued attempt resumes from that checkpoint.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tests.helpers import Result, run_command
 from tests.slurm.cluster import SlurmCluster
 
 TRAIN_SCRIPT = """
-import json, os, sys, time, torch, lightning as L
+import json, os, signal, sys, time, torch, lightning as L
 import lightning_mgpu
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -39,10 +40,19 @@ class Regression(L.LightningModule):
                 f.write(str(os.getpid()))
             while True:
                 time.sleep(0.1)
-        if mode == "requeue" and attempt == 0 and self.current_epoch == 1 and batch_idx == 0:
+        if mode == "requeue" and attempt == 0 and self.current_epoch == 0 and batch_idx == 7:
             open(f"waiting_rank{self.global_rank}", "w").close()
-            while True:  # a step that runs into the job's time limit
+            signalled = []
+            previous = signal.getsignal(signal.SIGUSR1)  # the strategy's, which defers Lightning's handling
+
+            def note(signum, frame):
+                signalled.append(signum)
+                previous(signum, frame)
+
+            signal.signal(signal.SIGUSR1, note)
+            while not signalled:  # the last step of epoch 0 lasts until SLURM's warning of the time limit
                 time.sleep(0.1)
+            signal.signal(signal.SIGUSR1, previous)
         self.steps_run = getattr(self, "steps_run", 0) + 1
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)

@@ -5,8 +5,9 @@ sends it from a periodic pass, so seconds off that mark (29 s after submission h
 run reached its long step after 8 s); asking earlier (a larger N) would risk a signal that comes
 before Lightning has set its handler.
 Lightning's ``SLURMEnvironment`` (``auto_requeue=True``, what ``mgpu_ddp`` gets under SLURM)
-saves ``hpc_ckpt_1.ckpt`` on that signal and calls ``scontrol requeue``; the requeued job runs
-the same command, which resumes from that checkpoint by itself.
+saves ``hpc_ckpt_1.ckpt`` on that signal and calls ``scontrol requeue``, at the next batch start
+on every rank (``strategies/ddp/requeue.py``); the requeued job runs the same command, which
+resumes from that checkpoint by itself.
 """
 
 from __future__ import annotations
@@ -36,10 +37,14 @@ def test_a_job_cut_by_its_time_limit_is_requeued_and_resumes_with_nothing_lost(
     assert state == "COMPLETED", output
     assert slurm.job(job)["Restarts"] == "1", output
 
-    # the first attempt reached the step that outlasts the limit, saved on the signal and asked for requeue
+    # the first attempt reached the step that lasts until the signal, saved after it and asked for requeue
     assert (tmp_path / "waiting_rank0").exists()
     assert (tmp_path / "waiting_rank1").exists()
+    deferred = output.index(
+        "SLURM's requeue signal came: every rank saves at the start of batch 0 of epoch 1 (global step 8)"
+    )
     signalled = output.index("Handling auto-requeue signal: 10")
+    assert signalled > deferred
     assert "Requeued SLURM job" in output[signalled:], output
     assert re.search(r"JOB \d+ ON \S+ CANCELLED AT \S+ DUE TO JOB REQUEUE", output[signalled:]), output
     checkpoint = torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=True)

@@ -7,6 +7,7 @@
 - ``checks.py``: the backend for a device, and the device, backend and ``sync_batchnorm`` checks
   made before any process starts;
 - ``summary.py``: the start-up summary printed by rank 0;
+- ``requeue.py``: SLURM's requeue signal acted on between two batches, by every rank at once;
 - ``errors.py``: DDP's unused-parameter error rewritten to name the parameters; communication
   errors told from a rank's own;
 - ``watchdog/``: dead, stalled and left-behind ranks found and stopped within seconds.

@@ -58,6 +58,7 @@ from typing_extensions import override
 from lightning_mgpu.strategies.ddp import checks
 from lightning_mgpu.strategies.ddp.errors import add_to_message, is_communication_error
 from lightning_mgpu.strategies.ddp.launcher import _WatchedSubprocessScriptLauncher
+from lightning_mgpu.strategies.ddp.requeue import DeferredRequeue
 from lightning_mgpu.strategies.ddp.summary import format_summary, launcher_name, rank_info
 from lightning_mgpu.strategies.ddp.watchdog.verdicts import RankInfo
 from lightning_mgpu.strategies.ddp.watchdog.watchdog import DEAD_AFTER, INTERVAL, watchdog
@@ -139,6 +140,7 @@ class ProcessGroupServices(_Base):
         self._watching = False
         self._summary_printed = False
         self._batch_size: int | None = None
+        self._requeue = DeferredRequeue()
 
     # ------------------------------------------------------------ set-up
     @override
@@ -266,6 +268,14 @@ class ProcessGroupServices(_Base):
     def on_train_start(self) -> None:
         super().on_train_start()
         self._print_summary()
+        trainer = self._trainer()
+        if trainer is not None:  # Lightning has set its signal handlers by now
+            self._requeue.install(trainer)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._requeue.at_batch_start(self.root_device)
 
     @override
     def on_validation_start(self) -> None:
