@@ -12,6 +12,12 @@ folder holding files is refused before anything starts, so two runs never mix); 
 
 Under DDP every process runs this; Lightning's launcher passes the run folder to the processes
 it starts through ``LIGHTNING_MGPU_RUN_DIR``, and only rank 0 writes the config and the summary.
+
+A job SLURM requeued (``SLURM_RESTART_COUNT`` set, after a time limit's signal made Lightning
+save ``hpc_ckpt_<n>.ckpt`` in the run folder and requeue it) comes back to a run folder that holds
+its own earlier files: when that folder holds a ``config.yaml``, the run goes on there, the earlier
+attempt's ``metrics.csv`` kept as ``metrics-attempt<k>.csv``, and Lightning resumes from the newest
+``hpc_ckpt_*.ckpt`` by itself.
 """
 
 from __future__ import annotations
@@ -75,6 +81,38 @@ def check_run_dir_unused(cfg: RunConfig, run_dir: Path) -> None:
     raise ValueError(f"run_dir {run_dir} already holds files ({shown}) that this run's would mix with; {fix}")
 
 
+def slurm_restarts() -> int:
+    """How many times SLURM requeued this job: 0 outside SLURM and on a job's first attempt."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if not SLURMEnvironment.detect():
+        return 0
+    try:
+        return max(0, int(os.environ.get("SLURM_RESTART_COUNT", "0")))
+    except ValueError:
+        return 0
+
+
+def continue_requeued(run_dir: Path, restarts: int) -> bool:
+    """Go on in the run folder of this job's earlier attempt, if it is one; returns whether it is.
+
+    The earlier attempt's ``metrics.csv`` is kept as ``metrics-attempt<restarts>.csv`` (Lightning's
+    CSV logger would delete it).
+    """
+    if restarts < 1 or not (run_dir / "config.yaml").is_file():
+        return False
+    metrics = run_dir / "metrics.csv"
+    if metrics.is_file():
+        metrics.rename(run_dir / f"metrics-attempt{restarts}.csv")
+    job = os.environ.get("SLURM_JOB_ID", "?")
+    print(
+        f"SLURM job {job} requeued ({restarts} time(s)): going on in {run_dir}, where its earlier attempt"
+        " left its files; Lightning resumes from the newest hpc_ckpt_*.ckpt there"
+    )
+    log.info("run folder %s: the requeued job's own, attempt %d", run_dir, restarts + 1)
+    return True
+
+
 def run_job(cfg: RunConfig) -> int:
     """Build everything ``cfg`` describes, run its task, print the summary (rank 0). Returns the exit code.
 
@@ -87,7 +125,8 @@ def run_job(cfg: RunConfig) -> int:
     if cfg.seed is not None:
         L.seed_everything(cfg.seed, workers=True, verbose=False)
     run_dir = resolve_run_dir(cfg)
-    if RUN_DIR_ENV not in os.environ and getattr(rank_zero_only, "rank", 0) == 0:
+    launching = RUN_DIR_ENV not in os.environ and getattr(rank_zero_only, "rank", 0) == 0
+    if launching and not continue_requeued(run_dir, slurm_restarts()):
         check_run_dir_unused(cfg, run_dir)  # the launching process decides, before anything starts
     data = build_data(cfg)
     module = build_module(cfg)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import re
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,3 +62,42 @@ def test_readme_sbatch_script_runs_digits_on_two_tasks(slurm: SlurmCluster, tmp_
     last = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
     assert last["global_step"] == 3
     assert (run_dir / "checkpoints" / "final.safetensors").is_file()
+
+
+def test_the_readme_script_requeued_mid_run_goes_on_in_its_run_folder(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """SLURM's warning signal in the middle of training (as ``--signal`` sends it before a time limit)."""
+    (tmp_path / "digits.sbatch").write_text(readme_script().replace("#SBATCH --gpus-per-node=4\n", ""))
+    venv = Path(sys.executable).parent
+    env = slurm.env(PATH=f"{venv}:{slurm.env()['PATH']}")
+    epochs, batches = 10, 10
+    args = (f"trainer.max_epochs={epochs}", f"trainer.limit_train_batches={batches}", *TINY[2:])
+    job = slurm.sbatch(
+        tmp_path / "digits.sbatch", *SCALED, "--requeue", "--open-mode=append", args=args, env=env
+    )
+    run_dir = tmp_path / "runs" / f"digits-{job}"
+    deadline = time.monotonic() + 120
+    while not (run_dir / "checkpoints" / "last.ckpt").exists():  # the first epoch is done
+        assert time.monotonic() < deadline, (tmp_path / f"digits-{job}.out").read_text()
+        time.sleep(0.1)
+    subprocess.run(["scancel", "--signal=USR1", job], env=slurm.env(), check=True)
+    state = slurm.wait_job(job, timeout=240)
+    output = (tmp_path / f"digits-{job}.out").read_text()
+    assert state == "COMPLETED", output
+    assert slurm.job(job)["Restarts"] == "1", output
+
+    signalled = output.index("Handling auto-requeue signal: 10")
+    assert f"SLURM job {job} requeued (1 time(s)): going on in runs/digits-{job}" in output[signalled:], (
+        output
+    )
+    assert output.count("digits: fit done in") == 1, output  # the second attempt's summary only
+    hpc = sorted(p.name for p in run_dir.glob("hpc_ckpt_*.ckpt"))
+    assert hpc == ["hpc_ckpt_1.ckpt"]
+    assert f"Restored all states from the checkpoint at runs/digits-{job}/{hpc[0]}" in output, output
+    # every step ran, none lost and none twice: the resumed attempt ended at the step count of an uncut run
+    assert f"{epochs} epochs, {epochs * batches} optimizer steps" in output, output
+    validated = [row for row in csv.DictReader((run_dir / "metrics.csv").open()) if row["val/acc"]]
+    assert (validated[-1]["epoch"], validated[-1]["step"]) == (str(epochs - 1), str(epochs * batches))
+    assert (run_dir / "metrics-attempt1.csv").is_file()  # the first attempt's metrics, kept
+    assert (run_dir / "metrics.csv").is_file()
