@@ -28,7 +28,9 @@ class PlainStateDictExport(Callback):
       ``save_last="link"`` link, a checkpoint written before this callback was added), and the final
       weights are written as ``final.safetensors`` in the checkpoint folder;
     - only global rank 0 writes, so it behaves the same under ``mgpu_ddp``, ``mgpu_dp`` and on one
-      device. Files are written atomically.
+      device; under ``mgpu_fsdp`` the final weights are first gathered from every rank's shards, and
+      a sharded checkpoint folder (which Lightning writes without its ``checkpoint_io``) gets its
+      sibling at the end of fit, read from the folder. Files are written atomically.
 
     How: in ``setup`` the strategy's ``checkpoint_io`` (public Lightning API since 1.6) is wrapped, so
     the export sees the exact path and the checkpoint dict already in memory, with no second read and
@@ -101,6 +103,8 @@ class PlainStateDictExport(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # under mgpu_fsdp every rank holds a shard: gathering the final weights takes all of them
+        final = _full_state_dict(pl_module) if self.final_name is not None else None
         if not trainer.is_global_zero:
             return
         folder: str | None = None
@@ -114,7 +118,9 @@ class PlainStateDictExport(Callback):
             folder = folder or trainer.default_root_dir
             if _is_local(folder):
                 os.makedirs(folder, exist_ok=True)
-                self.export(pl_module, Path(folder, self.final_name + self._suffix))
+                self.export(
+                    pl_module if final is None else final, Path(folder, self.final_name + self._suffix)
+                )
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -125,6 +131,21 @@ class PlainStateDictExport(Callback):
     def _stale(self, checkpoint_path: str) -> bool:
         target = self.export_path(checkpoint_path)
         return not target.exists() or target.stat().st_mtime < os.stat(checkpoint_path).st_mtime
+
+
+def _full_state_dict(module: pl.LightningModule) -> dict[str, Any] | None:
+    """The whole state dict of a sharded module (``DTensor`` parameters), on rank 0; ``None`` if not sharded.
+
+    torch's ``get_model_state_dict`` gathers one tensor at a time into CPU memory; every rank must call it.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in module.parameters()):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(module, options=options)
 
 
 def _is_local(path: str | os.PathLike[str]) -> bool:

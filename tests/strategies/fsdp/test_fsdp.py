@@ -26,7 +26,7 @@ from dataclasses import asdict
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning_mgpu import DeviceMemoryMonitor, MGPUFSDPStrategy
+from lightning_mgpu import DeviceMemoryMonitor, MGPUFSDPStrategy, PlainStateDictExport
 from lightning_mgpu.strategies.fsdp import measure_model_state
 
 RANK = int(os.environ.get("LOCAL_RANK", 0))
@@ -86,7 +86,9 @@ monitor = DeviceMemoryMonitor(every_n_steps=1, summary_file="adamw_memory.json")
 fit("adamw", "adamw", callbacks=[Measure(), monitor])
 fit("bf16", "sgd", precision="bf16-mixed")
 # resume: one epoch saved as a sharded folder, then a second epoch from it
-fit("first_epoch", "adamw", epochs=1, callbacks=[ModelCheckpoint(dirpath="ckpt", save_last=True)])
+# (and the plain weights of the run and of its sharded checkpoint, as PlainStateDictExport writes them)
+saving = [ModelCheckpoint(dirpath="ckpt", save_last=True), PlainStateDictExport()]
+fit("first_epoch", "adamw", epochs=1, callbacks=saving)
 fit("resumed", "adamw", ckpt_path="ckpt/last.ckpt", reshard_after_forward=False)
 """
 # (test_a_checkpoint_of_two_processes_resumes_in_one resumes ckpt/last.ckpt in this pytest process)
@@ -227,6 +229,19 @@ def test_a_checkpoint_of_two_processes_resumes_in_one(fsdp_run, monkeypatch: pyt
     straight = torch.load(tmp_path / "adamw.pt")["final"]  # two processes, two epochs without a stop
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value.full_tensor(), straight[name], atol=1e-6, rtol=0)
+
+
+def test_plain_weights_of_a_sharded_run_load_into_a_plain_model(fsdp_run) -> None:
+    tmp_path, _ = fsdp_run
+    from safetensors.torch import load_file
+
+    gathered = torch.load(tmp_path / "first_epoch.pt")["final"]  # the run's weights, gathered by torch
+    assert (tmp_path / "ckpt" / "last.ckpt").is_dir()  # a sharded folder
+    for name in ("final", "last"):  # the final weights, and the sibling of the folder checkpoint
+        weights = load_file(tmp_path / "ckpt" / f"{name}.safetensors")
+        Reference().load_state_dict(weights, strict=True)
+        for key, value in gathered.items():
+            torch.testing.assert_close(weights[key], value, atol=0, rtol=0)
 
 
 def test_the_summary_shows_the_plan_and_each_rank_share(fsdp_run) -> None:
