@@ -217,11 +217,17 @@ def _describe_files(trainer: L.Trainer, run_dir: Path) -> list[str]:
         "predictions.csv": "index, name, predicted class, probability",
     }
     out = []
-    for path in sorted(p for p in run_dir.rglob("*") if p.is_file()):
+    # a sharded checkpoint (mgpu_fsdp) is a folder named like a file: one entry, not its shards
+    folders = [p for p in run_dir.rglob("*.ckpt") if p.is_dir()]
+    listed = [p for p in run_dir.rglob("*") if p.is_file() and not any(p.is_relative_to(f) for f in folders)]
+    for path in sorted(listed + folders):
         rel = path.relative_to(run_dir).as_posix()
         note = notes.get(rel, "")
         if path.suffix == ".ckpt":
             note = "best checkpoint" if best and Path(best).resolve() == path.resolve() else "checkpoint"
+            if path.is_dir():
+                shards = len(list(path.glob("*.distcp")))
+                rel, note = f"{rel}/", f"{note}, sharded: a folder of {shards} shard file(s)"
         elif path.suffix in (".safetensors", ".pt") and path.parent.name == "checkpoints":
             ckpt = path.with_suffix(".ckpt")
             note = f"plain weights of {ckpt.name}" if ckpt.exists() else "plain weights at the end of fit"
