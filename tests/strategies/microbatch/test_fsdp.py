@@ -1,8 +1,9 @@
 """Micro-batching under ``mgpu_fsdp``: two gloo processes, real allocation failures between FSDP's gathers.
 
 One launch runs every fit: ``global_mean`` losses, whole and in fixed micro-batches, against one device,
-a real out-of-memory on rank 1 only in forward and then in backward (inside a sharded block,
-where the other rank would otherwise wait in the next gather for good), and last a batch that
+a real out-of-memory on rank 1 only in forward, in backward (inside a sharded block, where the
+other rank would otherwise wait in the next gather for good) and in backward while recomputing an
+activation-checkpointed block, and last a batch that
 does not fit even in micro-batches of one row on rank 1, which must end both ranks.
 """
 
@@ -59,9 +60,12 @@ for micro in (None, 3):  # two batches of 4 rows per rank accumulated into each 
     results[f"accumulated_{micro}"] = full(model)
 
 sizes = {}
-for phase, budget in (("forward", 24), ("backward", 32)):  # rank 1 fails with its whole batch of 8 rows
+# rank 1 fails with its whole batch of 8 rows; "recompute": in backward, recomputing a checkpointed block
+for phase, budget, recompute in [("forward", 24, False), ("backward", 32, False), ("recompute", 24, True)]:
     model = HungryBlocks(limit_rank=1, budget=budget)
-    trainer, strategy = fit(model, regression_data(), 8, 2, micro_batch_size="auto")
+    trainer, strategy = fit(
+        model, regression_data(), 8, 2, micro_batch_size="auto", activation_checkpointing=recompute
+    )
     results[phase] = full(model)
     sizes[phase] = {"final": strategy.micro_batches.size, "seen": model.sizes_seen}
 with open(f"sizes_rank{trainer.global_rank}.json", "w") as f:
@@ -90,20 +94,21 @@ def test_fsdp_micro_batches_and_out_of_memory_between_gathers(tmp_path: Path) ->
     single = HungryBlocks()
     L.Trainer(accelerator="cpu", devices=1, max_steps=2, **QUIET).fit(single, loader(regression_data(), 16))
     sizes = [json.loads((tmp_path / f"sizes_rank{r}.json").read_text()) for r in (0, 1)]
-    # one line per out-of-memory, from rank 1 only: the two recovered fits, then the one that never fits
+    # one line per out-of-memory, from rank 1 only: the three recovered fits, then the one that never fits
     lines = re.findall(
         r"\[rank \d\] out of memory in \w+ at batch 0 .*? of (\d+) rows: .*? of (\d+) rows \(", result.output
     )
     assert re.findall(r"\[rank (\d)\] out of memory in (\w+) at batch 0", result.output) == [
         ("1", "forward"),
         ("1", "backward"),
+        ("1", "backward"),
         ("1", "forward"),
         ("1", "forward"),
         ("1", "forward"),
     ], result.output
-    assert lines == [("8", "4"), ("8", "4"), ("8", "4"), ("4", "2"), ("2", "1")]
+    assert lines == [("8", "4"), ("8", "4"), ("8", "4"), ("8", "4"), ("4", "2"), ("2", "1")]
     assert "(8 rows on this rank; the global batch is unchanged)" in result.output
-    for phase in ("forward", "backward"):
+    for phase in ("forward", "backward", "recompute"):
         assert max_difference(final[phase], single.state_dict()) < ATOL, phase
         # every rank runs the batch again in as many micro-batches as the rank that failed (FSDP gathers)
         assert sizes[0][phase] == {"final": None, "seen": [8, 4, 4, 4, 4]}
