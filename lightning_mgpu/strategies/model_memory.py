@@ -13,14 +13,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from lightning_mgpu.devices import cuda_devices, format_bytes, parse_bytes
 from lightning_mgpu.estimate.shard_plan import plan_sharding
 from lightning_mgpu.estimate.sharded import sharded_need
+from lightning_mgpu.precision import PRECISIONS
+from lightning_mgpu.strategies.fsdp.sharding import mixed_precision_policy
 
 __all__ = ["ModelMemory", "device_memory_of", "model_memory", "shortfall_reason", "sharding_reason"]
-
-_CONVERTING_PRECISIONS = {"bf16-true": 2, "16-true": 2, "64-true": 8}
-"""Trainer precisions that convert the floating-point parameters, and the bytes a number then takes."""
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,12 @@ def model_memory(model: Any, world: int, device_memory: int, precision: str = "3
     params = {id(p): p for p in model.parameters()}
     if not params:
         return ModelMemory(0, 0, device_memory, world, 1)
-    itemsize = _CONVERTING_PRECISIONS.get(precision)
-    gather = 2 if precision == "bf16-mixed" else itemsize
+    # the dtype a converting precision (bf16-true, 64-true, ...) keeps the parameters in, and the one
+    # FSDP gathers them in (bf16-mixed's policy, else the parameters' own)
+    converted = PRECISIONS[precision].parameters if precision in PRECISIONS else None
+    itemsize = getattr(torch, converted).itemsize if converted else None
+    policy = mixed_precision_policy(precision)
+    gather = policy.param_dtype.itemsize if policy is not None and policy.param_dtype else itemsize
     need = sharded_need(model, plan_sharding(model), world, gather)
     if itemsize is not None:  # the Trainer converts the floating-point parameters before training
         sizes = (
