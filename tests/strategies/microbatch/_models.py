@@ -22,6 +22,10 @@ QUIET = {
     "enable_checkpointing": False,
 }
 LOSSES = ("masked", "sum", "mean", "naive")
+LIMITED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1"}
+"""Environment of a process whose address space a test limits: large tensors in mmap, so freed memory
+is returned at once, and one malloc arena, so a thread's first allocation does not reserve 64 MiB of
+address space and eat into the limit at a moment that varies from run to run."""
 
 
 def token_data(rows: int = 32, seed: int = 1) -> TensorDataset:

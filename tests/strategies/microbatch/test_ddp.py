@@ -16,6 +16,7 @@ import torch
 
 from tests.helpers import run_script, script_env
 from tests.strategies.microbatch._models import (
+    LIMITED_MEMORY,
     QUIET,
     Hungry,
     assert_both_ranks_stopped,
@@ -75,7 +76,7 @@ fit(Hungry(limit_rank=1, budget=32, forward_extra=40), regression_data(), 8, 2, 
 
 
 def test_ddp_global_mean_micro_batches_and_out_of_memory(tmp_path: Path) -> None:
-    env = script_env(MALLOC_MMAP_THRESHOLD_="65536")  # large tensors in mmap: freed memory is returned
+    env = script_env(**LIMITED_MEMORY)
     result = run_script(SCRIPT, tmp_path, timeout=300, env=env)
     final = torch.load(tmp_path / "ddp.pt")
 

@@ -18,6 +18,7 @@ import torch
 
 from tests.helpers import run_script, script_env
 from tests.strategies.microbatch._models import (
+    LIMITED_MEMORY,
     QUIET,
     HungryBlocks,
     TokenModel,
@@ -79,7 +80,7 @@ fit(HungryBlocks(limit_rank=1, budget=32, forward_extra=40), regression_data(), 
 
 
 def test_fsdp_micro_batches_and_out_of_memory_between_gathers(tmp_path: Path) -> None:
-    env = script_env(MALLOC_MMAP_THRESHOLD_="65536")  # large tensors in mmap: freed memory is returned
+    env = script_env(**LIMITED_MEMORY)
     result = run_script(SCRIPT, tmp_path, timeout=300, env=env)
     final = torch.load(tmp_path / "fsdp.pt")
 

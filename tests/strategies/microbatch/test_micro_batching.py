@@ -21,6 +21,7 @@ from torchmetrics import CatMetric, MeanSquaredError
 from lightning_mgpu.strategies.dp.strategy import MGPUDataParallelStrategy
 from tests.helpers import run_script, script_env
 from tests.strategies.microbatch._models import (
+    LIMITED_MEMORY,
     QUIET,
     Hungry,
     TokenModel,
@@ -156,7 +157,7 @@ fit(Hungry(limit_rank=0, budget=32, forward_extra=40), 8, 2)  # never fits: the 
 
 
 def test_auto_recovers_from_real_out_of_memory(tmp_path: Path) -> None:
-    env = script_env(MALLOC_MMAP_THRESHOLD_="65536")  # large tensors in mmap: freed memory is returned
+    env = script_env(**LIMITED_MEMORY)
     result = run_script(OOM_SCRIPT, tmp_path, timeout=240, env=env)
     seen = __import__("json").loads((tmp_path / "seen.json").read_text())
     out = result.output
