@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mgpu  # noqa: F401  registers mgpu_dp
-from lightning_mgpu.strategies.dp.scatter import split_sizes
+from lightning_mgpu.strategies.split.batch import split_sizes
 
 WIDTH, HIDDEN, CLASSES = 512, 2048, 10
 INPUTS = {"mlp": (WIDTH,), "cnn": (1, 28, 28)}

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.memory import is_oom_error
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils._pytree import tree_flatten
 from typing_extensions import override
@@ -35,6 +34,7 @@ from lightning_mgpu.callbacks.memory_readings import (
 from lightning_mgpu.callbacks.memory_report import Facts, Layout, OOMContext, Reading, Summary
 from lightning_mgpu.devices import cuda_devices
 from lightning_mgpu.estimate.batch import batch_rows
+from lightning_mgpu.oom import is_out_of_memory
 
 __all__ = ["DeviceMemoryMonitor"]
 
@@ -219,7 +219,7 @@ class DeviceMemoryMonitor(Callback):
             # the readings up to the failure, for the plot; under DDP a gather could hang now
             with contextlib.suppress(Exception):
                 self._flush(trainer)
-        if not _is_oom(exception):
+        if not is_out_of_memory(exception):
             log.debug("not an out-of-memory error, no guidance: %s", type(exception).__name__)
             return
         try:  # the original error must surface whatever happens here
@@ -380,11 +380,6 @@ class DeviceMemoryMonitor(Callback):
                 if ranks:
                     facts.contexts[device_label(trainer, torch.device("cuda", info.index))] = ranks
         return facts
-
-
-def _is_oom(exception: BaseException) -> bool:
-    """Out of memory as torch and Lightning tell it (CUDA, cuDNN, the CPU allocator), or a ``MemoryError``."""
-    return isinstance(exception, (MemoryError, torch.OutOfMemoryError)) or is_oom_error(exception)
 
 
 def _accumulating(trainer: Trainer, pl_module: LightningModule) -> bool:

@@ -1,12 +1,19 @@
-"""The ``mgpu_*`` strategies, one folder per family; each class registers its names itself.
+"""The ``mgpu_*`` strategies, one room per family plus the rooms several share; each class registers itself.
 
-- ``auto.py``: ``mgpu_auto`` and ``choose_strategy``, which pick one of the others and say why, from
-  ``auto_facts.py`` (what they read of the environment) and ``model_memory.py`` (what the model needs);
-  ``auto_model.py`` turns ``mgpu_auto`` into its choice, and into ``mgpu_fsdp`` once the model is known;
-- ``ddp/``: ``mgpu_ddp``, and the process-group services every multi-process strategy shares
-  (``ProcessGroupServices``: checks, watched launcher, start-up summary, watchdog);
-- ``dp/``: ``mgpu_dp``, DataParallel in one process: replicas, scatter/gather, log and metric merging;
-- ``fsdp/``: ``mgpu_fsdp``, FSDP2 sharding with an automatic plan, on ``ddp/``'s process-group services.
+Imports run one way (``tests/strategies/test_layers.py`` checks it):
+``auto/`` -> the families ``ddp/``, ``fsdp/``, ``dp/`` -> ``process_group/``, ``microbatch/`` -> ``split/``.
+
+- ``auto/``: ``mgpu_auto`` and ``choose_strategy``: the pure decision, the facts it reads, the
+  model's memory, and the class swap that turns the placeholder into its choice;
+- ``ddp/``: ``mgpu_ddp`` and its unused-parameter error;
+- ``fsdp/``: ``mgpu_fsdp``, FSDP2 sharding with an automatic plan;
+- ``dp/``: ``mgpu_dp``, DataParallel in one process: replicas, their threads and lockstep;
+- ``process_group/``: what every multi-process strategy adds to its Lightning base (checks,
+  watched launcher, start-up summary, SLURM requeue, communication errors, the watchdog);
+- ``microbatch/``: the ``micro_batch_size`` mixin and its runner;
+- ``split/``: cut a batch along dim 0, capture and replay ``self.log``, merge torchmetrics
+  (used by ``dp/`` and ``microbatch/``);
+- ``mixin.py``: ``StrategyMixin``, the one base of the mixins.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ run reached its long step after 8 s); asking earlier (a larger N) would risk a s
 before Lightning has set its handler.
 Lightning's ``SLURMEnvironment`` (``auto_requeue=True``, what ``mgpu_ddp`` gets under SLURM)
 saves ``hpc_ckpt_1.ckpt`` on that signal and calls ``scontrol requeue``, at the next batch start
-on every rank (``strategies/ddp/requeue.py``); the requeued job runs the same command, which
+on every rank (``strategies/process_group/requeue.py``); the requeued job runs the same command, which
 resumes from that checkpoint by itself.
 """
 

@@ -3,24 +3,34 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
-from lightning_mgpu.strategies.ddp.errors import UNUSED_PATTERN, add_to_message, unused_parameters_message
-from lightning_mgpu.strategies.ddp.services import ProcessGroupServices
+from lightning_mgpu.strategies.ddp.unused import UNUSED_PATTERN, unused_parameters_message
 from lightning_mgpu.strategies.microbatch.mixin import MicroBatching
+from lightning_mgpu.strategies.process_group.errors import add_to_message
+from lightning_mgpu.strategies.process_group.services import ProcessGroupServices
+
+if TYPE_CHECKING:
+    from lightning.pytorch.accelerators import Accelerator
 
 
 class MGPUDDPStrategy(MicroBatching, ProcessGroupServices, DDPStrategy):
     """Distributed data parallel training, one process per device, on one or several machines.
 
-    Takes every argument of Lightning's ``DDPStrategy`` (``find_unused_parameters``,
-    ``process_group_backend``, ``timeout``, ``static_graph``, ...) and adds:
+    Takes every argument of Lightning's ``DDPStrategy`` (``process_group_backend``, ``timeout``,
+    ``start_method``, and through ``**kwargs`` those of ``DistributedDataParallel``:
+    ``find_unused_parameters``, ``static_graph``, ...) and adds ``stall_timeout`` and
+    ``micro_batch_size``. What it does beyond ``DDPStrategy``:
 
     - NCCL on CUDA devices, gloo on CPU and wherever NCCL is missing; an explicit
       ``process_group_backend`` wins.
@@ -37,7 +47,19 @@ class MGPUDDPStrategy(MicroBatching, ProcessGroupServices, DDPStrategy):
     - Device choices are checked before any process starts, with the devices that exist.
 
     Args:
-        *args: Positional arguments of ``DDPStrategy``.
+        accelerator: As for ``DDPStrategy``; the Trainer sets it.
+        parallel_devices: As for ``DDPStrategy``; the Trainer sets it from ``devices``.
+        cluster_environment: As for ``DDPStrategy`` (torchrun, SLURM, ... are detected).
+        checkpoint_io: As for ``DDPStrategy``.
+        precision_plugin: As for ``DDPStrategy``; the Trainer sets it from ``precision``.
+        ddp_comm_state: As for ``DDPStrategy``: the state of a DDP communication hook.
+        ddp_comm_hook: As for ``DDPStrategy``: a DDP communication hook (gradient compression).
+        ddp_comm_wrapper: As for ``DDPStrategy``: a wrapper for ``ddp_comm_hook``.
+        model_averaging_period: As for ``DDPStrategy`` (post-local SGD).
+        process_group_backend: ``"nccl"``, ``"gloo"``, ...; ``None`` picks NCCL on CUDA, gloo elsewhere.
+        timeout: How long a collective may wait for the other ranks before torch gives up.
+        start_method: How Lightning starts the ranks: ``"popen"`` (the script runs again per rank,
+            watched by the watchdog), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         stall_timeout: Seconds without progress on every rank (while some ranks wait in a
             collective for the others) after which the run stops. Set it above your slowest
             step, validation batch and checkpoint save. ``None`` turns stall detection off.
@@ -45,8 +67,8 @@ class MGPUDDPStrategy(MicroBatching, ProcessGroupServices, DDPStrategy):
             runs as micro-batches with one optimizer step; under ``"auto"`` an out-of-memory
             on any rank reruns the batch in smaller ones instead of ending the run (see
             ``lightning_mgpu.strategies.microbatch.MicroBatching``).
-        **kwargs: Keyword arguments of ``DDPStrategy``, including the ones it passes on to
-            ``torch.nn.parallel.DistributedDataParallel``.
+        **kwargs: Keyword arguments that ``DDPStrategy`` passes on to
+            ``torch.nn.parallel.DistributedDataParallel`` (``find_unused_parameters``, ...).
 
     Raises:
         ValueError: If ``stall_timeout`` is not a positive number or ``None``, or
@@ -80,6 +102,43 @@ class MGPUDDPStrategy(MicroBatching, ProcessGroupServices, DDPStrategy):
     """
 
     strategy_name = "mgpu_ddp"
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        ddp_comm_state: object | None = None,
+        ddp_comm_hook: Callable[..., Any] | None = None,
+        ddp_comm_wrapper: Callable[..., Any] | None = None,
+        model_averaging_period: int | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        *,
+        stall_timeout: float | None = 300.0,
+        micro_batch_size: int | str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            ddp_comm_state=ddp_comm_state,
+            ddp_comm_hook=ddp_comm_hook,
+            ddp_comm_wrapper=ddp_comm_wrapper,
+            model_averaging_period=model_averaging_period,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            stall_timeout=stall_timeout,
+            micro_batch_size=micro_batch_size,
+            **kwargs,
+        )
 
     # ---------------------------------------------------------- failures
     # DDP raises its unused-parameter error in the forward of the next step, or under manual

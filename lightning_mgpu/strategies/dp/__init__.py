@@ -1,11 +1,12 @@
 """``mgpu_dp``: DataParallel for Lightning 2.x, one process, one replica per device.
 
 - ``strategy.py``: ``MGPUDataParallelStrategy``, registered as ``mgpu_dp``;
-- ``scatter.py``: splitting a batch along dim 0 and combining the replicas' outputs;
 - ``replicas.py``: building the replicas and routing each step's calls into them;
 - ``threads.py``: ``ReplicaThreads``, running the replicas' step calls at the same time;
 - ``lockstep.py``: manual optimization, the replicas' threads meeting at each optimizer call;
-- ``metrics.py``: torchmetrics states merged across replicas (``self.log`` values: ``replicas.py``).
+- ``metrics.py``: a copy of each torchmetrics metric per replica, merged after the step.
+
+Cutting the batch, replaying ``self.log`` and merging metrics are shared with micro-batching in ``split/``.
 
 Set ``logging.getLogger("lightning_mgpu.strategies.dp").setLevel(logging.DEBUG)`` to see how each
 batch is split and how the replicas run.

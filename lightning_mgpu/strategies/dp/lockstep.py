@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 
-from lightning_mgpu.strategies.dp.scatter import weighted_mean
+from lightning_mgpu.strategies.split.batch import weighted_mean
 
 __all__ = [
     "Lockstep",

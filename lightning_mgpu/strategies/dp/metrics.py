@@ -1,16 +1,10 @@
-"""torchmetrics inside replicas: each replica updates its own copy, merged back after the step.
+"""torchmetrics inside ``mgpu_dp``'s replicas: each replica updates its own copy, merged after the step.
 
 A replica made by ``replicate`` would share the metric's state tensors with the module
 (torchmetrics keeps them as plain attributes) and update them from several threads at
 once. Instead every replica gets its own copy of each ``Metric``, reset before the step;
-after the step the copies' states are merged into the module's metric in replica order,
-so the merged state holds exactly what one device would have accumulated over the whole
-batch, and ``compute()`` gives the single-device value.
-
-Merging uses ``Metric.merge_state`` (torchmetrics >= 1.6). Where it is missing, or where
-it refuses the metric (``full_state_update`` not ``False``, ``dist_sync_on_step=True``),
-the same per-state reductions run through ``Metric._reduce_states``: the reductions
-(``dist_reduce_fx``) that a DDP sync applies across processes.
+after the step the copies are merged into the module's metric in replica order
+(``split.metrics.merge_in_order``).
 """
 
 from __future__ import annotations
@@ -22,54 +16,9 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_mgpu.strategies.dp.replicas import replica_path
+from lightning_mgpu.strategies.split.metrics import merge_in_order, metric_paths, replica_path
 
-__all__ = ["ReplicaMetrics", "metric_paths"]
-
-
-def metric_paths(module: nn.Module) -> list[str]:
-    """Dotted paths of the ``Metric`` submodules of ``module``, not those nested inside another metric."""
-    paths: list[str] = []
-    for name, sub in module.named_modules():
-        if name and isinstance(sub, Metric) and not any(name.startswith(p + ".") for p in paths):
-            paths.append(name)
-    return paths
-
-
-def _move(state: Any, device: torch.device) -> Any:
-    if isinstance(state, torch.Tensor):
-        return state.to(device)
-    if isinstance(state, list):
-        return [_move(s, device) for s in state]
-    return state
-
-
-def _reduce(metric: Metric, earlier: dict[str, Any]) -> None:
-    merge_state = getattr(metric, "merge_state", None)
-    if merge_state is not None and metric.full_state_update is False and not metric.dist_sync_on_step:
-        merge_state(earlier)
-    else:
-        metric._reduce_states(earlier)
-
-
-def merge_in_order(metric: Metric, parts: Sequence[Metric]) -> None:
-    """Append the states of ``parts`` (in order) after the state ``metric`` already holds."""
-    updated = [p for p in parts if p._update_count > 0]
-    if not updated:
-        return
-    device = metric.device
-    start = metric._update_count
-    for part in updated:
-        # torchmetrics reduces (incoming, own) with the incoming state first: hand it the state
-        # accumulated so far as "incoming" so list states keep their order
-        earlier = {name: getattr(metric, name) for name in metric._defaults}
-        for name in metric._defaults:
-            setattr(metric, name, _move(getattr(part, name), device))
-        metric._update_count += 1  # mean states weigh each merged part once
-        _reduce(metric, earlier)
-    # the module's metric saw as many updates as one device would have made
-    metric._update_count = start + max(p._update_count for p in updated)
-    metric._computed = None
+__all__ = ["ReplicaMetrics"]
 
 
 class ReplicaMetrics:

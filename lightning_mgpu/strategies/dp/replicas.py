@@ -1,4 +1,4 @@
-"""Replicas of a LightningModule, the call that runs one step inside a replica, and its logs.
+"""Replicas of a LightningModule and the call that runs one step inside a replica.
 
 - ``replicate`` copies the module tree once per device. Across GPUs it is
   ``torch.nn.parallel.replicate`` (parameters broadcast in a differentiable way, buffers
@@ -12,36 +12,28 @@
   thread-local, and can count the bytes the replica saves for backward.
 - ``refresh_parameters`` copies weights updated in the middle of a step into replicas
   that hold copies of them (manual optimization across GPUs).
-- ``LogCapture`` records the ``self.log`` calls of one replica; ``replay_logs`` combines them
-  into one call on the module.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any, cast
 
 import torch
-from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torchmetrics import Metric
 
 from lightning_mgpu.estimate.live_bytes import SavedBytes
-from lightning_mgpu.strategies.dp.scatter import weighted_mean
+from lightning_mgpu.strategies.split.metrics import replica_path
 
 __all__ = [
-    "LogCapture",
     "ReplicaCall",
     "compiled_submodules",
     "prepare_replica",
     "refresh_parameters",
-    "replay_logs",
-    "replica_path",
     "replicate",
 ]
 
@@ -97,11 +89,6 @@ def _compile_wrappers_removed(module: nn.Module) -> Iterator[None]:
             parent._modules[key] = child
 
 
-def replica_path(name: str) -> str:
-    """Where the module's submodule or tensor ``name`` lies in a replica, which holds no compile wrappers."""
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
-
-
 def _run_uncompiled(replica: nn.Module) -> None:
     # `m.compile()` stores code compiled for the original module; a replica must run its own
     if replica.__dict__.get("_compiled_call_impl") is not None:
@@ -155,80 +142,6 @@ def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Mod
                 # so that ``self.parameters()`` inside a step still sees (differentiable) parameters
                 sub._parameters = {**sub._parameters, **former}
     return replicas
-
-
-@functools.cache
-def _log_signature() -> inspect.Signature:
-    return inspect.signature(LightningModule.log)
-
-
-class LogCapture:
-    """Stands in for ``self.log`` inside one replica."""
-
-    def __init__(self) -> None:
-        self.calls: dict[str, tuple[Any, dict[str, Any]]] = {}
-
-    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        options = dict(_log_signature().bind(None, name, value, *args, **kwargs).arguments)
-        for key in ("self", "name", "value"):
-            options.pop(key, None)
-        self.calls[name] = (value, options)
-
-
-def _reduction(reduce_fx: Any) -> str:
-    if isinstance(reduce_fx, str):
-        name = reduce_fx.lower()
-        return "mean" if name == "avg" else name
-    for name, fns in (("mean", (torch.mean,)), ("sum", (torch.sum, sum)), ("max", (torch.max, max))):
-        if reduce_fx in fns:
-            return name
-    if reduce_fx in (torch.min, min):
-        return "min"
-    return "mean"  # Lightning rejects other reductions with its own message when the value is logged
-
-
-def _combine_logged(values: list[Tensor], weights: Sequence[float], reduce_fx: Any) -> Tensor:
-    kind = _reduction(reduce_fx)
-    if kind == "sum":
-        return functools.reduce(torch.add, values)
-    if kind == "max":
-        return functools.reduce(torch.maximum, values)
-    if kind == "min":
-        return functools.reduce(torch.minimum, values)
-    return weighted_mean(values, weights, values[0].device)
-
-
-def replay_logs(
-    module: LightningModule,
-    captures: Sequence[LogCapture],
-    sizes: Sequence[int],
-    device: torch.device,
-    originals: dict[int, Metric],
-) -> None:
-    """Log once on ``module`` what the replicas logged.
-
-    A value is the mean of the replicas' values weighted by their chunk sizes (or by the
-    ``batch_size`` they passed), or their sum / max / min when ``reduce_fx`` says so. A metric
-    object logged in a replica is replaced by the module's own metric.
-    """
-    names = dict.fromkeys(name for capture in captures for name in capture.calls)
-    for name in names:
-        entries = [(n, c.calls[name]) for n, c in zip(sizes, captures, strict=True) if name in c.calls]
-        value, options = entries[0][1]
-        options = dict(options)
-        if isinstance(value, Metric):
-            module.log(name, originals.get(id(value), value), **options)
-            continue
-        given = [float(opts["batch_size"]) for _, (_, opts) in entries if opts.get("batch_size") is not None]
-        if len(given) == len(entries):
-            weights = given
-            options["batch_size"] = int(sum(weights))
-        else:
-            weights = [float(n) for n, _ in entries]
-        values = [
-            v.to(device) if isinstance(v, Tensor) else torch.tensor(v, device=device) for _, (v, _) in entries
-        ]
-        module.log(name, _combine_logged(values, weights, options.get("reduce_fx", "mean")), **options)
 
 
 def prepare_replica(replica: nn.Module, device: torch.device, hooks: dict[str, Callable[..., Any]]) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -14,24 +13,10 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_mgpu.losses import replica_step_context
-from lightning_mgpu.strategies.dp.lockstep import Lockstep, manual_optimization_hooks, record_exit
-from lightning_mgpu.strategies.dp.metrics import ReplicaMetrics
-from lightning_mgpu.strategies.dp.replicas import (
-    LogCapture,
-    ReplicaCall,
-    compiled_submodules,
-    prepare_replica,
-    refresh_parameters,
-    replay_logs,
-    replicate,
-)
-from lightning_mgpu.strategies.dp.scatter import batch_rows, combine_outputs, scatter_batch, split_sizes
-from lightning_mgpu.strategies.dp.threads import ReplicaThreads
+from lightning_mgpu.strategies.dp.step import ReplicaStep
 from lightning_mgpu.strategies.microbatch.mixin import MicroBatching
 
 log = logging.getLogger(__name__)
@@ -159,10 +144,7 @@ class MGPUDataParallelStrategy(MicroBatching, ParallelStrategy):
         self.track_replica_memory = track_replica_memory
         self.last_chunk_sizes: list[int] = []
         self.replica_saved_bytes: list[int] = []
-        self._metrics = ReplicaMetrics()
-        self._threads: ReplicaThreads | None = None
-        self._warned_uneven = False
-        self._checked_compiled = False
+        self._replicated = ReplicaStep()
 
     @property
     def replica_devices(self) -> list[torch.device]:
@@ -276,30 +258,6 @@ class MGPUDataParallelStrategy(MicroBatching, ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._data_parallel("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
 
-    def _chunk_sizes(self, batch: Any) -> list[int]:
-        rows = batch_rows(batch)
-        if rows is None:
-            log.debug("the batch holds no tensor with a batch dimension: one replica runs it whole")
-            return [0]
-        sizes = split_sizes(rows, len(self.replica_devices))
-        log.debug(
-            "batch of %d rows split over %d of %d devices as %s",
-            rows,
-            len(sizes),
-            len(self.replica_devices),
-            sizes,
-        )
-        if len(set(sizes)) > 1 and not self._warned_uneven:
-            self._warned_uneven = True
-            rank_zero_warn(
-                f"mgpu_dp split a batch of {rows} rows unevenly over {len(sizes)} devices as {sizes}."
-                " Results stay exact (each replica's loss is weighted by its share) but the largest chunk"
-                f" sets the pace; a batch size divisible by {len(self.replica_devices)} (or"
-                " `drop_last=True`) keeps the devices balanced."
-                " This warning is shown once."
-            )
-        return sizes
-
     def _data_parallel(
         self,
         method: str,
@@ -309,80 +267,19 @@ class MGPUDataParallelStrategy(MicroBatching, ParallelStrategy):
     ) -> Any:
         module = self.lightning_module
         assert module is not None
-        sizes = self._chunk_sizes(args[0]) if args else [0]
-        self.last_chunk_sizes = sizes
-        if len(sizes) == 1:
-            call = ReplicaCall(module, method, step_context, self.track_replica_memory)
-            output = call(*args, **kwargs)
-            self.replica_saved_bytes = [call.saved_bytes] if self.track_replica_memory else []
-            return output
-
-        devices = self.replica_devices[: len(sizes)]
-        if not self._checked_compiled:
-            self._checked_compiled = True
-            self._warn_compiled(module)
-        chunks = scatter_batch(args[0], sizes, devices)
-        replicas = replicate(module, devices)
-        self._metrics.install(module, replicas, devices)
-        manual = method == "training_step" and not module.automatic_optimization
-        lockstep = Lockstep(len(sizes))  # manual optimization and global_mean meet there
-        # replicas on one device share the module's parameters; elsewhere they hold copies
-        copies = len(set(devices)) > 1
-        log.debug(
-            "%s on %d replicas (%s), %s",
-            method,
-            len(sizes),
-            "parameter copies per device" if copies else "sharing the module's parameters on one device",
-            "manual optimization in lockstep" if manual else "automatic optimization",
+        result = self._replicated.run(
+            module, method, step_context, args, kwargs, self.replica_devices, self.track_replica_memory
         )
-        after_step = (
-            functools.partial(refresh_parameters, module, replicas) if manual and copies else _nothing
-        )
-        captures = [LogCapture() for _ in sizes]
-        errors: list[BaseException | None] = [None] * len(sizes)
-        calls = []
-        for index, (replica, device, capture) in enumerate(zip(replicas, devices, captures, strict=True)):
-            hooks: dict[str, Callable[..., Any]] = {"log": capture.log}
-            if manual:
-                hooks.update(manual_optimization_hooks(module, lockstep, index, sizes, after_step))
-            prepare_replica(replica, device, hooks)
-            on_exit = functools.partial(record_exit, errors, index, lockstep)
-            context = replica_step_context(step_context, index, sizes, lockstep.run)
-            calls.append(ReplicaCall(replica, method, context, self.track_replica_memory, on_exit))
+        self.last_chunk_sizes = result.sizes
+        self.replica_saved_bytes = result.saved_bytes
+        return result.output
 
-        if self._threads is None:
-            self._threads = ReplicaThreads(len(self.replica_devices))
-        outputs = self._threads.run(calls, [(chunk, *args[1:]) for chunk in chunks], kwargs, devices, errors)
-
-        originals = self._metrics.merge()
-        logged = {
-            id(v): originals[id(v)] for c in captures for v, _ in c.calls.values() if id(v) in originals
-        }
-        for original in {id(m): m for m in logged.values()}.values():
-            # what `forward` returned for the whole batch, read by Lightning when logging on step
-            original._forward_cache = self._metrics.batch_value(original)
-        replay_logs(module, captures, sizes, self.root_device, originals)
-        if self.track_replica_memory:
-            self.replica_saved_bytes = [call.saved_bytes for call in calls]
-        return combine_outputs(outputs, sizes, self.root_device)
-
-    @staticmethod
-    def _warn_compiled(module: torch.nn.Module) -> None:
-        names = compiled_submodules(module)
-        if names:
-            rank_zero_warn(
-                f"mgpu_dp runs the submodules compiled with torch.compile ({', '.join(names)}) uncompiled"
-                " in its replicas: compiled code belongs to the module object it was compiled for, and"
-                " replicas are new objects every step. Results are unchanged; to train with the compiled"
-                " code use `strategy='mgpu_ddp'` (one process per device). This warning is shown once."
-            )
+    def note_progress(self) -> None:
+        """Nothing watches a one-process run's progress (micro-batching calls this after each micro-batch)."""
 
     @override
     def teardown(self) -> None:
-        if self._threads is not None:
-            self._threads.close()
-            self._threads = None
-        self._metrics.clear()
+        self._replicated.close()
         super().teardown()
 
     @classmethod
@@ -394,7 +291,3 @@ class MGPUDataParallelStrategy(MicroBatching, ParallelStrategy):
             description="DataParallel in one process: exact, logs and metrics merged, plain checkpoint keys",
             override=True,
         )
-
-
-def _nothing() -> None:
-    pass

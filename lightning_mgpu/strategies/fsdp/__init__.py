@@ -1,7 +1,7 @@
-"""``mgpu_fsdp``: sharded training on torch's FSDP2, with ``mgpu_ddp``'s process-group services.
+"""``mgpu_fsdp``: sharded training on torch's FSDP2, with the process-group services of ``process_group/``.
 
 - ``strategy.py``: ``MGPUFSDPStrategy``, on Lightning's ``ModelParallelStrategy`` (launcher,
-  device mesh, sharded checkpoints) and ``ddp/services.py``'s ``ProcessGroupServices``;
+  device mesh, sharded checkpoints) and ``process_group``'s ``ProcessGroupServices``;
 - ``lightning_mgpu.estimate.shard_plan``: which submodules become units (shared with the estimate);
 - ``sharding.py``: the options, the Trainer precision's dtypes, and the ``fully_shard`` calls;
 - ``lightning_mgpu.estimate.sharded``: the least memory a device needs under a plan, checked on GPUs;

@@ -23,7 +23,7 @@ from typing_extensions import override
 from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.estimate.shard_plan import ShardingPlan, plan_sharding, validate_block_classes
 from lightning_mgpu.estimate.sharded import check_fits, sharded_need
-from lightning_mgpu.strategies.ddp.services import ProcessGroupServices
+from lightning_mgpu.precision import FSDP_PRECISIONS
 from lightning_mgpu.strategies.fsdp.sharding import (
     ShardingOptions,
     apply_plan,
@@ -34,6 +34,7 @@ from lightning_mgpu.strategies.fsdp.sharding import (
 from lightning_mgpu.strategies.fsdp.state import measure_model_state
 from lightning_mgpu.strategies.fsdp.sync_points import SyncPoints
 from lightning_mgpu.strategies.microbatch.mixin import MicroBatching
+from lightning_mgpu.strategies.process_group.services import ProcessGroupServices
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -41,10 +42,6 @@ if TYPE_CHECKING:
 __all__ = ["MGPUFSDPStrategy"]
 
 log = logging.getLogger(__name__)
-
-_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
-"""What FSDP2 under Lightning's ``ModelParallelStrategy`` supports (fp16 AMP needs a sharded grad scaler)."""
-
 
 _PLAN_ATTRIBUTE = "_mgpu_fsdp_plan"
 """Set on a model sharded by a plan, so that later stages and Trainers keep it."""
@@ -234,10 +231,10 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, _ShardingModelParall
                 f" {[n for n in range(2, world) if world % n == 0] or 'none at this size'}"
             )
         precision = getattr(self.precision_plugin, "precision", "32-true")
-        if precision not in _PRECISIONS:
+        if precision not in FSDP_PRECISIONS:
             raise ValueError(
                 f"{self.strategy_name} does not support precision={precision!r}:"
-                f" choose one of {', '.join(_PRECISIONS)}"
+                f" choose one of {', '.join(FSDP_PRECISIONS)}"
             )
 
     @override
@@ -337,7 +334,8 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, _ShardingModelParall
         return self._step("training_step", self.precision_plugin.train_step_context, *args, **kwargs)
 
     @property
-    def micro_lockstep(self) -> SyncPoints:
+    @override
+    def collective_passes(self) -> SyncPoints:
         """What micro-batching needs of a sharded model: every rank in step, checkpoints under ``"auto"``."""
         if self._sync_points is None or self._sync_points.root is not self.model:
             if self._sync_points is not None:

@@ -2,15 +2,21 @@
 
 - ``mixin.py``: ``MicroBatching``, the ``micro_batch_size=`` argument (an int or ``"auto"``);
 - ``runner.py``: one batch run as micro-batches, retried smaller after an out-of-memory;
+- ``host.py``: what the runner needs of its strategy (``MicroBatchHost``, ``CollectivePasses``);
+- ``first_size.py``: the first ``"auto"`` size, from the memory estimate where the device's memory is known;
 - ``agreement.py``: how the ranks learn of each other's out-of-memory errors (one all-reduce at
   the end of each attempt, and at the checkpoints ``mgpu_fsdp`` puts inside its passes);
 - ``sizes.py``: the micro-batch size of one rank: halve on out-of-memory, grow after clean batches;
 - ``grads.py``: the gradients of a batch kept apart until every rank succeeded, then averaged once;
 - ``metrics.py``: torchmetrics updated per micro-batch, merged as ``mgpu_dp`` merges its replicas'.
+
+Cutting the batch and replaying ``self.log`` are ``split/``'s; the out-of-memory predicate is
+``lightning_mgpu.oom.is_out_of_memory``, re-exported here.
 """
 
+from lightning_mgpu.oom import is_out_of_memory
 from lightning_mgpu.strategies.microbatch.mixin import MicroBatching, check_micro_batch_size
-from lightning_mgpu.strategies.microbatch.runner import MicroBatchOutOfMemoryError, is_out_of_memory
+from lightning_mgpu.strategies.microbatch.runner import MicroBatchOutOfMemoryError
 from lightning_mgpu.strategies.microbatch.sizes import MicroBatchSizes
 
 __all__ = [

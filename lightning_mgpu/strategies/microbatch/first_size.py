@@ -13,9 +13,11 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.strategies import Strategy
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+
+from lightning_mgpu.estimate.predict import estimate_memory
+from lightning_mgpu.strategies.microbatch.host import MicroBatchHost
 
 if TYPE_CHECKING:
     from lightning_mgpu.estimate.memory_estimate import MemoryEstimate
@@ -42,8 +44,8 @@ def start_from_estimate(estimate: MemoryEstimate, rows: int, kind: str, replicas
     return max(1, fits)
 
 
-def _kind(strategy: Strategy) -> tuple[str, int]:
-    name = getattr(strategy, "strategy_name", "")
+def _kind(strategy: MicroBatchHost) -> tuple[str, int]:
+    name = strategy.strategy_name
     if name == "mgpu_dp":
         return "mgpu_dp", len(getattr(strategy, "parallel_devices", None) or [None])
     if name == "mgpu_ddp":
@@ -52,7 +54,7 @@ def _kind(strategy: Strategy) -> tuple[str, int]:
 
 
 def estimated_start(
-    strategy: Strategy, module: nn.Module, batch: Any, rows: int, device_memory: int | None = None
+    strategy: MicroBatchHost, module: nn.Module, batch: Any, rows: int, device_memory: int | None = None
 ) -> int | None:
     """The first micro-batch size for ``batch`` under ``strategy``, or ``None`` for the whole batch.
 
@@ -67,8 +69,6 @@ def estimated_start(
         if device.type != "cuda":
             return None
         device_memory = torch.cuda.mem_get_info(device)[1]
-    from lightning_mgpu.estimate.predict import estimate_memory  # the estimate imports strategies' helpers
-
     kind, replicas = _kind(strategy)
     precision = getattr(strategy.precision_plugin, "precision", None)
     try:

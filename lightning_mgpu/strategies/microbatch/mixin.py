@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-from abc import ABC
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.strategies import Strategy
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_mgpu.strategies.microbatch.host import CollectivePasses
+from lightning_mgpu.strategies.microbatch.runner import MicroBatchRunner
 from lightning_mgpu.strategies.microbatch.sizes import MicroBatchSizes
+from lightning_mgpu.strategies.mixin import StrategyMixin
 
 __all__ = ["MicroBatching", "check_micro_batch_size"]
-
-if TYPE_CHECKING:
-    from lightning_mgpu.strategies.microbatch.runner import MicroBatchRunner
-
-    _Base = Strategy
-else:
-    # Lightning's strategies derive from ABC: with the same base an object keeps their layout,
-    # which ``mgpu_auto`` needs to turn its placeholder into the chosen class (``__class__ =``)
-    _Base = ABC
 
 
 def check_micro_batch_size(value: Any) -> int | str | None:
@@ -40,7 +32,7 @@ def check_micro_batch_size(value: Any) -> int | str | None:
     )
 
 
-class MicroBatching(_Base):
+class MicroBatching(StrategyMixin):
     """Runs each training batch as micro-batches with one optimizer step; ``"auto"`` survives out-of-memory.
 
     A mixin that goes first in a strategy's bases; it takes the keyword ``micro_batch_size``:
@@ -68,7 +60,15 @@ class MicroBatching(_Base):
     Attributes:
         micro_batch_size: the setting.
         micro_batches: this rank's ``MicroBatchSizes`` (``size`` now, ``failed``, ``grow_after``).
+
+    The host strategy is the runner's ``MicroBatchHost`` (``microbatch/host.py``): beside what every
+    ``ParallelStrategy`` has, it names itself (``strategy_name``) and provides ``note_progress``.
     """
+
+    if TYPE_CHECKING:  # what the host provides (microbatch/host.py's MicroBatchHost)
+        strategy_name: str
+
+        def note_progress(self) -> None: ...
 
     def __init__(self, *args: Any, micro_batch_size: int | str | None = None, **kwargs: Any) -> None:
         self.micro_batch_size = check_micro_batch_size(micro_batch_size)
@@ -77,10 +77,12 @@ class MicroBatching(_Base):
         start = None if auto else self.micro_batch_size
         assert start is None or isinstance(start, int)
         self.micro_batches = MicroBatchSizes(start, auto=auto)
-        # imported here: the runner uses dp/'s modules, and dp/'s strategy class is built on this one
-        from lightning_mgpu.strategies.microbatch.runner import MicroBatchRunner
-
         self._micro_runner: MicroBatchRunner = MicroBatchRunner(self, self.micro_batches)
+
+    @property
+    def collective_passes(self) -> CollectivePasses | None:
+        """``None``: a pass needs no other rank. ``mgpu_fsdp``, whose passes gather, returns its own."""
+        return None
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -2,7 +2,7 @@
 
 ``MicroBatchRunner.run`` replaces one call of the strategy's ``training_step``:
 
-- the batch is cut along dim 0 into micro-batches of at most ``size`` rows (``dp.scatter``);
+- the batch is cut along dim 0 into micro-batches of at most ``size`` rows (``split.batch``);
 - each one runs the host strategy's own ``training_step`` (so ``mgpu_dp`` still spreads it over
   its replicas), with ``self.log`` captured, the module's metrics swapped for copies, and DDP's
   gradient sync off; its loss, weighted by its share of the rows (or, when the step used
@@ -22,40 +22,35 @@ import gc
 import logging
 import math
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
-from lightning.pytorch.strategies import Strategy
-from lightning.pytorch.utilities.memory import is_oom_error
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mgpu.losses import MicroCounts, micro_counts
-from lightning_mgpu.strategies.dp.replicas import LogCapture, replay_logs
-from lightning_mgpu.strategies.dp.scatter import batch_rows, combine_outputs, scatter_batch, split_sizes
+from lightning_mgpu.oom import is_out_of_memory
 from lightning_mgpu.strategies.microbatch.agreement import FATAL, OK, RETRY, Agreement, PeerOutOfMemory
 from lightning_mgpu.strategies.microbatch.first_size import estimated_start
 from lightning_mgpu.strategies.microbatch.grads import BatchGradients
+from lightning_mgpu.strategies.microbatch.host import CollectivePasses, MicroBatchHost
 from lightning_mgpu.strategies.microbatch.metrics import MicroBatchMetrics
 from lightning_mgpu.strategies.microbatch.sizes import MicroBatchSizes
+from lightning_mgpu.strategies.split.batch import combine_outputs, scatter_batch, split_rows, split_sizes
+from lightning_mgpu.strategies.split.logs import LogCapture, replay_logs
 
-__all__ = ["MicroBatchOutOfMemoryError", "MicroBatchRunner", "is_out_of_memory"]
+__all__ = ["MicroBatchOutOfMemoryError", "MicroBatchRunner"]
 
 log = logging.getLogger(__name__)
 
 
 class MicroBatchOutOfMemoryError(MemoryError):
     """A batch did not fit even in micro-batches of one row, on this rank or another."""
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """Out of memory as torch and Lightning tell it (CUDA, cuDNN, the CPU allocator), or a ``MemoryError``."""
-    return isinstance(error, (MemoryError, torch.OutOfMemoryError)) or is_oom_error(error)
 
 
 @dataclass(frozen=True)
@@ -72,18 +67,6 @@ class _Done:
         if not self.counts:
             return None
         return torch.stack([c.to(torch.float64) for c in self.counts]).sum()
-
-
-class Lockstep(Protocol):
-    """What a strategy with collective passes (``mgpu_fsdp``) gives micro-batching, as ``micro_lockstep``."""
-
-    def watching(self, agreement: Agreement) -> AbstractContextManager[None]:
-        """Checkpoints (``agreement.checkpoint``) between the collective parts of each pass, while open."""
-        ...
-
-    def reset(self) -> None:
-        """Put the model back in a state to run a pass after one was abandoned half-way."""
-        ...
 
 
 def _detached(output: Any) -> Any:
@@ -107,7 +90,7 @@ class MicroBatchRunner:
         sizes: this rank's micro-batch size decisions.
     """
 
-    def __init__(self, strategy: Strategy, sizes: MicroBatchSizes) -> None:
+    def __init__(self, strategy: MicroBatchHost, sizes: MicroBatchSizes) -> None:
         self.strategy = strategy
         self.sizes = sizes
         self._metrics = MicroBatchMetrics()
@@ -121,10 +104,7 @@ class MicroBatchRunner:
         module = self.strategy.lightning_module
         assert module is not None
         self._grads = None  # a batch whose loss was None never reached backward
-        try:
-            rows = batch_rows(args[0])
-        except ValueError as err:
-            raise ValueError(f"micro_batch_size: {err}") from None
+        rows = split_rows(args[0], f"micro_batch_size under {self.strategy.strategy_name}")
         if rows is None or (not self.sizes.auto and self.sizes.rows(rows) >= rows):
             return step(*args, **kwargs)  # nothing to split: the step as without micro-batching
         if not module.automatic_optimization:
@@ -143,7 +123,7 @@ class MicroBatchRunner:
         model = self.strategy.model
         ddp = isinstance(model, DistributedDataParallel)
         # mgpu_fsdp: passes gather parameters collectively, so every rank runs the same micro-batches
-        lockstep: Lockstep | None = getattr(self.strategy, "micro_lockstep", None)
+        lockstep = self.strategy.collective_passes
         averaged = ddp or lockstep is not None  # gradients averaged over the ranks, not summed
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         agreement = Agreement(self._rank(), world, self.strategy.root_device)
@@ -209,10 +189,9 @@ class MicroBatchRunner:
         """The number of micro-batches every rank runs: the most any rank needs."""
         parts = agreement.most(parts)
         if parts > rows:
-            name = getattr(self.strategy, "strategy_name", "this strategy")
             raise ValueError(
                 f"micro_batch_size: at {where} this rank has {rows} rows but another rank's batch needs"
-                f" {parts} micro-batches, and under {name}"
+                f" {parts} micro-batches, and under {self.strategy.strategy_name}"
                 " every rank must run the same number. Give every rank batches of the same size (a"
                 " DistributedSampler does, with drop_last=True for the last batch)."
             )
@@ -234,7 +213,6 @@ class MicroBatchRunner:
         chunks = scatter_batch(args[0], sizes, [device] * len(sizes))
         scaler = getattr(self.strategy.precision_plugin, "scaler", None)
         outputs, captures, counts = [], [], []
-        note_progress = getattr(self.strategy, "note_progress", None)  # ProcessGroupServices' counter
         self._metrics.begin(module)
         for index, (chunk, chunk_rows) in enumerate(zip(chunks, sizes, strict=True)):
             capture = LogCapture()
@@ -258,9 +236,8 @@ class MicroBatchRunner:
                     self._phase = "backward"
                     module.backward(scaled)
                     del scaled, loss
-            if note_progress is not None:
-                # a batch run again in small micro-batches can take long: the watchdog must see it move
-                note_progress()
+            # a batch run again in small micro-batches can take long: the watchdog must see it move
+            self.strategy.note_progress()
             counts.extend(seen.counts)
             outputs.append(_detached(output))
             del output
@@ -287,9 +264,9 @@ class MicroBatchRunner:
 
     # ------------------------------------------------------------------ out of memory
     def _rank(self) -> int:
-        return int(getattr(self.strategy, "global_rank", 0))
+        return self.strategy.global_rank
 
-    def _drop(self, grads: BatchGradients, lockstep: Lockstep | None) -> None:
+    def _drop(self, grads: BatchGradients, lockstep: CollectivePasses | None) -> None:
         """Free what an abandoned attempt held; under ``mgpu_fsdp`` reset its half-run pass too."""
         grads.drop_attempt()
         self._metrics.forget_attempt()

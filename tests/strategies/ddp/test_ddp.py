@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MGPUDDPStrategy
 from lightning_mgpu.devices import cpu_name
-from lightning_mgpu.strategies.ddp.checks import check_devices
+from lightning_mgpu.strategies.process_group.checks import check_devices
 from tests.helpers import free_port, group_alive, kill_group, run_command, run_script, script_env
 
 # A tiny regression fit. Rank 0 saves the data, the initial and the final weights, so the
@@ -158,7 +158,7 @@ import time, torch, lightning as L
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from lightning_mgpu import MGPUDDPStrategy
-from lightning_mgpu.strategies.ddp.watchdog.watchdog import DEAD_AFTER, watchdog
+from lightning_mgpu.strategies.process_group.watchdog.watchdog import DEAD_AFTER, watchdog
 
 class Slow(L.LightningModule):
     def __init__(self):

@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 import torch
 
-import lightning_mgpu
 from tests.helpers import run_script
 from tests.strategies.microbatch._models import (
     QUIET,
@@ -27,13 +26,6 @@ def fit(model: TokenModel, strategy: object, devices: int, batch_size: int, step
 
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, **QUIET)
     trainer.fit(model, loader(token_data(), batch_size))
-
-
-@pytest.mark.parametrize("kind", ["masked", "sum"])
-def test_one_device_is_total_over_count(kind: str) -> None:
-    model = TokenModel(kind)
-    fit(model, "auto", 1, 8, 3)
-    assert max_difference(model.state_dict(), reference(token_data(), kind, 8, 3).state_dict()) < ATOL
 
 
 @pytest.mark.parametrize("devices", [2, 3])  # 3: chunks of 3, 3 and 2 rows
@@ -65,11 +57,6 @@ def test_dp_without_the_helper_differs_and_a_replica_that_skips_it_is_named() ->
         "replica 1 returned from training_step while replica(s) wait in {0: 'global_mean'}" in text
         or "replica 0 calls `global_mean` but replica(s) [1] already returned from training_step" in text
     ), text
-
-
-def test_count_must_be_a_scalar() -> None:
-    with pytest.raises(ValueError, match=r"`count` must be a number or a 0-dim tensor .* shape \(3,\)"):
-        lightning_mgpu.global_mean(torch.ones(()), torch.ones(3))
 
 
 DDP_SCRIPT = """

@@ -15,9 +15,9 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass, field
 
-from lightning_mgpu.strategies.ddp.watchdog import processes
-from lightning_mgpu.strategies.ddp.watchdog.heartbeats import Heartbeats
-from lightning_mgpu.strategies.ddp.watchdog.verdicts import Verdict
+from lightning_mgpu.strategies.process_group.watchdog import processes
+from lightning_mgpu.strategies.process_group.watchdog.heartbeats import Heartbeats
+from lightning_mgpu.strategies.process_group.watchdog.verdicts import Verdict
 
 __all__ = ["LocalChecks", "Parent", "ParentEnded"]
 

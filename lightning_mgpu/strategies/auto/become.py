@@ -3,18 +3,14 @@
 - ``become``: turns the strategy object the Trainer holds into the chosen class, initialised
   again on that object, with the accelerator, precision, checkpoint_io, cluster environment,
   devices and node count the Trainer gave it;
-- ``with_micro_batching``: the choice when ``micro_batch_size`` is set: the strategy gets it,
-  and the two choices that cannot micro-batch make way for ``mgpu_dp`` (one device: ``mgpu_dp``
-  on that device; Lightning's ``ddp_notebook``: ``mgpu_dp`` over the same devices);
 - ``PendingDDPStrategy``: ``mgpu_ddp`` until the Trainer connects the model; then, if a whole
   copy of its parameters and gradients does not fit a device but their shards do, it becomes
   ``mgpu_fsdp`` on the processes already started (both launch the same way, see
-  ``ddp/services.py``); if even the shards do not fit, it refuses with the numbers.
+  ``process_group/services.py``); if even the shards do not fit, it refuses with the numbers.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,41 +21,24 @@ from lightning.pytorch.strategies import ParallelStrategy, SingleDeviceStrategy,
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_mgpu.strategies.ddp.strategy import MGPUDDPStrategy
-from lightning_mgpu.strategies.microbatch.mixin import MicroBatching
-from lightning_mgpu.strategies.model_memory import (
+from lightning_mgpu.precision import FSDP_PRECISIONS
+from lightning_mgpu.strategies.auto.decide import StrategyChoice, with_micro_batching
+from lightning_mgpu.strategies.auto.model_memory import (
     ModelMemory,
     model_memory,
     sharding_reason,
     shortfall_reason,
 )
+from lightning_mgpu.strategies.ddp.strategy import MGPUDDPStrategy
+from lightning_mgpu.strategies.microbatch.mixin import MicroBatching
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies.launchers.launcher import _Launcher
 
-    from lightning_mgpu.strategies.auto import StrategyChoice
-
-__all__ = ["PendingChoice", "PendingDDPStrategy", "become", "with_micro_batching"]
+__all__ = ["PendingChoice", "PendingDDPStrategy", "become"]
 
 log = logging.getLogger(__name__)
-
-
-def with_micro_batching(choice: StrategyChoice, micro_batch_size: int | str | None) -> StrategyChoice:
-    """``choice`` with ``micro_batch_size`` among its options, on a strategy that micro-batches.
-
-    ``single_device`` and Lightning's ``ddp_notebook`` cannot: ``mgpu_dp`` takes their place,
-    on the same devices, in this one process.
-    """
-    if micro_batch_size is None:
-        return choice
-    options = {**choice.options, "micro_batch_size": micro_batch_size}
-    if choice.strategy not in ("single_device", "ddp_notebook"):
-        return dataclasses.replace(choice, options=options)
-    options.pop("process_group_backend", None)  # one process: no process group
-    was = "a single device" if choice.strategy == "single_device" else "Lightning's ddp_notebook"
-    reason = f"{choice.reason}; micro_batch_size={micro_batch_size!r}, which {was} cannot run, so mgpu_dp"
-    return dataclasses.replace(choice, strategy="mgpu_dp", reason=reason, options=options)
 
 
 def become(
@@ -171,8 +150,6 @@ class PendingDDPStrategy(MGPUDDPStrategy):
 
 def _second_look(strategy: MGPUDDPStrategy, model: pl.LightningModule, pending: PendingChoice) -> None:
     """Turn ``strategy`` into ``mgpu_fsdp`` when only the model's shards fit a device (see the class)."""
-    from lightning_mgpu.strategies.fsdp.strategy import _PRECISIONS
-
     precision = getattr(strategy.precision_plugin, "precision", "32-true")
     memory = model_memory(model, pending.world, pending.device_memory, precision)
     log.debug("model memory under precision=%s: %s", precision, memory)
@@ -181,10 +158,10 @@ def _second_look(strategy: MGPUDDPStrategy, model: pl.LightningModule, pending: 
     if not memory.needs_sharding:
         log.debug("mgpu_auto keeps mgpu_ddp: a whole copy of the model state fits one device")
         return
-    if precision not in _PRECISIONS:
+    if precision not in FSDP_PRECISIONS:
         rank_zero_warn(
             f"mgpu_auto keeps mgpu_ddp although {sharding_reason(memory)}: mgpu_fsdp does not support"
-            f" precision={precision!r}. Choose one of {', '.join(_PRECISIONS)} to have the model sharded."
+            f" precision={precision!r}. Choose one of {', '.join(FSDP_PRECISIONS)} to have the model sharded."
         )
         return
     choice = with_micro_batching(pending.redecide(memory), pending.micro_batch_size)

@@ -6,7 +6,7 @@ import pytest
 from torch import nn
 
 from lightning_mgpu.strategies.auto import EnvironmentFacts, choose_strategy
-from lightning_mgpu.strategies.model_memory import model_memory
+from lightning_mgpu.strategies.auto.model_memory import model_memory
 from tests.estimate.test_sharded import big_model  # 4 blocks of 4 MiB and a 2 MiB head, on meta
 
 MiB = 1024**2

@@ -41,55 +41,29 @@ import itertools
 import logging
 import os
 import socket
-from abc import ABC
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
-from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import _is_dataloader_shuffled
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_mgpu.strategies.ddp import checks
-from lightning_mgpu.strategies.ddp.errors import add_to_message, is_communication_error
-from lightning_mgpu.strategies.ddp.launcher import _WatchedSubprocessScriptLauncher
-from lightning_mgpu.strategies.ddp.requeue import DeferredRequeue
-from lightning_mgpu.strategies.ddp.summary import format_summary, launcher_name, rank_info
-from lightning_mgpu.strategies.ddp.watchdog.verdicts import RankInfo
-from lightning_mgpu.strategies.ddp.watchdog.watchdog import DEAD_AFTER, INTERVAL, watchdog
+from lightning_mgpu.strategies.mixin import StrategyMixin
+from lightning_mgpu.strategies.process_group import checks
+from lightning_mgpu.strategies.process_group.errors import add_to_message, is_communication_error
+from lightning_mgpu.strategies.process_group.launcher import _WatchedSubprocessScriptLauncher
+from lightning_mgpu.strategies.process_group.requeue import DeferredRequeue
+from lightning_mgpu.strategies.process_group.summary import format_summary, launcher_name, rank_info
+from lightning_mgpu.strategies.process_group.watchdog.verdicts import RankInfo
+from lightning_mgpu.strategies.process_group.watchdog.watchdog import DEAD_AFTER, INTERVAL, watchdog
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-    class _Host(ParallelStrategy):
-        """What the mixin needs from its host, spelled out for the type checker."""
-
-        strategy_name: str
-        _process_group_backend: str | None
-
-        @property
-        def num_nodes(self) -> int: ...
-
-        @num_nodes.setter
-        def num_nodes(self, num_nodes: int) -> None: ...
-
-        @property
-        def num_processes(self) -> int: ...
-
-        def _get_process_group_backend(self) -> str: ...
-
-        def set_world_ranks(self) -> None: ...
-
-    _Base = _Host
-else:
-    # Lightning's strategies derive from ABC; with the same base, an object's layout matches
-    # theirs, so ``mgpu_auto`` can turn its placeholder into the chosen class (``__class__ =``)
-    _Base = ABC
 
 __all__ = ["ProcessGroupServices"]
 
@@ -113,7 +87,7 @@ def _loop_progress(trainer: pl.Trainer) -> int:
     return total
 
 
-class ProcessGroupServices(_Base):
+class ProcessGroupServices(StrategyMixin):
     """Device checks, backend, watchdog, kept shuffle and start-up summary for a process-group strategy.
 
     Args:
@@ -126,6 +100,16 @@ class ProcessGroupServices(_Base):
     Raises:
         ValueError: If ``stall_timeout`` is not a positive number or ``None``.
     """
+
+    if TYPE_CHECKING:  # what the host (DDPStrategy, ModelParallelStrategy) has beyond ParallelStrategy
+        strategy_name: str
+        _process_group_backend: str | None
+        num_nodes: int
+
+        @property
+        def num_processes(self) -> int: ...
+
+        def set_world_ranks(self) -> None: ...
 
     def __init__(self, *args: Any, stall_timeout: float | None = 300.0, **kwargs: Any) -> None:
         number = isinstance(stall_timeout, (int, float)) and not isinstance(stall_timeout, bool)
@@ -159,8 +143,9 @@ class ProcessGroupServices(_Base):
             log.debug("%s: start_method=%r: the host's own launcher", self.strategy_name, start_method)
             super()._configure_launcher()
 
+    # the hosts' hook (DDPStrategy's, ModelParallelStrategy's); ParallelStrategy, the checker's host, lacks it
     @override
-    def _get_process_group_backend(self) -> str:
+    def _get_process_group_backend(self) -> str:  # type: ignore[misc]
         if self._process_group_backend:
             log.debug("%s: backend %s, given explicitly", self.strategy_name, self._process_group_backend)
             return self._process_group_backend

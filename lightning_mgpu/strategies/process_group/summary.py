@@ -21,7 +21,7 @@ from lightning.fabric.plugins.environments import (
 )
 
 from lightning_mgpu.devices import cpu_name, visible_cuda_devices
-from lightning_mgpu.strategies.ddp.watchdog.verdicts import RankInfo
+from lightning_mgpu.strategies.process_group.watchdog.verdicts import RankInfo
 
 __all__ = ["format_summary", "launcher_name", "rank_info"]
 

@@ -17,7 +17,7 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
 
-from lightning_mgpu.strategies.ddp.watchdog.watchdog import PARENT_PID_ENV, watchdog
+from lightning_mgpu.strategies.process_group.watchdog.watchdog import PARENT_PID_ENV, watchdog
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

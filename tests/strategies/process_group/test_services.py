@@ -10,10 +10,10 @@ import lightning as L
 import pytest
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from lightning_mgpu.strategies.ddp.launcher import _WatchedSubprocessScriptLauncher
-from lightning_mgpu.strategies.ddp.services import ProcessGroupServices
-from lightning_mgpu.strategies.ddp.summary import format_summary
-from lightning_mgpu.strategies.ddp.watchdog.verdicts import RankInfo
+from lightning_mgpu.strategies.process_group.launcher import _WatchedSubprocessScriptLauncher
+from lightning_mgpu.strategies.process_group.services import ProcessGroupServices
+from lightning_mgpu.strategies.process_group.summary import format_summary
+from lightning_mgpu.strategies.process_group.watchdog.verdicts import RankInfo
 
 
 class _Sharded(ProcessGroupServices, ModelParallelStrategy):

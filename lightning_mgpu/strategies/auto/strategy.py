@@ -1,29 +1,4 @@
-"""``mgpu_auto`` and ``choose_strategy``: pick the multi-device strategy that works where the code runs.
-
-``choose_strategy(devices=..., num_nodes=...)`` decides, from the number of devices and
-the facts of the environment, in this order:
-
-- several nodes, or a process started by torchrun, SLURM or a launcher that set
-  ``LOCAL_RANK``: ``mgpu_ddp``, the processes already exist or must be started per node;
-- one device: ``single_device``, nothing to parallelise;
-- ``torch.distributed`` missing from this torch build: ``mgpu_dp``, one process needs no
-  process group;
-- several devices in a script: ``mgpu_ddp``;
-- several devices in an interactive session (Jupyter, IPython, ``python -i``) where CUDA
-  is already initialised: ``mgpu_dp``, because forking a process after CUDA is initialised
-  is impossible (Lightning's ``ddp_notebook`` raises there);
-- the same on a platform without ``fork`` (Windows): ``mgpu_dp``;
-- several devices in an interactive session otherwise: Lightning's ``ddp_notebook``.
-
-Given the model, and the device memory (CUDA's, or ``device_memory=``), where the rules above
-pick ``mgpu_ddp``: ``mgpu_fsdp`` when a whole copy of the parameters and gradients does not
-fit one device while their shards and the largest gathered unit do, the reason giving the
-numbers (``model_memory.py``; optimizer state and activations come on top); when even the
-shards do not fit, ``mgpu_ddp`` stays, its reason saying so and how many devices would do.
-
-On CUDA without NCCL (Windows builds) the DDP choices use the ``gloo`` backend.
-``devices="auto"`` means every GPU in a script but one GPU in an interactive session,
-because that is how Lightning resolves it there: pass ``devices=N`` in a notebook.
+"""``mgpu_auto`` and ``choose_strategy``: the decision of ``decide.py`` applied where the code runs.
 
 The ``mgpu_auto`` strategy applies the decision inside the Trainer. A registered strategy
 is built before the Trainer has resolved ``devices`` and ``num_nodes``, so ``mgpu_auto``
@@ -36,7 +11,7 @@ ordinary ``MGPUDDPStrategy``, ``DDPStrategy``, ``SingleDeviceStrategy`` or
 
 The model is not known there. When the choice is ``mgpu_ddp`` and the device memory is
 known, the log says so and ``mgpu_auto`` decides again when the Trainer connects the model,
-in every process (``auto_model.PendingDDPStrategy``): ``mgpu_fsdp`` by the rule above, logged
+in every process (``become.PendingDDPStrategy``): ``mgpu_fsdp`` by ``decide``'s memory rule, logged
 with the numbers (``mgpu_ddp`` stays, with a warning, under a precision ``mgpu_fsdp``
 refuses), and a ``ValueError`` with the numbers when even the shards do not fit, before
 anything is moved. ``micro_batch_size=`` is passed on to the chosen strategy; one device
@@ -47,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,129 +33,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_mgpu.devices import format_bytes, parse_bytes
-from lightning_mgpu.strategies.auto_facts import EnvironmentFacts
-from lightning_mgpu.strategies.auto_model import (
-    PendingChoice,
-    PendingDDPStrategy,
-    become,
-    with_micro_batching,
-)
+from lightning_mgpu.strategies.auto.become import PendingChoice, PendingDDPStrategy, become
+from lightning_mgpu.strategies.auto.decide import StrategyChoice, decide, with_micro_batching
+from lightning_mgpu.strategies.auto.facts import EnvironmentFacts
+from lightning_mgpu.strategies.auto.model_memory import device_memory_of, model_memory
 from lightning_mgpu.strategies.microbatch.mixin import check_micro_batch_size
-from lightning_mgpu.strategies.model_memory import (
-    ModelMemory,
-    device_memory_of,
-    model_memory,
-    sharding_reason,
-    shortfall_reason,
-)
 
-__all__ = [
-    "EnvironmentFacts",
-    "MGPUAutoStrategy",
-    "StrategyChoice",
-    "choose_strategy",
-    "decide",
-]
+__all__ = ["MGPUAutoStrategy", "choose_strategy"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StrategyChoice:
-    """The strategy ``mgpu_auto`` picks, and why.
-
-    Example::
-
-        from lightning_mgpu import choose_strategy
-
-        choice = choose_strategy(devices=4)
-        print(choice)
-        # run from a script: "mgpu_ddp: 4 devices in a script: one process per device";
-        # typed at a prompt or in a notebook the answer is ddp_notebook or mgpu_dp
-    """
-
-    strategy: str
-    """A registered name: ``mgpu_ddp``, ``mgpu_fsdp``, ``mgpu_dp``, ``ddp_notebook`` or ``single_device``."""
-    reason: str
-    devices: int
-    num_nodes: int = 1
-    options: dict[str, Any] = field(default_factory=dict)
-    """Extra arguments for the strategy, such as ``process_group_backend="gloo"``."""
-
-    def __str__(self) -> str:
-        return f"{self.strategy}: {self.reason}"
-
-
-def decide(
-    devices: int,
-    num_nodes: int,
-    device_type: str,
-    facts: EnvironmentFacts,
-    memory: ModelMemory | None = None,
-) -> StrategyChoice:
-    """The decision for ``devices`` devices (already resolved) of type ``device_type`` per node.
-
-    ``choose_strategy`` resolves the Trainer-style arguments and calls this; the rules are
-    listed in the module docstring. ``memory`` is what the model needs, when known.
-
-    Example::
-
-        facts = EnvironmentFacts.detect(interactive=True, cuda_initialized=True)
-        decide(4, 1, "cuda", facts).strategy  # 'mgpu_dp'
-    """
-
-    def choice(strategy: str, reason: str, **options: Any) -> StrategyChoice:
-        if (
-            strategy != "mgpu_dp"
-            and strategy != "single_device"
-            and device_type == "cuda"
-            and not facts.nccl_available
-        ):
-            options["process_group_backend"] = "gloo"
-            reason += "; NCCL is missing from this torch build, so the gloo backend is used"
-        log.debug("%d %s device(s) x %d node(s), %s", devices, device_type, num_nodes, facts)
-        log.debug("-> %s: %s", strategy, reason)
-        return StrategyChoice(strategy, reason, devices, num_nodes, options)
-
-    def processes(why: str) -> StrategyChoice:
-        if memory is not None and memory.needs_sharding:
-            return choice("mgpu_fsdp", f"{why}: one process per device; {sharding_reason(memory)}")
-        reason = f"{why}: one process per device"
-        if memory is not None and memory.fits_nowhere:
-            reason += f"; but {shortfall_reason(memory)}"
-        return choice("mgpu_ddp", reason)
-
-    if num_nodes > 1 or facts.launcher is not None:
-        if not facts.distributed_available:
-            raise ValueError(
-                "several processes need torch.distributed, which this torch build lacks;"
-                " install a torch build with distributed support"
-            )
-        return processes(f"{num_nodes} nodes" if num_nodes > 1 else f"started by {facts.launcher}")
-    if devices <= 1:
-        return choice("single_device", f"one {device_type} device: nothing to split")
-    if not facts.distributed_available:
-        return choice(
-            "mgpu_dp", f"{devices} devices but no torch.distributed in this build: one process drives all"
-        )
-    if not facts.interactive:
-        return processes(f"{devices} devices in a script")
-    if facts.cuda_initialized:
-        return choice(
-            "mgpu_dp",
-            f"{devices} devices in an interactive session where CUDA is already initialised:"
-            " processes cannot be forked any more, so one process drives all devices",
-        )
-    if not facts.fork_available:
-        return choice(
-            "mgpu_dp",
-            f"{devices} devices in an interactive session on a platform without fork:"
-            " one process drives all devices",
-        )
-    return choice(
-        "ddp_notebook",
-        f"{devices} devices in an interactive session before CUDA is initialised: forked processes",
-    )
 
 
 def _resolve_devices(

@@ -1,13 +1,13 @@
-"""Split a batch over replicas and combine what the replicas return.
+"""Cut a batch along dim 0 into parts (replicas, micro-batches) and combine what the parts return.
 
-- ``batch_rows(batch)`` finds the batch size: the first dimension shared by every tensor
-  of a nested batch (tuples, lists, dicts, namedtuples, dataclasses).
+- ``split_rows(batch, feature)`` finds the rows a batch can be cut into: the first dimension
+  shared by every tensor of a nested batch (tuples, lists, dicts, namedtuples, dataclasses).
 - ``split_sizes(rows, parts)`` spreads ``rows`` as evenly as possible over at most
-  ``parts`` replicas (never an empty replica).
+  ``parts`` parts (never an empty part).
 - ``scatter_batch`` cuts every tensor along dim 0 and places chunk ``i`` on device ``i``;
   0-dim tensors are copied to every device and anything that is not a tensor is handed to
-  every replica unchanged.
-- ``combine_outputs`` turns the replicas' step outputs into one output on the first device.
+  every part unchanged.
+- ``combine_outputs`` turns the parts' step outputs into one output on the first device.
 
 Across GPUs the chunks move with ``torch.nn.parallel``'s ``Scatter``/``Gather`` functions;
 when every replica shares one device (CPU replicas) they are views of the batch.
@@ -26,20 +26,24 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-__all__ = ["batch_rows", "combine_outputs", "scatter_batch", "split_sizes", "weighted_mean"]
+__all__ = ["combine_outputs", "scatter_batch", "split_rows", "split_sizes", "weighted_mean"]
 
 
-def batch_rows(batch: Any) -> int | None:
-    """The number of samples in ``batch``: the first dimension of its tensors.
+def split_rows(batch: Any, feature: str) -> int | None:
+    """The rows ``batch`` can be cut into: the first dimension of its tensors, which must agree.
 
     Returns ``None`` when the batch holds no tensor with at least one dimension.
 
-    Stricter than Lightning's ``extract_batch_size``, which guesses a size for logging: that one
-    counts a 0-dim tensor as one row and only warns when sizes disagree (or a string sits beside
-    the tensors). Splitting needs every tensor to agree, and 0-dim tensors go whole to every replica.
+    Stricter than ``lightning_mgpu.estimate.batch.batch_rows`` (Lightning's ``extract_batch_size``,
+    which reads a size for logging from the first tensor): cutting needs every tensor to agree,
+    and 0-dim tensors go whole to every part.
+
+    Args:
+        batch: The batch.
+        feature: What cuts it, for the error (``"mgpu_dp"``, ``"micro_batch_size under mgpu_ddp"``).
 
     Raises:
-        ValueError: if the tensors disagree on their first dimension.
+        ValueError: if the tensors disagree on their first dimension, naming ``feature``.
     """
     rows: list[int] = []
     apply_to_collection(batch, Tensor, lambda t: rows.append(t.shape[0]) if t.dim() > 0 else None)
@@ -47,9 +51,9 @@ def batch_rows(batch: Any) -> int | None:
         return None
     if any(r != rows[0] for r in rows):
         raise ValueError(
-            "mgpu_dp splits every tensor of the batch along dim 0, but the batch holds tensors whose first"
+            f"{feature} cuts every tensor of the batch along dim 0, but the batch holds tensors whose first"
             f" dimensions differ: {rows}. Give every tensor the batch size as its first dimension, or pass"
-            " per-batch constants as Python values or 0-dim tensors (those go to every replica)."
+            " per-batch constants as Python values or 0-dim tensors (those go whole to every part)."
         )
     return rows[0]
 

@@ -1,38 +1,23 @@
-"""Error messages that say what went wrong in a DDP run and how to fix it.
+"""DDP's unused-parameter error, rewritten to name the parameters and give both fixes.
 
-- ``unused_parameters_message``: DDP's "Expected to have finished reduction in the prior
-  iteration" names no parameter (only reducer indices, unless ``TORCH_DISTRIBUTED_DEBUG``
-  is set); this maps the indices back to parameter names and gives both fixes. The
-  indices follow the module's own parameter order, so a process that holds an unwrapped
-  copy of the model (the one that spawned the ranks) names them as well as the rank.
-- ``is_communication_error``: whether an exception came from a collective losing a peer
-  (gloo's "Connection reset by peer", NCCL errors, store timeouts), as opposed to an error
-  of this rank's own code.
+DDP's "Expected to have finished reduction in the prior iteration" names no parameter (only
+reducer indices, unless ``TORCH_DISTRIBUTED_DEBUG`` is set); ``unused_parameters_message`` maps
+the indices back to parameter names. The indices follow the module's own parameter order, so a
+process that holds an unwrapped copy of the model (the one that spawned the ranks) names them as
+well as the rank.
 """
 
 from __future__ import annotations
 
 import re
 
-import torch
 from torch import nn
 
-__all__ = ["UNUSED_PATTERN", "add_to_message", "is_communication_error", "unused_parameters_message"]
+__all__ = ["UNUSED_PATTERN", "unused_parameters_message"]
 
 UNUSED_PATTERN = "Expected to have finished reduction in the prior iteration"
 _DETAIL_NAMES = re.compile(r"Parameters which did not receive grad for rank \d+: ([^\n]+)")
 _INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
-# what torch.distributed's own errors say (gloo and NCCL name themselves, c10d its store); plain words
-# such as "connection" or "timed out" also appear in a user's own errors (a database, a DataLoader)
-_COMMUNICATION_WORDS = (
-    "gloo",
-    "nccl",
-    "c10d",
-    "tcpstore",
-    "processgroup",
-    "connection closed by peer",
-    "connection reset by peer",
-)
 
 
 def _reducer_parameter_names(model: nn.Module) -> list[str]:
@@ -102,21 +87,3 @@ def unused_parameters_message(
 
 def type_name(strategy_name: str) -> str:
     return "MGPUDDPStrategy" if strategy_name.startswith("mgpu_ddp") else "DDPStrategy"
-
-
-def is_communication_error(exception: BaseException) -> bool:
-    """Whether ``exception`` is a collective or store failing because a peer went away."""
-    dist_error = getattr(torch.distributed, "DistError", None)
-    if dist_error is not None and isinstance(exception, dist_error):
-        return True
-    text = str(exception).lower()
-    return isinstance(exception, RuntimeError) and any(word in text for word in _COMMUNICATION_WORDS)
-
-
-def add_to_message(exception: BaseException, text: str, replace: bool = False) -> None:
-    """Put ``text`` in front of the exception's message (or in its place), keeping its type."""
-    if exception.args and isinstance(exception.args[0], str):
-        first = text if replace else f"{text}\n(the original error follows) {exception.args[0]}"
-        exception.args = (first, *exception.args[1:])
-    else:
-        exception.args = (text, *exception.args)

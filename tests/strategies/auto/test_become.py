@@ -14,12 +14,18 @@ from typing import Any
 
 import lightning as L
 import pytest
+import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_mgpu.strategies.auto import EnvironmentFacts, MGPUAutoStrategy
-from lightning_mgpu.strategies.auto_model import PendingDDPStrategy
+from lightning_mgpu.strategies.auto.become import PendingDDPStrategy, become
+from lightning_mgpu.strategies.auto.decide import StrategyChoice
 from lightning_mgpu.strategies.ddp.strategy import MGPUDDPStrategy
 from lightning_mgpu.strategies.dp.strategy import MGPUDataParallelStrategy
 from lightning_mgpu.strategies.fsdp.strategy import MGPUFSDPStrategy
+from lightning_mgpu.strategies.mixin import StrategyMixin
 from tests.strategies.dp._dp_models import QUIET, Regressor, fit, loader, regression_data
 
 # Regressor: 97 float32 parameters; parameters and gradients 776 B whole, over 2 processes
@@ -176,3 +182,50 @@ def test_bad_arguments_are_refused_at_once() -> None:
         MGPUAutoStrategy(device_memory="24 gigs")
     with pytest.raises(ValueError, match="micro_batch_size must be a positive number of rows.*got 0"):
         MGPUAutoStrategy(micro_batch_size=0)
+
+
+def _placeholder() -> MGPUAutoStrategy:
+    """``mgpu_auto`` as the Trainer leaves it before it decides: accelerator and devices set."""
+    strategy = MGPUAutoStrategy()
+    strategy.accelerator = CPUAccelerator()
+    strategy.parallel_devices = [torch.device("cpu")] * 2
+    strategy.cluster_environment = LightningEnvironment()
+    return strategy
+
+
+MGPU_NAMES = sorted(
+    name
+    for name in StrategyRegistry
+    if name.startswith("mgpu_") and StrategyRegistry[name]["strategy"] is not MGPUAutoStrategy
+)
+
+
+@pytest.mark.parametrize("name", MGPU_NAMES)
+def test_mgpu_auto_can_become_every_registered_strategy(name: str) -> None:
+    strategy = _placeholder()
+    accelerator = strategy.accelerator
+    become(strategy, StrategyChoice(name, "chosen by the test", 2), [torch.device("cpu")] * 2)
+    entry = StrategyRegistry[name]
+    assert type(strategy) is entry["strategy"]
+    assert strategy.accelerator is accelerator
+    assert strategy.parallel_devices == [torch.device("cpu")] * 2
+    assert strategy.strategy_name == name.removesuffix("_find_unused_parameters_true")
+    for key, value in entry["init_params"].items():  # mgpu_ddp_find_unused_parameters_true
+        assert strategy._ddp_kwargs[key] == value  # type: ignore[attr-defined]
+
+
+def test_a_mixin_must_derive_from_strategy_mixin_for_the_swap() -> None:
+    class OnObject:
+        pass
+
+    class OnMixinBase(StrategyMixin):
+        pass
+
+    bad = type("BadDDP", (OnObject, MGPUDDPStrategy), {})
+    good = type("GoodDDP", (OnMixinBase, MGPUDDPStrategy), {})
+    choice = StrategyChoice("mgpu_ddp", "chosen by the test", 2)
+    with pytest.raises(TypeError, match="layout differs"):
+        become(_placeholder(), choice, [torch.device("cpu")] * 2, strategy_class=bad)
+    strategy = _placeholder()
+    become(strategy, choice, [torch.device("cpu")] * 2, strategy_class=good)
+    assert type(strategy) is good

@@ -35,11 +35,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lightning_mgpu.strategies.ddp.watchdog import processes, shutdown, signals
-from lightning_mgpu.strategies.ddp.watchdog.heartbeats import Heartbeats, Idleness
-from lightning_mgpu.strategies.ddp.watchdog.local_checks import LocalChecks, Parent
-from lightning_mgpu.strategies.ddp.watchdog.signals import SignalPipe
-from lightning_mgpu.strategies.ddp.watchdog.verdicts import (
+from lightning_mgpu.strategies.process_group.watchdog import processes, shutdown, signals
+from lightning_mgpu.strategies.process_group.watchdog.heartbeats import Heartbeats, Idleness
+from lightning_mgpu.strategies.process_group.watchdog.local_checks import LocalChecks, Parent
+from lightning_mgpu.strategies.process_group.watchdog.signals import SignalPipe
+from lightning_mgpu.strategies.process_group.watchdog.verdicts import (
     Beat,
     RankInfo,
     Suspect,

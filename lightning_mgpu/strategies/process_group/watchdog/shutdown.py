@@ -25,9 +25,9 @@ from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import NoReturn
 
-from lightning_mgpu.strategies.ddp.watchdog import processes
-from lightning_mgpu.strategies.ddp.watchdog.heartbeats import Heartbeats
-from lightning_mgpu.strategies.ddp.watchdog.verdicts import Verdict
+from lightning_mgpu.strategies.process_group.watchdog import processes
+from lightning_mgpu.strategies.process_group.watchdog.heartbeats import Heartbeats
+from lightning_mgpu.strategies.process_group.watchdog.verdicts import Verdict
 
 __all__ = ["ExitSummary", "kill_children", "stop_process", "wait_for_children"]
 

@@ -16,11 +16,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from lightning_mgpu.strategies.ddp.watchdog.local_checks import LocalChecks, Parent
-from lightning_mgpu.strategies.ddp.watchdog.processes import describe_exit, pid_status, start_time
-from lightning_mgpu.strategies.ddp.watchdog.shutdown import ExitSummary
-from lightning_mgpu.strategies.ddp.watchdog.signals import SignalPipe
-from lightning_mgpu.strategies.ddp.watchdog.verdicts import Beat, Judge, RankInfo, Suspect, Verdict
+from lightning_mgpu.strategies.process_group.watchdog.local_checks import LocalChecks, Parent
+from lightning_mgpu.strategies.process_group.watchdog.processes import describe_exit, pid_status, start_time
+from lightning_mgpu.strategies.process_group.watchdog.shutdown import ExitSummary
+from lightning_mgpu.strategies.process_group.watchdog.signals import SignalPipe
+from lightning_mgpu.strategies.process_group.watchdog.verdicts import Beat, Judge, RankInfo, Suspect, Verdict
 
 INFOS = {r: RankInfo(r, 1000 + r, 1, "node-a", 0, r, f"cuda:{r}", "GPU") for r in range(3)}
 

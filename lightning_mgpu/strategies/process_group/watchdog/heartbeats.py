@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_mgpu.strategies.ddp.watchdog import processes
-from lightning_mgpu.strategies.ddp.watchdog.verdicts import Beat, Judge, RankInfo, Verdict
+from lightning_mgpu.strategies.process_group.watchdog import processes
+from lightning_mgpu.strategies.process_group.watchdog.verdicts import Beat, Judge, RankInfo, Verdict
 
 __all__ = ["Heartbeats", "Idleness"]
 

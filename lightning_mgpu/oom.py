@@ -1,0 +1,29 @@
+"""``is_out_of_memory``: an error is an out-of-memory, as torch and Lightning tell it.
+
+One predicate for everything that reacts to running out of memory: micro-batching's ``"auto"``
+(retry smaller) and ``DeviceMemoryMonitor`` (explain the error with the memory of every rank).
+"""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.utilities.memory import is_oom_error
+
+__all__ = ["is_out_of_memory"]
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Out of memory on any device: CUDA's and cuDNN's errors, the CPU allocator's, or a ``MemoryError``.
+
+    Lightning's ``is_oom_error`` reads the ``RuntimeError`` messages of CUDA, cuDNN and the CPU
+    allocator ("DefaultCPUAllocator: can't allocate memory"); ``torch.cuda.OutOfMemoryError``
+    and Python's ``MemoryError`` are recognised by their type.
+
+    Example::
+
+        from lightning_mgpu.oom import is_out_of_memory
+
+        is_out_of_memory(MemoryError())  # True
+        is_out_of_memory(ValueError("out of range"))  # False
+    """
+    return isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)) or is_oom_error(error)

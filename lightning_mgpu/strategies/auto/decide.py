@@ -1,0 +1,157 @@
+"""The decision of ``mgpu_auto``: which multi-device strategy works where the code runs, and why.
+
+``decide`` is the pure decision of ``mgpu_auto`` and ``choose_strategy``: plain facts in (devices, nodes,
+``EnvironmentFacts``, the model's ``ModelMemory``), a ``StrategyChoice`` with its reason out. The rules, in
+this order:
+
+- several nodes, or a process started by torchrun, SLURM or a launcher that set
+  ``LOCAL_RANK``: ``mgpu_ddp``, the processes already exist or must be started per node;
+- one device: ``single_device``, nothing to parallelise;
+- ``torch.distributed`` missing from this torch build: ``mgpu_dp``, one process needs no
+  process group;
+- several devices in a script: ``mgpu_ddp``;
+- several devices in an interactive session (Jupyter, IPython, ``python -i``) where CUDA
+  is already initialised: ``mgpu_dp``, because forking a process after CUDA is initialised
+  is impossible (Lightning's ``ddp_notebook`` raises there);
+- the same on a platform without ``fork`` (Windows): ``mgpu_dp``;
+- several devices in an interactive session otherwise: Lightning's ``ddp_notebook``.
+
+Given the model, and the device memory (CUDA's, or ``device_memory=``), where the rules above
+pick ``mgpu_ddp``: ``mgpu_fsdp`` when a whole copy of the parameters and gradients does not
+fit one device while their shards and the largest gathered unit do, the reason giving the
+numbers (``model_memory.py``; optimizer state and activations come on top); when even the
+shards do not fit, ``mgpu_ddp`` stays, its reason saying so and how many devices would do.
+
+On CUDA without NCCL (Windows builds) the DDP choices use the ``gloo`` backend.
+``devices="auto"`` means every GPU in a script but one GPU in an interactive session,
+because that is how Lightning resolves it there: pass ``devices=N`` in a notebook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_mgpu.strategies.auto.facts import EnvironmentFacts
+from lightning_mgpu.strategies.auto.model_memory import ModelMemory, sharding_reason, shortfall_reason
+
+__all__ = ["StrategyChoice", "decide", "with_micro_batching"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    """The strategy ``mgpu_auto`` picks, and why.
+
+    Example::
+
+        from lightning_mgpu import choose_strategy
+
+        choice = choose_strategy(devices=4)
+        print(choice)
+        # run from a script: "mgpu_ddp: 4 devices in a script: one process per device";
+        # typed at a prompt or in a notebook the answer is ddp_notebook or mgpu_dp
+    """
+
+    strategy: str
+    """A registered name: ``mgpu_ddp``, ``mgpu_fsdp``, ``mgpu_dp``, ``ddp_notebook`` or ``single_device``."""
+    reason: str
+    devices: int
+    num_nodes: int = 1
+    options: dict[str, Any] = field(default_factory=dict)
+    """Extra arguments for the strategy, such as ``process_group_backend="gloo"``."""
+
+    def __str__(self) -> str:
+        return f"{self.strategy}: {self.reason}"
+
+
+def decide(
+    devices: int,
+    num_nodes: int,
+    device_type: str,
+    facts: EnvironmentFacts,
+    memory: ModelMemory | None = None,
+) -> StrategyChoice:
+    """The decision for ``devices`` devices (already resolved) of type ``device_type`` per node.
+
+    ``choose_strategy`` resolves the Trainer-style arguments and calls this; the rules are
+    listed in the module docstring. ``memory`` is what the model needs, when known.
+
+    Example::
+
+        facts = EnvironmentFacts.detect(interactive=True, cuda_initialized=True)
+        decide(4, 1, "cuda", facts).strategy  # 'mgpu_dp'
+    """
+
+    def choice(strategy: str, reason: str, **options: Any) -> StrategyChoice:
+        if (
+            strategy != "mgpu_dp"
+            and strategy != "single_device"
+            and device_type == "cuda"
+            and not facts.nccl_available
+        ):
+            options["process_group_backend"] = "gloo"
+            reason += "; NCCL is missing from this torch build, so the gloo backend is used"
+        log.debug("%d %s device(s) x %d node(s), %s", devices, device_type, num_nodes, facts)
+        log.debug("-> %s: %s", strategy, reason)
+        return StrategyChoice(strategy, reason, devices, num_nodes, options)
+
+    def processes(why: str) -> StrategyChoice:
+        if memory is not None and memory.needs_sharding:
+            return choice("mgpu_fsdp", f"{why}: one process per device; {sharding_reason(memory)}")
+        reason = f"{why}: one process per device"
+        if memory is not None and memory.fits_nowhere:
+            reason += f"; but {shortfall_reason(memory)}"
+        return choice("mgpu_ddp", reason)
+
+    if num_nodes > 1 or facts.launcher is not None:
+        if not facts.distributed_available:
+            raise ValueError(
+                "several processes need torch.distributed, which this torch build lacks;"
+                " install a torch build with distributed support"
+            )
+        return processes(f"{num_nodes} nodes" if num_nodes > 1 else f"started by {facts.launcher}")
+    if devices <= 1:
+        return choice("single_device", f"one {device_type} device: nothing to split")
+    if not facts.distributed_available:
+        return choice(
+            "mgpu_dp", f"{devices} devices but no torch.distributed in this build: one process drives all"
+        )
+    if not facts.interactive:
+        return processes(f"{devices} devices in a script")
+    if facts.cuda_initialized:
+        return choice(
+            "mgpu_dp",
+            f"{devices} devices in an interactive session where CUDA is already initialised:"
+            " processes cannot be forked any more, so one process drives all devices",
+        )
+    if not facts.fork_available:
+        return choice(
+            "mgpu_dp",
+            f"{devices} devices in an interactive session on a platform without fork:"
+            " one process drives all devices",
+        )
+    return choice(
+        "ddp_notebook",
+        f"{devices} devices in an interactive session before CUDA is initialised: forked processes",
+    )
+
+
+def with_micro_batching(choice: StrategyChoice, micro_batch_size: int | str | None) -> StrategyChoice:
+    """``choice`` with ``micro_batch_size`` among its options, on a strategy that micro-batches.
+
+    ``single_device`` and Lightning's ``ddp_notebook`` cannot: ``mgpu_dp`` takes their place,
+    on the same devices, in this one process.
+    """
+    if micro_batch_size is None:
+        return choice
+    options = {**choice.options, "micro_batch_size": micro_batch_size}
+    if choice.strategy not in ("single_device", "ddp_notebook"):
+        return dataclasses.replace(choice, options=options)
+    options.pop("process_group_backend", None)  # one process: no process group
+    was = "a single device" if choice.strategy == "single_device" else "Lightning's ddp_notebook"
+    reason = f"{choice.reason}; micro_batch_size={micro_batch_size!r}, which {was} cannot run, so mgpu_dp"
+    return dataclasses.replace(choice, strategy="mgpu_dp", reason=reason, options=options)
