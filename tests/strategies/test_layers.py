@@ -1,0 +1,103 @@
+"""strategies/ imports run one way: auto -> the strategy families -> process_group, microbatch -> split.
+
+Read from the source with ``ast``, so a cycle dodged by an import inside a function shows too.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import lightning_mgpu.strategies
+from lightning_mgpu.strategies.ddp.strategy import MGPUDDPStrategy
+from lightning_mgpu.strategies.dp.strategy import MGPUDataParallelStrategy
+from lightning_mgpu.strategies.fsdp.strategy import MGPUFSDPStrategy
+
+ROOT = Path(lightning_mgpu.strategies.__file__).parent
+PACKAGE = "lightning_mgpu.strategies"
+
+# folder (or top-level module) -> the folders of strategies/ it may import besides itself
+ALLOWED = {
+    "mixin": set(),
+    "split": set(),
+    "process_group": {"mixin"},
+    "microbatch": {"mixin", "split"},
+    "ddp": {"mixin", "process_group", "microbatch"},
+    "fsdp": {"mixin", "process_group", "microbatch"},
+    "dp": {"mixin", "microbatch", "split"},
+    "auto": {"ddp", "fsdp", "dp", "microbatch", "mixin"},
+}
+
+
+def _room(module: str) -> str:
+    return module.removeprefix(PACKAGE + ".").split(".")[0]
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """(imported module of strategies/, whether the import sits inside a function) for one file."""
+    tree = ast.parse(path.read_text())
+    found: list[tuple[str, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.ImportFrom) and child.module and child.module.startswith(PACKAGE + "."):
+                found.append((child.module, inside))
+            elif isinstance(child, ast.Import):
+                found.extend((a.name, inside) for a in child.names if a.name.startswith(PACKAGE + "."))
+            visit(child, inside)
+
+    visit(tree, False)
+    return found
+
+
+def _modules() -> dict[str, Path]:
+    return {
+        ".".join((PACKAGE, *path.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__"): path
+        for path in ROOT.rglob("*.py")
+    }
+
+
+def test_every_room_is_known_and_imports_only_below_it() -> None:
+    wrong = []
+    for module, path in _modules().items():
+        if module == PACKAGE:
+            continue
+        room = _room(module)
+        assert room in ALLOWED, f"{path}: a new room of strategies/; add it to ALLOWED with its layer"
+        for target, _ in _imports(path):
+            if _room(target) != room and _room(target) not in ALLOWED[room]:
+                wrong.append(f"{module} imports {target}")
+    assert not wrong, "imports against the direction:\n" + "\n".join(wrong)
+
+
+def test_no_import_inside_a_function_and_no_cycle() -> None:
+    modules = _modules()
+    inside = [f"{m} imports {t} inside a function" for m, p in modules.items() for t, f in _imports(p) if f]
+    assert not inside, "\n".join(inside)
+    graph = {m: {t for t, _ in _imports(p) if t in modules} for m, p in modules.items()}
+    done: set[str] = set()
+
+    def walk(module: str, path: list[str]) -> None:
+        if module in path:
+            raise AssertionError("import cycle: " + " -> ".join([*path[path.index(module) :], module]))
+        if module in done:
+            return
+        for target in graph[module]:
+            walk(target, [*path, module])
+        done.add(module)
+
+    for module in graph:
+        walk(module, [])
+
+
+def test_constructor_arguments_show_in_the_signature() -> None:
+    for cls in (MGPUDDPStrategy, MGPUFSDPStrategy, MGPUDataParallelStrategy):
+        parameters = inspect.signature(cls).parameters
+        assert "micro_batch_size" in parameters, cls
+        assert not any(p.kind is p.VAR_POSITIONAL for p in parameters.values()), cls
+    ddp = inspect.signature(MGPUDDPStrategy).parameters
+    for name in ("stall_timeout", "process_group_backend", "timeout", "start_method", "ddp_comm_hook"):
+        assert name in ddp, name
+    assert "stall_timeout" in inspect.signature(MGPUFSDPStrategy).parameters
