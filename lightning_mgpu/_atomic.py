@@ -4,7 +4,7 @@ Readers see either the old file or the complete new one, never a half-written fi
 at any point (an exception, Ctrl-C, SIGTERM, a full disk) leaves the destination as it was and no
 temporary file behind. A process killed outright (SIGKILL, a lost machine) cannot clean up: its
 temporary file carries its host and process id (``.NAME.HOST.PID.RANDOM.tmp``), and the next write
-into that folder removes the ones whose process no longer exists on this host.
+into that folder, whatever file it writes, removes the ones whose process no longer exists on this host.
 
 Writers call :func:`start_writeback` every :data:`WRITEBACK_BYTES` (or write through
 :class:`WritebackWriter`), so the disk writes while the rest of the file is produced and the closing
@@ -199,20 +199,25 @@ _HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname().split(".")[0])[:32] o
 
 
 def _remove_orphans(path: Path) -> None:
-    """Remove temporary files for ``path`` left by processes of this host that no longer exist."""
-    pattern = re.compile(re.escape(f".{path.name}.{_HOST}.") + r"(\d+)\.[^.]+\.tmp")
+    """Remove temporary files in ``path``'s folder left by processes of this host that no longer exist.
+
+    Any name's, not only ``path``'s: checkpoint names change every epoch, so a file killed while
+    writing ``epoch=3.safetensors`` is seldom written again. A live process's files are left alone,
+    and so are another host's (on a shared file system), whose process ids mean nothing here.
+    """
+    pattern = re.compile(r"\.(.+)\." + re.escape(_HOST) + r"\.(\d+)\.[A-Za-z0-9_]+\.tmp")
     with contextlib.suppress(OSError):
         for entry in os.scandir(path.parent):
             match = pattern.fullmatch(entry.name)
-            if match is None or _process_exists(int(match.group(1))):
+            if match is None or _process_exists(int(match.group(2))):
                 continue
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry.path)
                 logger.warning(
                     "removed %s, left by an earlier write of %s whose process (%s) was killed",
                     entry.path,
-                    path.name,
                     match.group(1),
+                    match.group(2),
                 )
 
 

@@ -66,16 +66,19 @@ def test_the_next_write_removes_what_a_killed_writer_left(
 ) -> None:
     pid, temporary = _writer_killed_by(tmp_path, signal.SIGKILL)
     assert [p.name for p in tmp_path.glob(".w.safetensors.*.tmp")] == temporary  # SIGKILL: no clean-up
-    # a live process's temporary file is never touched, nor another file's
-    live = tmp_path / f".w.safetensors.{temporary[0].split('.')[3]}.{os.getpid()}.abc.tmp"
+    host = temporary[0].split(".")[3]
+    # a live process's temporary file is never touched, whatever its name, nor another host's
+    live = tmp_path / f".x.safetensors.{host}.{os.getpid()}.abc.tmp"
     live.write_bytes(b"")
-    other = tmp_path / f".x.safetensors.{temporary[0].split('.')[3]}.{pid}.abc.tmp"
-    other.write_bytes(b"")
+    elsewhere = tmp_path / f".w.safetensors.another-host.{pid}.abc.tmp"
+    assert host != "another-host"
+    elsewhere.write_bytes(b"")
     model = net(seed=1)
+    # checkpoint names change every epoch: a write under another name cleans up as well
     with caplog.at_level(logging.WARNING, logger="lightning_mgpu._atomic"):
-        export_state_dict(model, tmp_path / "w.safetensors")
+        export_state_dict(model, tmp_path / "epoch=1.safetensors")
     assert f"removed {tmp_path / temporary[0]}, left by an earlier write of w.safetensors" in caplog.text
     assert f"({pid}) was killed" in caplog.text
     left = sorted(p.name for p in tmp_path.iterdir())
-    assert left == sorted(["writer.py", "w.safetensors", live.name, other.name])
-    assert_same(model.state_dict(), safetensors.torch.load_file(tmp_path / "w.safetensors"))
+    assert left == sorted(["writer.py", "epoch=1.safetensors", live.name, elsewhere.name])
+    assert_same(model.state_dict(), safetensors.torch.load_file(tmp_path / "epoch=1.safetensors"))
