@@ -7,7 +7,6 @@ One predicate for everything that reacts to running out of memory: micro-batchin
 from __future__ import annotations
 
 import torch
-from lightning.pytorch.utilities.memory import is_oom_error
 
 __all__ = ["is_out_of_memory"]
 
@@ -26,4 +25,9 @@ def is_out_of_memory(error: BaseException) -> bool:
         is_out_of_memory(MemoryError())  # True
         is_out_of_memory(ValueError("out of range"))  # False
     """
-    return isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)) or is_oom_error(error)
+    return isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)) or memory.is_oom_error(error)
+
+
+# After the definition: importing Lightning registers the mgpu_* strategies, whose micro-batching
+# imports this module; when this module is the first to import Lightning, the name must exist by then.
+from lightning.pytorch.utilities import memory  # noqa: E402

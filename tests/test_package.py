@@ -35,6 +35,19 @@ def test_registers_when_lightning_is_imported_afterwards() -> None:
     assert out.stdout.strip().endswith("MGPUDDPStrategy")
 
 
+@pytest.mark.parametrize(
+    "module", ["lightning_mgpu.estimate.batch", "lightning_mgpu.oom", "lightning_mgpu.strategies.split.batch"]
+)
+def test_a_module_the_strategies_use_can_be_imported_first(module: str) -> None:
+    # the first import of Lightning registers the strategies, which import these modules again
+    code = (
+        f"import {module}\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "assert {'mgpu_ddp', 'mgpu_fsdp', 'mgpu_dp', 'mgpu_auto'} <= set(StrategyRegistry)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+
+
 def test_unknown_public_name() -> None:
     with pytest.raises(AttributeError, match="NoSuchThing"):
         lightning_mgpu.NoSuchThing  # noqa: B018

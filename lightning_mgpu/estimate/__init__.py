@@ -25,6 +25,11 @@ if TYPE_CHECKING:
 
 __all__ = ["STRATEGIES", "MemoryEstimate", "estimate_memory"]
 
+# Importing Lightning registers the mgpu_* strategies, and micro-batching's first size imports
+# ``predict``. Importing Lightning here, before any module of this package starts (``batch.py``
+# imports it), means that registration never meets an estimate module that is only half imported.
+import lightning.pytorch  # noqa: E402, F401
+
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
