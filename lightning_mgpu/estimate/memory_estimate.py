@@ -12,13 +12,11 @@ import math
 from dataclasses import dataclass, field
 
 from lightning_mgpu.devices import parse_bytes
-from lightning_mgpu.estimate.sharded import shard_bytes
+from lightning_mgpu.estimate.sharded import fewest_devices, shard_share
 
 __all__ = ["STRATEGIES", "MemoryEstimate"]
 
 STRATEGIES = ("single", "mgpu_dp", "mgpu_ddp", "mgpu_fsdp")
-
-_MOST_DEVICES = 1 << 16  # where devices_to_fit stops looking
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +89,9 @@ class MemoryEstimate:
         dim 0 to a multiple of ``devices`` weighs on them in the same proportion.
         """
         n = self.devices if devices is None else devices
-        whole = sum(rows * row for rows, row in self.parameter_rows)
-        share = shard_bytes(self.parameter_rows, n) / whole if whole else 1.0
-        return math.ceil(self.model_state_bytes * share)
+        if not self.parameter_rows:
+            return self.model_state_bytes  # nothing to shard
+        return math.ceil(self.model_state_bytes * shard_share(self.parameter_rows, n))
 
     def per_device_batch(self, strategy: str = "single") -> int:
         """The batch on each device under ``strategy`` at the configured batch size."""
@@ -150,18 +148,9 @@ class MemoryEstimate:
             ValueError: if no device memory was given here or to ``estimate_memory``.
         """
         memory = self._memory(device_memory)
-
-        def fits(n: int) -> bool:
-            return self.peak("mgpu_fsdp", per_device_batch, devices=n) <= memory
-
-        if not fits(_MOST_DEVICES):
-            return None
-        low, high = 1, _MOST_DEVICES  # the peak never grows with the devices: search for the first fit
-        while low < high:
-            middle = (low + high) // 2
-            low, high = (low, middle) if fits(middle) else (middle + 1, high)
-        log.debug("mgpu_fsdp fits %d bytes per device from %d device(s)", memory, low)
-        return low
+        fewest = fewest_devices(lambda n: self.peak("mgpu_fsdp", per_device_batch, devices=n) <= memory)
+        log.debug("mgpu_fsdp fits %d bytes per device from %s device(s)", memory, fewest)
+        return fewest
 
     def _memory(self, device_memory: int | str | None) -> int:
         memory = self.device_memory if device_memory is None else parse_bytes(device_memory)

@@ -2,10 +2,10 @@
 
 Each device holds ``1/N`` of every parameter (FSDP2 splits dim 0 and pads it to a multiple of
 ``N``), of its gradient and of its optimizer state, plus one unit's parameters while they are
-gathered. ``estimate_memory`` predicts the ``mgpu_fsdp`` peak with ``shard_bytes`` and
+gathered. ``estimate_memory`` predicts the ``mgpu_fsdp`` peak with ``shard_share`` and
 ``unit_bytes``; the strategy and ``choose_strategy`` check the lower bound, ``sharded_need``:
-parameters and gradients only, optimizer state and activations come on top. When even that
-exceeds a device's memory, no setting of the run can work, and the error says how many
+parameters, gradients and the optimizer state where it is counted, activations come on top. When
+even that exceeds a device's memory, no setting of the run can work, and the error says how many
 devices would hold it. Tensors on the meta device count by their shapes, so a model too
 large to build anywhere is measured too.
 """
@@ -13,7 +13,7 @@ large to build anywhere is measured too.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +22,19 @@ from torch import nn
 from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.estimate.shard_plan import ShardingPlan
 
-__all__ = ["ShardedNeed", "check_fits", "parameter_rows", "shard_bytes", "sharded_need", "unit_bytes"]
+__all__ = [
+    "ShardedNeed",
+    "check_fits",
+    "fewest_devices",
+    "parameter_rows",
+    "shard_bytes",
+    "shard_share",
+    "sharded_need",
+    "unit_bytes",
+]
+
+_MOST_DEVICES = 1 << 16  # where fewest_devices stops looking
+_ON_TOP = {False: "optimizer state and activations come on top", True: "activations come on top"}
 
 
 @dataclass(frozen=True)
@@ -30,28 +42,57 @@ class ShardedNeed:
     """Bytes a device needs at least under a sharding plan.
 
     Attributes:
-        state: Parameters and their gradients, whole model (each device holds 1/N of it).
+        state: Parameters, their gradients and the optimizer state when counted, whole model (each
+            device holds its shards of it).
         largest_unit: The largest unit's parameters, gathered whole for its forward and backward.
         world: Number of processes the state is sharded over.
         offloaded: Whether the shards live in CPU memory (``cpu_offload=True``).
+        gradients: The part of ``state`` that is gradients (also what DDP's buckets hold).
+        optimizer_state: The part of ``state`` that is optimizer state (0: not counted).
+        rows: ``parameter_rows`` of the model: the padding of dim 0 weighs on every shard; without
+            them the state divides evenly.
     """
 
     state: int
     largest_unit: int
     world: int
     offloaded: bool = False
+    gradients: int = 0
+    optimizer_state: int = 0
+    rows: tuple[tuple[int, int], ...] = ()
+
+    def shards(self, world: int | None = None) -> int:
+        """The fullest device's shards of the state over ``world`` processes (default: ``self.world``)."""
+        if self.offloaded:
+            return 0
+        return math.ceil(self.state * shard_share(self.rows, self.world if world is None else world))
 
     @property
     def per_device(self) -> int:
         """The lower bound for one device."""
-        shards = 0 if self.offloaded else math.ceil(self.state / self.world)
-        return shards + self.largest_unit
+        return self.shards() + self.largest_unit
 
     def devices_needed(self, device_memory: int) -> int | None:
         """The fewest processes whose devices hold this state; ``None`` when no count can."""
-        if device_memory <= self.largest_unit:
-            return None
-        return 1 if self.offloaded else math.ceil(self.state / (device_memory - self.largest_unit))
+        if self.offloaded:
+            return 1 if self.largest_unit < device_memory else None
+
+        return fewest_devices(lambda n: self.shards(n) + self.largest_unit <= device_memory)
+
+
+def fewest_devices(fits: Callable[[int], bool]) -> int | None:
+    """The fewest devices ``n`` with ``fits(n)``, for a need that never grows with ``n``; ``None`` when none.
+
+    Past 65536 devices no count is looked for: what is left (a unit gathered whole, the rows FSDP cannot
+    split any further) does not shrink.
+    """
+    if not fits(_MOST_DEVICES):
+        return None
+    low, high = 1, _MOST_DEVICES  # binary search for the first fit
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fits(middle) else (middle + 1, high)
+    return low
 
 
 def _bytes(module: nn.Module, gather_itemsize: int | None, skip: Collection[int] = ()) -> int:
@@ -106,12 +147,23 @@ def shard_bytes(rows: Iterable[tuple[int, int]], world: int) -> int:
     return sum(math.ceil(n / world) * row for n, row in rows)
 
 
+def shard_share(rows: Iterable[tuple[int, int]], world: int) -> float:
+    """The fullest rank's share of the parameters given by ``parameter_rows``, padding included (``1/world``
+    without rows): gradients and optimizer state are sharded like their parameters, so the same share."""
+    rows = tuple(rows)
+    whole = sum(n * row for n, row in rows)
+    return shard_bytes(rows, world) / whole if whole else 1 / world
+
+
 def sharded_need(
     module: nn.Module,
     plan: ShardingPlan,
     world: int,
     gather_itemsize: int | None = None,
     offloaded: bool = False,
+    *,
+    param_dtype: torch.dtype | None = None,
+    optimizer_state: int = 0,
 ) -> ShardedNeed:
     """The lower bound of a device's memory for ``module`` sharded by ``plan`` over ``world`` processes.
 
@@ -122,11 +174,26 @@ def sharded_need(
         gather_itemsize: Bytes per number of the gathered parameters (2 under bf16-mixed);
             ``None`` for the parameters' own.
         offloaded: The shards are kept in CPU memory (``cpu_offload=True``).
+        param_dtype: The dtype floating-point parameters are kept in (``bf16-true``: bfloat16);
+            ``None`` for their own.
+        optimizer_state: Bytes of optimizer state of the whole model
+            (``optimizer_state.count_optimizer_state``), sharded like the parameters.
     """
-    params = {id(p): p for p in module.parameters()}
-    state = 2 * sum(p.numel() * p.element_size() for p in params.values())
+    rows = parameter_rows(module, param_dtype)
+    params = {id(p): p for p in module.parameters()}.values()
+    parameters = sum(n * row for n, row in rows)
+    # a frozen parameter has no gradient
+    gradients = sum(n * row for (n, row), p in zip(rows, params, strict=True) if p.requires_grad)
     units = unit_bytes(module, plan, gather_itemsize)
-    return ShardedNeed(state=state, largest_unit=max(units), world=world, offloaded=offloaded)
+    return ShardedNeed(
+        state=parameters + gradients + optimizer_state,
+        largest_unit=max(units),
+        world=world,
+        offloaded=offloaded,
+        gradients=gradients,
+        optimizer_state=optimizer_state,
+        rows=rows,
+    )
 
 
 def check_fits(need: ShardedNeed, device_memory: int, device: str, strategy_name: str = "mgpu_fsdp") -> None:
@@ -141,7 +208,12 @@ def check_fits(need: ShardedNeed, device_memory: int, device: str, strategy_name
     if need.offloaded:
         parts = f"the shards are in CPU memory; {parts}"
     else:
-        parts = f"parameters and gradients {format_bytes(need.state)}, 1/{need.world} each, {parts}"
+        what = (
+            "parameters, gradients and optimizer state"
+            if need.optimizer_state
+            else "parameters and gradients"
+        )
+        parts = f"{what} {format_bytes(need.state)}, 1/{need.world} each, {parts}"
     fewest = need.devices_needed(device_memory)
     if fewest is None:
         fix = (
@@ -152,6 +224,6 @@ def check_fits(need: ShardedNeed, device_memory: int, device: str, strategy_name
         fix = f"use at least {fewest} devices (devices=, num_nodes=), cpu_offload=True or a lower precision"
     raise ValueError(
         f"{strategy_name}: the model needs at least {format_bytes(need.per_device)} per device on"
-        f" {need.world} process(es) ({parts}; optimizer state and activations come on top), but {device} has"
+        f" {need.world} process(es) ({parts}; {_ON_TOP[bool(need.optimizer_state)]}), but {device} has"
         f" {format_bytes(device_memory)}. {fix[0].upper()}{fix[1:]}."
     )

@@ -8,7 +8,6 @@ step's gradients still alive), ``zero_grad(set_to_none=True)``, backward, optimi
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,6 +25,7 @@ from lightning_mgpu.estimate.measuring import (
     sample_sizes,
     unique_bytes,
 )
+from lightning_mgpu.estimate.optimizer_state import copy_optimizer, module_optimizers, state_bytes
 
 __all__ = ["measure_steps"]
 
@@ -47,63 +47,16 @@ def _resolve_step(module: nn.Module, step_fn: Callable[[nn.Module, Any], Any] | 
     return forward_step
 
 
-def _find_optimizers(conf: Any) -> list[torch.optim.Optimizer]:
-    if isinstance(conf, torch.optim.Optimizer):
-        return [conf]
-    items = conf.values() if isinstance(conf, Mapping) else conf if isinstance(conf, (list, tuple)) else []
-    found: list[torch.optim.Optimizer] = []
-    for item in items:
-        found.extend(o for o in _find_optimizers(item) if all(o is not f for f in found))
-    return found
-
-
 def _resolve_optimizers(
     module: nn.Module, optimizer: torch.optim.Optimizer | None, notes: list[str]
 ) -> list[torch.optim.Optimizer]:
-    if optimizer is not None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        return [optimizer]
-    configure = getattr(module, "configure_optimizers", None)
-    conf = None
-    if configure is not None:
-        try:
-            with quiet_lightning():
-                conf = configure()
-        except Exception as err:
-            raise ValueError(
-                f"{type(module).__name__}.configure_optimizers() failed outside a Trainer"
-                f" ({type(err).__name__}: {err}); pass optimizer=... to estimate_memory"
-            ) from err
-    found = _find_optimizers(conf)
+    try:
+        found = module_optimizers(module, optimizer)
+    except ValueError as err:
+        raise ValueError(f"{err} to estimate_memory") from err.__cause__
     if not found:
         notes.append("no optimizer: optimizer state is not counted (pass optimizer=...)")
     return found
-
-
-def _copy_optimizer(opt: torch.optim.Optimizer, leaf_of: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
-    def measuring(options: dict[str, Any]) -> dict[str, Any]:
-        options = dict(options)
-        if options.get("fused"):  # fused kernels update in place without temporaries
-            options.update(fused=False, foreach=False)
-        elif "foreach" in options and options["foreach"] is None:
-            options["foreach"] = True  # the default on CUDA, whose temporaries are what we predict
-        return options
-
-    groups = []
-    for group in opt.param_groups:
-        new = measuring({k: v for k, v in group.items() if k != "params"})
-        try:
-            new["params"] = [leaf_of[id(p)] for p in group["params"]]
-        except KeyError:
-            raise ValueError(
-                f"the {type(opt).__name__} optimizer holds a tensor that is not a parameter of the module"
-            ) from None
-        groups.append(new)
-    for kwargs in (measuring(opt.defaults), {}):
-        with contextlib.suppress(TypeError):
-            return type(opt)(groups, **kwargs)
-    raise ValueError(f"cannot rebuild {type(opt).__name__} from its param_groups to measure its state")
 
 
 def _loss_of(out: Any) -> torch.Tensor:
@@ -167,7 +120,7 @@ def measure_steps(
     originals = _resolve_optimizers(module, optimizer, notes)
     copies, batch1 = make_copies(module, sample_batch, step, device, param_dtype, autocast_dtype)
     params, static, call = copies.params, copies.static, copies.call
-    optimizers = [_copy_optimizer(o, copies.leaf_of) for o in originals]
+    optimizers = [copy_optimizer(o, copies.leaf_of) for o in originals]
     tracker = LiveBytes(device)
     tracker.track_all(static + tensors(batch1))
     was_training = module.training
@@ -183,7 +136,6 @@ def measure_steps(
             m2 = _step(call, batch2, optimizers, trainable, tracker, static)
     finally:
         module.train(was_training)
-    state = [t for o in optimizers for s in o.state.values() for t in tensors(s) if t.device == device]
     return MeasuredStep(
         device=device.type,
         optimizer=", ".join(type(o).__name__ for o in originals) or "none",
@@ -191,8 +143,7 @@ def measure_steps(
         parameter_bytes=unique_bytes(list(params.values())),
         buffer_bytes=unique_bytes(list(copies.buffers.values())),
         gradient_bytes=unique_bytes([p.grad for p in params.values() if p.grad is not None]),
-        # scalar step counters are left out: they usually live on the CPU
-        optimizer_state_bytes=unique_bytes(state, min_dim=1),
+        optimizer_state_bytes=state_bytes(optimizers, device),
         **{key: Line.through(b1, m1[key], b2, m2[key]) for key in ("batch", "saved", "outputs")},
         forward_backward=Line.through(b1, m1["forward_backward"], b2, m2["forward_backward"]),
         optimizer_step=Line.through(b1, m1["optimizer_step"], b2, m2["optimizer_step"]),

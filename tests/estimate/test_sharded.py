@@ -48,8 +48,16 @@ def test_a_model_that_does_not_fit_says_how_many_devices_would_hold_it() -> None
     message = str(err.value)
     assert "parameters and gradients 36.00 MiB, 1/2 each, plus 4.00 MiB for the largest unit" in message
     assert "but cuda:0 (H100) has 16.00 MiB" in message
-    assert "Use at least 3 devices" in message  # 36 MiB / 3 + 4 MiB = 16 MiB
-    check_fits(sharded_need(model, plan_sharding(model), world=3), 16 * MiB, "cuda:0")
+    # over 3 devices each weight's 1024 rows pad to 3 x 342: 12.02 MiB of shards and the 4 MiB block
+    assert "Use at least 4 devices" in message
+    check_fits(sharded_need(model, plan_sharding(model), world=4), 16 * MiB, "cuda:0")
+    with_adam = sharded_need(model, plan_sharding(model), 4, optimizer_state=36 * MiB)  # Adam's moments
+    with pytest.raises(
+        ValueError, match="parameters, gradients and optimizer state 72.00 MiB, 1/4 each"
+    ) as err:
+        check_fits(with_adam, 16 * MiB, "cuda:0")
+    assert "; activations come on top)" in str(err.value)
+    assert "Use at least 7 devices" in str(err.value)  # over 6, 1024 rows pad to 6 x 171: just over 12 MiB
 
 
 def test_a_unit_larger_than_the_device_cannot_be_helped_by_more_devices() -> None:

@@ -4,7 +4,8 @@
   again on that object, with the accelerator, precision, checkpoint_io, cluster environment,
   devices and node count the Trainer gave it;
 - ``PendingDDPStrategy``: ``mgpu_ddp`` until the Trainer connects the model; then, if a whole
-  copy of its parameters and gradients does not fit a device but their shards do, it becomes
+  copy of its parameters, gradients and optimizer state does not fit a device but their shards do,
+  it becomes
   ``mgpu_fsdp`` on the processes already started (both launch the same way, see
   ``process_group/services.py``); if even the shards do not fit, it refuses with the numbers.
 """
@@ -129,7 +130,9 @@ class PendingDDPStrategy(MGPUDDPStrategy):
     ``connect`` runs in every process, after they were started and before the process group
     exists; each process measures the same model against the same memory, so all decide alike:
 
-    - a whole copy of the parameters and gradients fits a device: it stays ``mgpu_ddp``;
+    - a whole copy of the parameters, gradients and optimizer state (the state one step of
+      ``configure_optimizers()``'s optimizer creates, in the Trainer's precision) fits a device:
+      it stays ``mgpu_ddp``;
     - only their shards (with the largest unit gathered) fit: ``mgpu_fsdp``, logged with the
       numbers, unless the Trainer's precision is one ``mgpu_fsdp`` refuses (a warning says so);
     - neither fits: ``ValueError`` with the numbers and how many devices would do.

@@ -17,10 +17,11 @@ this order:
 - several devices in an interactive session otherwise: Lightning's ``ddp_notebook``.
 
 Given the model, and the device memory (CUDA's, or ``device_memory=``), where the rules above
-pick ``mgpu_ddp``: ``mgpu_fsdp`` when a whole copy of the parameters and gradients does not
-fit one device while their shards and the largest gathered unit do, the reason giving the
-numbers (``model_memory.py``; optimizer state and activations come on top); when even the
-shards do not fit, ``mgpu_ddp`` stays, its reason saying so and how many devices would do.
+pick ``mgpu_ddp``: ``mgpu_fsdp`` when a whole copy of the parameters, gradients and optimizer state
+(with DDP's gradient buckets) does not fit one device while their shards and the largest gathered
+unit do, the reason giving the numbers (``model_memory.py``, the estimate's arithmetic; activations
+come on top); when even the shards do not fit, ``mgpu_ddp`` stays, its reason saying so and how many
+devices would do.
 
 On CUDA without NCCL (Windows builds) the DDP choices use the ``gloo`` backend.
 ``devices="auto"`` means every GPU in a script but one GPU in an interactive session,
@@ -35,7 +36,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_mgpu.strategies.auto.facts import EnvironmentFacts
-from lightning_mgpu.strategies.auto.model_memory import ModelMemory, sharding_reason, shortfall_reason
+from lightning_mgpu.strategies.auto.model_memory import (
+    ModelMemory,
+    fitting_reason,
+    sharding_reason,
+    shortfall_reason,
+)
 
 __all__ = ["StrategyChoice", "decide", "with_micro_batching"]
 
@@ -105,6 +111,8 @@ def decide(
         reason = f"{why}: one process per device"
         if memory is not None and memory.fits_nowhere:
             reason += f"; but {shortfall_reason(memory)}"
+        elif memory is not None and memory.whole:
+            reason += f"; {fitting_reason(memory)}"
         return choice("mgpu_ddp", reason)
 
     if num_nodes > 1 or facts.launcher is not None:

@@ -1,27 +1,39 @@
 """What a model needs of one device, whole and sharded: the fact ``choose_strategy`` weighs it by.
 
-The arithmetic is the estimate's (``lightning_mgpu.estimate.sharded``): parameters and
-gradients whole under ``mgpu_ddp``; their shards plus the largest gathered unit under
-``mgpu_fsdp``, by its automatic sharding plan. A Trainer precision that converts the
-parameters (``bf16-true``, ``16-true``, ``64-true``) counts them at its size; ``bf16-mixed``
-gathers the units in bfloat16.
+The arithmetic is the estimate's, with its numbers (``lightning_mgpu.estimate``): under ``mgpu_ddp`` the
+parameters, their gradients, DDP's gradient buckets (a second copy of the gradients) and the optimizer
+state, whole; under ``mgpu_fsdp`` the fullest device's shards of the parameters, gradients and optimizer
+state (``sharded.py``), plus the largest unit of its automatic sharding plan gathered. The optimizer
+state is what one step of the model's ``configure_optimizers()`` creates, counted on meta tensors by the
+counter ``estimate_memory`` uses (``optimizer_state.py``). A Trainer precision that converts the
+parameters (``bf16-true``, ``16-true``, ``64-true``) counts them, their gradients and their state at its
+size; ``bf16-mixed`` gathers the units in bfloat16. Activations come on top: they need a batch.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from lightning_mgpu.devices import cuda_devices, format_bytes, parse_bytes
+from lightning_mgpu.estimate.optimizer_state import OptimizerState, count_optimizer_state
 from lightning_mgpu.estimate.shard_plan import plan_sharding
 from lightning_mgpu.estimate.sharded import sharded_need
 from lightning_mgpu.precision import PRECISIONS
 from lightning_mgpu.strategies.fsdp.sharding import mixed_precision_policy
 
-__all__ = ["ModelMemory", "device_memory_of", "model_memory", "shortfall_reason", "sharding_reason"]
+__all__ = [
+    "ModelMemory",
+    "device_memory_of",
+    "fitting_reason",
+    "model_memory",
+    "sharding_reason",
+    "shortfall_reason",
+]
 
 
 @dataclass(frozen=True)
@@ -29,12 +41,15 @@ class ModelMemory:
     """What a model needs of one device, whole and sharded, beside what the device has (bytes).
 
     Attributes:
-        whole: Parameters and gradients of the whole model: what ``mgpu_ddp`` puts on each device.
-        sharded: Their shards over every process, plus the largest unit gathered (``mgpu_fsdp``).
+        whole: What ``mgpu_ddp`` puts on each device before any activation: parameters, gradients,
+            DDP's gradient buckets and optimizer state.
+        sharded: Under ``mgpu_fsdp``: the fullest device's shards of the parameters, gradients and
+            optimizer state, plus the largest unit gathered.
         device_memory: Memory of one device.
         world: Number of processes the shards are counted over.
         fewest_devices: The fewest processes whose shards fit a device; ``None`` when no count
             can (the largest unit alone does not fit).
+        optimizer: The optimizer state counted in both (``bytes`` 0 and a ``note`` when it is not).
     """
 
     whole: int
@@ -42,6 +57,7 @@ class ModelMemory:
     device_memory: int
     world: int = 1
     fewest_devices: int | None = None
+    optimizer: OptimizerState = field(default_factory=lambda: OptimizerState(0))
 
     @property
     def needs_sharding(self) -> bool:
@@ -54,8 +70,33 @@ class ModelMemory:
         return self.whole > self.device_memory and self.sharded > self.device_memory
 
 
-def model_memory(model: Any, world: int, device_memory: int, precision: str = "32-true") -> ModelMemory:
-    """``ModelMemory`` of ``model`` sharded by ``mgpu_fsdp``'s automatic plan over ``world`` processes.
+@contextlib.contextmanager
+def _without_trainer(model: Any) -> Iterator[None]:
+    """Hide the Trainer from ``configure_optimizers`` while it is counted, before the Trainer set up anything.
+
+    A ``configure_optimizers`` that reads ``self.trainer`` (``estimated_stepping_batches``, say) would
+    make the Trainer load the data now, before the strategy's own set-up; it fails instead, and the
+    optimizer state is not counted (the reason says so).
+    """
+    trainer = getattr(model, "_trainer", None)
+    if trainer is None:
+        yield
+        return
+    model._trainer = None
+    try:
+        yield
+    finally:
+        model._trainer = trainer
+
+
+def model_memory(
+    model: Any,
+    world: int,
+    device_memory: int,
+    precision: str = "32-true",
+    optimizer: torch.optim.Optimizer | None = None,
+) -> ModelMemory:
+    """``ModelMemory`` of ``model`` and its optimizer, sharded by ``mgpu_fsdp``'s plan over ``world`` ranks.
 
     Args:
         model: The model (an ``nn.Module``; meta tensors count by their shape). One without
@@ -63,34 +104,56 @@ def model_memory(model: Any, world: int, device_memory: int, precision: str = "3
         world: Number of processes.
         device_memory: Memory of one device, in bytes.
         precision: The Trainer's precision: ``bf16-true`` / ``16-true`` count the floating-point
-            parameters at 2 bytes (``64-true`` at 8), ``bf16-mixed`` gathers the units at 2 bytes.
+            parameters, gradients and optimizer state at 2 bytes (``64-true`` at 8), ``bf16-mixed``
+            gathers the units at 2 bytes.
+        optimizer: The optimizer over ``model``'s parameters; ``None`` uses ``model.configure_optimizers()``.
     """
-    params = {id(p): p for p in model.parameters()}
-    if not params:
+    if next(iter(model.parameters()), None) is None:
         return ModelMemory(0, 0, device_memory, world, 1)
     # the dtype a converting precision (bf16-true, 64-true, ...) keeps the parameters in, and the one
     # FSDP gathers them in (bf16-mixed's policy, else the parameters' own)
     converted = PRECISIONS[precision].parameters if precision in PRECISIONS else None
-    itemsize = getattr(torch, converted).itemsize if converted else None
+    param_dtype = getattr(torch, converted) if converted else None
     policy = mixed_precision_policy(precision)
+    itemsize = param_dtype.itemsize if param_dtype is not None else None
     gather = policy.param_dtype.itemsize if policy is not None and policy.param_dtype else itemsize
-    need = sharded_need(model, plan_sharding(model), world, gather)
-    if itemsize is not None:  # the Trainer converts the floating-point parameters before training
-        sizes = (
-            p.numel() * (itemsize if p.is_floating_point() else p.element_size()) for p in params.values()
-        )
-        need = dataclasses.replace(need, state=2 * sum(sizes))
+    with _without_trainer(model):
+        state = count_optimizer_state(model, optimizer=optimizer, param_dtype=param_dtype)
+    need = sharded_need(
+        model, plan_sharding(model), world, gather, param_dtype=param_dtype, optimizer_state=state.bytes
+    )
+    # DDP's all-reduce buckets hold a second copy of the gradients, as estimate_memory counts for mgpu_ddp
+    whole = need.state + need.gradients
     fewest = need.devices_needed(device_memory)
-    return ModelMemory(need.state, need.per_device, device_memory, world, fewest)
+    return ModelMemory(whole, need.per_device, device_memory, world, fewest, state)
+
+
+def _contents(memory: ModelMemory) -> str:
+    if memory.optimizer.bytes:
+        return f"parameters, gradients and optimizer state ({memory.optimizer.optimizer})"
+    return "parameters and gradients"
+
+
+def _on_top(memory: ModelMemory) -> str:
+    if memory.optimizer.counted:
+        return "activations come on top"
+    return f"optimizer state {memory.optimizer.note}; activations come on top"
+
+
+def fitting_reason(memory: ModelMemory) -> str:
+    """Why a whole copy stays (``mgpu_ddp``), with the numbers."""
+    return (
+        f"a whole copy of the {_contents(memory)} takes {format_bytes(memory.whole)} per device with DDP's"
+        f" gradient buckets, within the {format_bytes(memory.device_memory)} of a device ({_on_top(memory)})"
+    )
 
 
 def sharding_reason(memory: ModelMemory) -> str:
     """Why ``mgpu_fsdp`` was chosen, with the numbers."""
     return (
-        f"the parameters and gradients take {format_bytes(memory.whole)}, more than the"
-        f" {format_bytes(memory.device_memory)} of a device, but sharded they need"
-        f" {format_bytes(memory.sharded)} per device with the largest unit gathered"
-        " (optimizer state and activations come on top)"
+        f"a whole copy of the {_contents(memory)} takes {format_bytes(memory.whole)} per device with DDP's"
+        f" gradient buckets, more than the {format_bytes(memory.device_memory)} of a device, but sharded they"
+        f" need {format_bytes(memory.sharded)} per device with the largest unit gathered ({_on_top(memory)})"
     )
 
 
@@ -98,16 +161,17 @@ def shortfall_reason(memory: ModelMemory) -> str:
     """Why neither ``mgpu_ddp`` nor ``mgpu_fsdp`` can hold the model, with the numbers and what would."""
     if memory.fewest_devices is None:
         fix = (
-            "no number of devices helps while its largest unit does not fit: shard smaller blocks"
+            "no number of devices helps while its largest unit, gathered whole, and the rows FSDP cannot"
+            " split any further (one of each parameter per device) do not fit: shard smaller blocks"
             " (MGPUFSDPStrategy(block_classes=[...])) or use a lower precision"
         )
     else:
         fix = f"use at least {memory.fewest_devices} devices (devices=, num_nodes=) or a lower precision"
     return (
         f"the model does not fit a device of {format_bytes(memory.device_memory)} even sharded: its"
-        f" parameters and gradients take {format_bytes(memory.whole)} whole and"
+        f" {_contents(memory)} take {format_bytes(memory.whole)} whole with DDP's gradient buckets and"
         f" {format_bytes(memory.sharded)} per device sharded over {memory.world} process(es) with the"
-        f" largest unit gathered (optimizer state and activations come on top); {fix}"
+        f" largest unit gathered ({_on_top(memory)}); {fix}"
     )
 
 

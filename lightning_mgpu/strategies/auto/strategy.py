@@ -11,7 +11,8 @@ ordinary ``MGPUDDPStrategy``, ``DDPStrategy``, ``SingleDeviceStrategy`` or
 
 The model is not known there. When the choice is ``mgpu_ddp`` and the device memory is
 known, the log says so and ``mgpu_auto`` decides again when the Trainer connects the model,
-in every process (``become.PendingDDPStrategy``): ``mgpu_fsdp`` by ``decide``'s memory rule, logged
+in every process (``become.PendingDDPStrategy``): ``mgpu_fsdp`` by ``decide``'s memory rule (the
+parameters, gradients and the state of the model's optimizer, in the Trainer's precision), logged
 with the numbers (``mgpu_ddp`` stays, with a warning, under a precision ``mgpu_fsdp``
 refuses), and a ``ValueError`` with the numbers when even the shards do not fit, before
 anything is moved. ``micro_batch_size=`` is passed on to the chosen strategy; one device
@@ -79,6 +80,8 @@ def choose_strategy(
     facts: EnvironmentFacts | None = None,
     model: Any = None,
     device_memory: int | str | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    precision: str = "32-true",
 ) -> StrategyChoice:
     """The strategy ``Trainer(strategy="mgpu_auto")`` would use with these arguments, and why.
 
@@ -88,9 +91,13 @@ def choose_strategy(
         accelerator: as for the Trainer.
         facts: the environment; read from this process when ``None``.
         model: the model to train (an ``nn.Module``, meta tensors welcome): with a known device
-            memory, ``mgpu_fsdp`` is chosen over ``mgpu_ddp`` when only its shards fit a device.
+            memory, ``mgpu_fsdp`` is chosen over ``mgpu_ddp`` when only its shards (parameters,
+            gradients and optimizer state) fit a device.
         device_memory: memory of one device (``"24GiB"`` or bytes); ``None`` reads the smallest
             CUDA device when the accelerator is CUDA.
+        optimizer: the optimizer over ``model``'s parameters, whose state is counted; ``None`` uses
+            the model's ``configure_optimizers()`` where it has one.
+        precision: the Trainer's precision, for the bytes the parameters and their state will take.
 
     Raises:
         ValueError: on devices the accelerator cannot provide (Lightning's message, e.g. ``[0]``
@@ -111,7 +118,7 @@ def choose_strategy(
     if model is not None:
         size = device_memory_of(device_memory, device_type)
         if size is not None:
-            memory = model_memory(model, count * num_nodes, size)
+            memory = model_memory(model, count * num_nodes, size, precision, optimizer)
             log.debug("model memory: %s", memory)
     return decide(count, num_nodes, device_type, facts, memory)
 
@@ -176,9 +183,10 @@ class MGPUAutoStrategy(ParallelStrategy):
             become(self, choice, devices)
         else:
             rank_zero_info(
-                f"mgpu_auto chose mgpu_ddp: {choice.reason}; unless the model needs sharding (its parameters"
-                f" and gradients do not fit the {format_bytes(memory)} of a device, their shards do), then"
-                " mgpu_fsdp: decided when the model is known"
+                f"mgpu_auto chose mgpu_ddp: {choice.reason}; unless the model needs sharding (a whole copy"
+                " of its parameters, gradients and optimizer state does not fit the"
+                f" {format_bytes(memory)} of a device, their shards do), then mgpu_fsdp: decided when the"
+                " model is known"
             )
             redecide = functools.partial(decide, len(devices), self.num_nodes, device_type, facts)
             pending = PendingChoice(redecide, memory, len(devices) * self.num_nodes, self.micro_batch_size)

@@ -26,12 +26,15 @@ from lightning_mgpu.strategies.ddp.strategy import MGPUDDPStrategy
 from lightning_mgpu.strategies.dp.strategy import MGPUDataParallelStrategy
 from lightning_mgpu.strategies.fsdp.strategy import MGPUFSDPStrategy
 from lightning_mgpu.strategies.mixin import StrategyMixin
+from tests.strategies.auto._gpt import TinyGPT2
 from tests.strategies.dp._dp_models import QUIET, Regressor, fit, loader, regression_data
 
-# Regressor: 97 float32 parameters; parameters and gradients 776 B whole, over 2 processes
-# 388 B of shards plus its largest unit (net.0: 320 B) gathered = 708 B
-FITS_SHARDED = 740
-FITS_WHOLE = "1KiB"
+# Regressor: 97 float32 parameters (388 B) trained by SGD with momentum (388 B of state): under mgpu_ddp
+# parameters, gradients, DDP's buckets and momentum take 1552 B whole; over 2 processes their shards take
+# 684 B on the fullest (a weight of one row is not split: it pads) plus its largest unit (net.0: 320 B)
+# gathered = 1004 B
+FITS_SHARDED = "1KiB"
+FITS_WHOLE = "2KiB"
 
 
 @pytest.fixture(autouse=True)
@@ -72,8 +75,8 @@ def test_with_a_device_memory_mgpu_ddp_waits_for_the_model(messages: list[str]) 
     assert strategy.strategy_name == "mgpu_ddp"
     assert messages == [
         "mgpu_auto chose mgpu_ddp: 2 devices in a script: one process per device; unless the model needs"
-        " sharding (its parameters and gradients do not fit the 740 B of a device, their shards do), then"
-        " mgpu_fsdp: decided when the model is known"
+        " sharding (a whole copy of its parameters, gradients and optimizer state does not fit the 1.00 KiB"
+        " of a device, their shards do), then mgpu_fsdp: decided when the model is known"
     ]
     # without a device memory on CPU nothing waits: the plain mgpu_ddp as before
     assert type(_trainer().strategy) is MGPUDDPStrategy
@@ -98,9 +101,10 @@ def test_a_model_that_fits_only_sharded_turns_mgpu_ddp_into_mgpu_fsdp(messages: 
     assert strategy.lightning_module is model
     assert strategy.choice.strategy == "mgpu_fsdp"  # type: ignore[attr-defined]
     assert messages[-1] == (
-        "mgpu_auto chose mgpu_fsdp: 2 devices in a script: one process per device; the parameters and"
-        " gradients take 776 B, more than the 740 B of a device, but sharded they need 708 B per device with"
-        " the largest unit gathered (optimizer state and activations come on top)"
+        "mgpu_auto chose mgpu_fsdp: 2 devices in a script: one process per device; a whole copy of the"
+        " parameters, gradients and optimizer state (SGD) takes 1.52 KiB per device with DDP's gradient"
+        " buckets, more than the 1.00 KiB of a device, but sharded they need 1004 B per device with the"
+        " largest unit gathered (activations come on top)"
     )
 
 
@@ -112,21 +116,21 @@ def test_a_model_that_fits_whole_stays_on_mgpu_ddp(messages: list[str]) -> None:
 
 
 def test_a_model_that_fits_no_device_even_sharded_is_refused_with_the_numbers() -> None:
-    trainer = _trainer(device_memory=500)
+    trainer = _trainer(device_memory=900)
     with pytest.raises(
-        ValueError, match="mgpu_auto: the model does not fit a device of 500 B even sharded"
+        ValueError, match="mgpu_auto: the model does not fit a device of 900 B even sharded"
     ) as err:
         trainer.strategy.connect(Regressor())
-    assert "776 B whole and 708 B per device sharded over 2 process(es)" in str(err.value)
-    # (776 B of state) / (500 B less the 320 B unit gathered) = 4.3
-    assert "use at least 5 devices (devices=, num_nodes=) or a lower precision" in str(err.value)
+    assert "1.52 KiB whole with DDP's gradient buckets and 1004 B per device sharded over 2" in str(err.value)
+    # 3 devices: 6 of the 16 rows of net.0, the one-row weight whole, 3 x 193 B of state, 320 B gathered
+    assert "use at least 3 devices (devices=, num_nodes=) or a lower precision" in str(err.value)
 
 
 def test_a_precision_mgpu_fsdp_refuses_keeps_mgpu_ddp_and_says_why() -> None:
-    # under 64-true the parameters are doubles: 1552 B whole, 1416 B sharded
-    trainer = _trainer(device_memory=1500, precision="64-true")
+    # under 64-true the parameters and their state are doubles: 3104 B whole, 2008 B sharded
+    trainer = _trainer(device_memory="2.5KiB", precision="64-true")
     with pytest.warns(
-        UserWarning, match="mgpu_auto keeps mgpu_ddp although the parameters and gradients take 1.52"
+        UserWarning, match="mgpu_auto keeps mgpu_ddp although a whole copy of the parameters, gradients and"
     ):
         trainer.strategy.connect(Regressor())
     assert type(trainer.strategy) is MGPUDDPStrategy
@@ -229,3 +233,17 @@ def test_a_mixin_must_derive_from_strategy_mixin_for_the_swap() -> None:
     strategy = _placeholder()
     become(strategy, choice, [torch.device("cpu")] * 2, strategy_class=good)
     assert type(strategy) is good
+
+
+def test_a_small_gpt2_whose_adamw_state_fits_only_sharded_becomes_mgpu_fsdp_before_training(
+    messages: list[str],
+) -> None:
+    # parameters and gradients (1.66 MiB) fit 2.5 MiB; with AdamW's moments and DDP's buckets they do not
+    trainer = _trainer(device_memory="2.5MiB")
+    trainer.strategy.connect(TinyGPT2())
+    assert type(trainer.strategy) is MGPUFSDPStrategy
+    assert messages[-1].endswith(
+        "a whole copy of the parameters, gradients and optimizer state (AdamW) takes 4.15 MiB per device with"
+        " DDP's gradient buckets, more than the 2.50 MiB of a device, but sharded they need 1.85 MiB per"
+        " device with the largest unit gathered (activations come on top)"
+    )

@@ -183,7 +183,8 @@ def test_trainer_gets_the_chosen_strategy() -> None:
 
 # One launch of two processes: a checkpoint of mgpu_dp resumed under the mgpu_ddp that mgpu_auto
 # picks, then two fits of MGPUAutoStrategy(device_memory=...) that see the model (the later
-# Trainers reuse the processes): the model fits only sharded (mgpu_fsdp), then whole (mgpu_ddp).
+# Trainers reuse the processes): with its optimizer state the model fits only sharded (mgpu_fsdp),
+# then whole (mgpu_ddp).
 _AUTO_SCRIPT = """
 import json, sys
 
@@ -228,7 +229,7 @@ def fit_auto(device_memory):
     }
 
 with open(f"auto_rank{trainer.global_rank}.json", "w") as f:
-    json.dump({"740": fit_auto(740), "1KiB": fit_auto("1KiB")}, f)
+    json.dump({"1KiB": fit_auto("1KiB"), "2KiB": fit_auto("2KiB")}, f)
 """
 
 
@@ -269,23 +270,24 @@ def test_a_model_that_fits_only_sharded_trains_under_mgpu_fsdp(auto_run) -> None
     tmp_path, _, result = auto_run
     ranks = [json.loads((tmp_path / f"auto_rank{rank}.json").read_text()) for rank in (0, 1)]
     for rank in ranks:
-        # 776 B of parameters and gradients, 708 B sharded: more than 740 B whole, less sharded
-        assert rank["740"] == {
+        # parameters, gradients, DDP's buckets and momentum: 1552 B whole, 1004 B sharded (test_become.py)
+        assert rank["1KiB"] == {
             "strategy": "MGPUFSDPStrategy", "is_fsdp": True, "dtensors": ["DTensor"], "rows": [8, 16]
         }  # fmt: skip
-        assert rank["1KiB"] == {
+        assert rank["2KiB"] == {
             "strategy": "MGPUDDPStrategy", "is_fsdp": False, "dtensors": ["Parameter"], "rows": [16, 16]
         }  # fmt: skip
     numbers = (
-        "the parameters and gradients take 776 B, more than the 740 B of a device, but sharded they need"
-        " 708 B per device with the largest unit gathered"
+        "a whole copy of the parameters, gradients and optimizer state (SGD) takes 1.52 KiB per device with"
+        " DDP's gradient buckets, more than the 1.00 KiB of a device, but sharded they need 1004 B per device"
+        " with the largest unit gathered"
     )
     assert result.output.count("mgpu_auto chose mgpu_fsdp: ") == 1, result.output[-3000:]
     assert numbers in result.output
     assert result.output.count("then mgpu_fsdp: decided when the model is known") == 2
     # sharded or not, the same steps from the same start: the same weights
-    sharded = torch.load(tmp_path / "740.pt", weights_only=True)
-    whole = torch.load(tmp_path / "1KiB.pt", weights_only=True)
+    sharded = torch.load(tmp_path / "1KiB.pt", weights_only=True)
+    whole = torch.load(tmp_path / "2KiB.pt", weights_only=True)
     for name, value in whole.items():
         torch.testing.assert_close(sharded[name], value, atol=1e-5, rtol=0)
     assert not torch.equal(whole["net.0.weight"], Regressor().net[0].weight.detach())

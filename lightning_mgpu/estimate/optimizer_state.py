@@ -1,0 +1,261 @@
+"""Optimizer state, one counter: for ``estimate_memory``, ``mgpu_auto`` and a step that runs out of memory.
+
+- ``module_optimizers``: the optimizers a module's ``configure_optimizers()`` returns (or the one given);
+- ``copy_optimizer``: the same optimizer, with the same settings, over copies of its parameters;
+- ``state_bytes``: the bytes of the state tensors optimizers hold on a device, each storage once,
+  scalars (step counters) left out: what ``estimate_memory`` reports after its measured steps;
+- ``count_optimizer_state``: the state one optimizer step creates, without a batch or a forward:
+  the optimizer is copied over meta tensors of its parameters' shapes (nothing is allocated), given
+  zero gradients and stepped once, and ``state_bytes`` counts what it made. Where that step cannot
+  run (an optimizer that reads values, needs a closure or sparse gradients), ``PER_PARAMETER_STATE``
+  gives the known state of torch's own optimizers instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_mgpu.estimate.batch import tensors
+from lightning_mgpu.estimate.measuring import quiet_lightning, unique_bytes
+
+__all__ = [
+    "PER_PARAMETER_STATE",
+    "OptimizerState",
+    "copy_optimizer",
+    "count_optimizer_state",
+    "module_optimizers",
+    "state_bytes",
+]
+
+log = logging.getLogger(__name__)
+
+
+def _sgd(group: Mapping[str, Any]) -> int:
+    return 1 if group.get("momentum", 0) else 0
+
+
+def _adam(group: Mapping[str, Any]) -> int:
+    return 3 if group.get("amsgrad") else 2
+
+
+def _rmsprop(group: Mapping[str, Any]) -> int:
+    return 1 + bool(group.get("momentum", 0)) + bool(group.get("centered"))
+
+
+PER_PARAMETER_STATE: dict[str, Callable[[Mapping[str, Any]], int]] = {
+    "SGD": _sgd,
+    "Adam": _adam,
+    "AdamW": _adam,
+    "Adamax": lambda group: 2,
+    "NAdam": lambda group: 2,
+    "RAdam": lambda group: 2,
+    "SparseAdam": lambda group: 2,
+    "Adadelta": lambda group: 2,
+    "Adagrad": lambda group: 1,
+    "ASGD": lambda group: 1,
+    "Rprop": lambda group: 2,
+    "RMSprop": _rmsprop,
+}
+"""torch.optim's classes -> tensors of each parameter's shape and dtype that the state keeps, given a group's
+settings (``Adam``: ``exp_avg`` and ``exp_avg_sq``, and ``max_exp_avg_sq`` with ``amsgrad``)."""
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """Bytes of optimizer state, and how they were counted.
+
+    Attributes:
+        bytes: The state's tensors, scalars left out.
+        optimizer: The optimizers' class names (``"AdamW"``); empty when there is none.
+        note: How the bytes were found when not measured, or why they are not counted; empty when measured.
+    """
+
+    bytes: int
+    optimizer: str = ""
+    note: str = ""
+
+    @property
+    def counted(self) -> bool:
+        """Whether an optimizer was found and its state counted (measured or from the known table)."""
+        return bool(self.optimizer) and not self.note.startswith("not counted")
+
+
+def _found_in(conf: Any) -> list[torch.optim.Optimizer]:
+    if isinstance(conf, torch.optim.Optimizer):
+        return [conf]
+    items = conf.values() if isinstance(conf, Mapping) else conf if isinstance(conf, (list, tuple)) else []
+    found: list[torch.optim.Optimizer] = []
+    for item in items:
+        found.extend(o for o in _found_in(item) if all(o is not f for f in found))
+    return found
+
+
+def module_optimizers(
+    module: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> list[torch.optim.Optimizer]:
+    """``[optimizer]``, else the optimizers of ``module.configure_optimizers()`` (none without that method).
+
+    Raises:
+        TypeError: if ``optimizer`` is not a ``torch.optim.Optimizer``.
+        ValueError: if ``configure_optimizers()`` fails outside a Trainer, with its error.
+    """
+    if optimizer is not None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        return [optimizer]
+    configure = getattr(module, "configure_optimizers", None)
+    if configure is None:
+        return []
+    try:
+        with quiet_lightning():
+            conf = configure()
+    except Exception as err:
+        raise ValueError(
+            f"{type(module).__name__}.configure_optimizers() failed outside a Trainer"
+            f" ({type(err).__name__}: {err}); pass optimizer=..."
+        ) from err
+    return _found_in(conf)
+
+
+def copy_optimizer(opt: torch.optim.Optimizer, leaf_of: Mapping[int, torch.Tensor]) -> torch.optim.Optimizer:
+    """``opt``'s class and settings over ``leaf_of[id(p)]`` for each of its parameters ``p``.
+
+    Fused kernels are turned off (they update in place without temporaries, and run on few devices),
+    and ``foreach=None`` becomes ``True``, the default on CUDA, whose temporaries are what is predicted.
+
+    Raises:
+        ValueError: if ``opt`` holds a tensor missing from ``leaf_of``, or cannot be rebuilt.
+    """
+
+    def measuring(options: dict[str, Any]) -> dict[str, Any]:
+        options = dict(options)
+        if options.get("fused"):
+            options.update(fused=False, foreach=False)
+        elif "foreach" in options and options["foreach"] is None:
+            options["foreach"] = True
+        return options
+
+    groups = []
+    for group in opt.param_groups:
+        new = measuring({k: v for k, v in group.items() if k != "params"})
+        try:
+            new["params"] = [leaf_of[id(p)] for p in group["params"]]
+        except KeyError:
+            raise ValueError(
+                f"the {type(opt).__name__} optimizer holds a tensor that is not a parameter of the module"
+            ) from None
+        groups.append(new)
+    for kwargs in (measuring(opt.defaults), {}):
+        with contextlib.suppress(TypeError):
+            return type(opt)(groups, **kwargs)
+    raise ValueError(f"cannot rebuild {type(opt).__name__} from its param_groups to measure its state")
+
+
+def state_bytes(optimizers: list[torch.optim.Optimizer], device: torch.device) -> int:
+    """Bytes of the state tensors ``optimizers`` hold on ``device``, each storage once, scalars left out.
+
+    Scalar step counters are left out: they usually live on the CPU, and weigh nothing beside the rest.
+    """
+    state = [t for o in optimizers for s in o.state.values() for t in tensors(s) if t.device == device]
+    return unique_bytes(state, min_dim=1)
+
+
+def _meta_like(p: torch.Tensor, dtype: torch.dtype | None, local: bool) -> torch.Tensor:
+    """A meta tensor of ``p``'s shape: a sharded DTensor's global shape, its local shard's with ``local``."""
+    if local and hasattr(p, "to_local"):
+        p = p.to_local()
+    dtype = dtype if dtype is not None and p.is_floating_point() else p.dtype
+    return torch.empty(p.shape, dtype=dtype, device="meta").requires_grad_(p.requires_grad)
+
+
+def _stepped_on_meta(opt: torch.optim.Optimizer, dtype: torch.dtype | None, local: bool) -> int:
+    leaf_of = {id(p): _meta_like(p, dtype, local) for group in opt.param_groups for p in group["params"]}
+    copy = copy_optimizer(opt, leaf_of)
+    for leaf in leaf_of.values():
+        if leaf.requires_grad:
+            leaf.grad = torch.zeros_like(leaf)
+    copy.step()
+    return state_bytes([copy], torch.device("meta"))
+
+
+def _known(opt: torch.optim.Optimizer, dtype: torch.dtype | None, local: bool) -> int | None:
+    copies = next(
+        (PER_PARAMETER_STATE[c.__name__] for c in type(opt).__mro__ if c.__name__ in PER_PARAMETER_STATE),
+        None,
+    )
+    if copies is None:
+        return None
+    total = 0
+    for group in opt.param_groups:
+        params = {id(p): _meta_like(p, dtype, local) for p in group["params"]}.values()
+        total += copies(group) * sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    return total
+
+
+def count_optimizer_state(
+    module: nn.Module,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    optimizers: list[torch.optim.Optimizer] | None = None,
+    param_dtype: torch.dtype | None = None,
+    local: bool = False,
+) -> OptimizerState:
+    """The optimizer state one step creates for ``module``'s parameters: the count of ``estimate_memory``.
+
+    - the optimizers are ``optimizers``, else ``[optimizer]``, else what ``module.configure_optimizers()``
+      returns; one that fails to build is reported in ``note``, its state not counted;
+    - each is copied over meta tensors of its parameters' shapes, in ``param_dtype`` for floating-point
+      ones (a converting precision: ``bf16-true`` keeps the state in bfloat16 too), stepped once with
+      zero gradients, and its state counted by ``state_bytes``;
+    - where that step fails, the known state of its class (``PER_PARAMETER_STATE``), if any.
+
+    Args:
+        module: The model (meta parameters count by their shape).
+        optimizer: An optimizer over ``module``'s parameters, instead of ``configure_optimizers()``.
+        optimizers: The optimizers a run already built (the Trainer's), instead of either.
+        param_dtype: The dtype floating-point parameters will be kept in; ``None`` for their own.
+        local: Count a sharded parameter (a ``DTensor``) by this rank's shard, not its global shape.
+
+    Example::
+
+        import torch
+        from torch import nn
+
+        model = nn.Linear(256, 256, bias=False)  # 256 KiB of float32 weights
+        optimizer = torch.optim.AdamW(model.parameters())
+        count_optimizer_state(model, optimizer=optimizer).bytes  # 524288: two moments
+    """
+    if optimizers is None:
+        try:
+            optimizers = module_optimizers(module, optimizer)
+        except ValueError as err:
+            return OptimizerState(0, note=f"not counted: {err}")
+    if not optimizers:
+        if getattr(module, "configure_optimizers", None) is None:
+            return OptimizerState(
+                0, note="not counted: no optimizer given, and the model has no configure_optimizers"
+            )
+        return OptimizerState(0, note="not counted: configure_optimizers() returns no optimizer")
+    names = ", ".join(type(o).__name__ for o in optimizers)
+    total, notes = 0, []
+    for opt in optimizers:
+        name = type(opt).__name__
+        try:
+            total += _stepped_on_meta(opt, param_dtype, local)
+            continue
+        except Exception as err:  # an optimizer that reads values, wants a closure, sparse gradients, ...
+            log.debug("%s cannot step on meta tensors (%s: %s)", name, type(err).__name__, err)
+        known = _known(opt, param_dtype, local)
+        if known is None:
+            notes.append(f"not counted: {name} cannot step on meta tensors and its state is not known")
+        else:
+            total += known
+            notes.append(f"{name}'s known state per parameter: it cannot step on meta tensors")
+    return OptimizerState(total, names, "; ".join(notes))
