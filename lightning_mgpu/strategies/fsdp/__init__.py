@@ -7,11 +7,12 @@
 - ``lightning_mgpu.estimate.sharded``: the least memory a device needs under a plan, checked on GPUs;
 - ``sync_points.py``: checkpoints between FSDP's gathers, so micro-batching's ``"auto"`` survives an
   out-of-memory on one rank;
-- ``state.py``: bytes of parameters, gradients and optimizer state held by this rank and by the whole model.
+- ``lightning_mgpu.estimate.model_state``: bytes of parameters, gradients and optimizer state held by this
+  rank and by the whole model (``state.py`` keeps the old import path).
 """
 
+from lightning_mgpu.estimate.model_state import ModelState, StateBytes, measure_model_state
 from lightning_mgpu.estimate.shard_plan import ShardingPlan, find_blocks, plan_sharding
-from lightning_mgpu.strategies.fsdp.state import ModelState, StateBytes, measure_model_state
 from lightning_mgpu.strategies.fsdp.strategy import MGPUFSDPStrategy
 
 __all__ = [

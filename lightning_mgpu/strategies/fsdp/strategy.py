@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_mgpu.devices import format_bytes
+from lightning_mgpu.estimate.model_state import measure_model_state
 from lightning_mgpu.estimate.shard_plan import ShardingPlan, plan_sharding, validate_block_classes
 from lightning_mgpu.estimate.sharded import check_fits, sharded_need
 from lightning_mgpu.precision import FSDP_PRECISIONS
@@ -31,7 +32,6 @@ from lightning_mgpu.strategies.fsdp.sharding import (
     is_sharded,
     mixed_precision_policy,
 )
-from lightning_mgpu.strategies.fsdp.state import measure_model_state
 from lightning_mgpu.strategies.fsdp.sync_points import SyncPoints
 from lightning_mgpu.strategies.microbatch.mixin import MicroBatching
 from lightning_mgpu.strategies.process_group.services import ProcessGroupServices
