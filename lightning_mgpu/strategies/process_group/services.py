@@ -21,6 +21,8 @@ It overrides these hooks and calls the host's own through ``super()`` in each:
   rank 0 prints the start-up summary once;
 - ``pre_backward``, ``barrier``, ``broadcast``, ``reduce``, ``all_gather``: count progress
   for the watchdog;
+- ``optimizer_step`` (its base ``step_memory.ExplainedStepMemory``): an out-of-memory in the
+  step itself gets this rank's optimizer state and the options in front of its message;
 - ``on_exception``: a communication error gets the watchdog's reason (which rank died and
   how); this rank's own error is reported to the others. Should the exception end the
   process, each rank prints one line naming the rank that failed first and the cause, and
@@ -53,11 +55,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_mgpu.strategies.mixin import StrategyMixin
 from lightning_mgpu.strategies.process_group import checks
 from lightning_mgpu.strategies.process_group.errors import add_to_message, is_communication_error
 from lightning_mgpu.strategies.process_group.launcher import _WatchedSubprocessScriptLauncher
 from lightning_mgpu.strategies.process_group.requeue import DeferredRequeue
+from lightning_mgpu.strategies.process_group.step_memory import ExplainedStepMemory
 from lightning_mgpu.strategies.process_group.summary import format_summary, launcher_name, rank_info
 from lightning_mgpu.strategies.process_group.watchdog.verdicts import RankInfo
 from lightning_mgpu.strategies.process_group.watchdog.watchdog import DEAD_AFTER, INTERVAL, watchdog
@@ -87,7 +89,7 @@ def _loop_progress(trainer: pl.Trainer) -> int:
     return total
 
 
-class ProcessGroupServices(StrategyMixin):
+class ProcessGroupServices(ExplainedStepMemory):
     """Device checks, backend, watchdog, kept shuffle and start-up summary for a process-group strategy.
 
     Args:
