@@ -25,6 +25,7 @@ from lightning_mgpu.estimate.model_state import measure_model_state
 from lightning_mgpu.estimate.shard_plan import ShardingPlan, plan_sharding, validate_block_classes
 from lightning_mgpu.estimate.sharded import check_fits, sharded_need
 from lightning_mgpu.precision import FSDP_PRECISIONS
+from lightning_mgpu.strategies.fsdp.saving import ResavingOwnCheckpoints
 from lightning_mgpu.strategies.fsdp.sharding import (
     ShardingOptions,
     apply_plan,
@@ -80,7 +81,7 @@ class _ShardingModelParallel(ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
 
-class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, _ShardingModelParallel):
+class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoints, _ShardingModelParallel):
     """Fully sharded data parallel training (torch's FSDP2): each process keeps 1/N of the model state.
 
     Each process holds a shard of every parameter, of its gradient and of the optimizer
