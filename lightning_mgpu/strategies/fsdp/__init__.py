@@ -5,6 +5,7 @@
 - ``lightning_mgpu.estimate.shard_plan``: which submodules become units (shared with the estimate);
 - ``sharding.py``: the options, the Trainer precision's dtypes, and the ``fully_shard`` calls;
 - ``lightning_mgpu.estimate.sharded``: the least memory a device needs under a plan, checked on GPUs;
+- ``saving.py``: sharded checkpoints saved again over the run's own (``last.ckpt``) without torch's warning;
 - ``sync_points.py``: checkpoints between FSDP's gathers, so micro-batching's ``"auto"`` survives an
   out-of-memory on one rank;
 - ``lightning_mgpu.estimate.model_state``: bytes of parameters, gradients and optimizer state held by this
