@@ -104,7 +104,7 @@ class PlainStateDictExport(Callback):
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # under mgpu_fsdp every rank holds a shard: gathering the final weights takes all of them
-        final = _full_state_dict(pl_module) if self.final_name is not None else None
+        final = _full_checkpoint(pl_module) if self.final_name is not None else None
         if not trainer.is_global_zero:
             return
         folder: str | None = None
@@ -133,10 +133,13 @@ class PlainStateDictExport(Callback):
         return not target.exists() or target.stat().st_mtime < os.stat(checkpoint_path).st_mtime
 
 
-def _full_state_dict(module: pl.LightningModule) -> dict[str, Any] | None:
-    """The whole state dict of a sharded module (``DTensor`` parameters), on rank 0; ``None`` if not sharded.
+def _full_checkpoint(module: pl.LightningModule) -> dict[str, Any] | None:
+    """A sharded module's whole weights (``DTensor`` parameters) in a checkpoint dict, else ``None``.
 
     torch's ``get_model_state_dict`` gathers one tensor at a time into CPU memory; every rank must call it.
+    The gathered state_dict goes to the export inside a Lightning checkpoint dict, so the export knows it
+    holds a LightningModule's weights and removes the module's one attribute (``model.``) as it does for
+    the module itself and for the checkpoint files; a bare state_dict would keep every name.
     """
     from torch.distributed.tensor import DTensor
 
@@ -145,7 +148,8 @@ def _full_state_dict(module: pl.LightningModule) -> dict[str, Any] | None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(module, options=options)
+    weights = get_model_state_dict(module, options=options)
+    return {"state_dict": weights, "pytorch-lightning_version": pl.__version__}
 
 
 def _is_local(path: str | os.PathLike[str]) -> bool:

@@ -90,6 +90,29 @@ fit("bf16", "sgd", precision="bf16-mixed")
 saving = [ModelCheckpoint(dirpath="ckpt", save_last=True), PlainStateDictExport()]
 fit("first_epoch", "adamw", epochs=1, callbacks=saving)
 fit("resumed", "adamw", ckpt_path="ckpt/last.ckpt", reshard_after_forward=False)
+
+class Wrapped(L.LightningModule):  # its layers in one attribute, as a model from a library is held
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 2))
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.model(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+# last.ckpt saved at the end of each of two epochs, the second over the first; plain weights beside it
+wrapped = Wrapped()
+trainer = L.Trainer(
+    accelerator="cpu", devices=2, strategy="mgpu_fsdp", max_epochs=2, logger=False,
+    callbacks=[ModelCheckpoint(dirpath="wrapped", save_last=True), PlainStateDictExport()],
+    enable_progress_bar=False, enable_model_summary=False,
+)
+trainer.fit(wrapped, DataLoader(TensorDataset(x, y), batch_size=4))
+final = {k: v.full_tensor() for k, v in wrapped.model.state_dict().items()}
+if RANK == 0:
+    torch.save(final, "wrapped.pt")
 """
 # (test_a_checkpoint_of_two_processes_resumes_in_one resumes ckpt/last.ckpt in this pytest process)
 
@@ -244,9 +267,24 @@ def test_plain_weights_of_a_sharded_run_load_into_a_plain_model(fsdp_run) -> Non
             torch.testing.assert_close(weights[key], value, atol=0, rtol=0)
 
 
+def test_plain_weights_of_a_model_in_one_attribute_load_into_that_model(fsdp_run) -> None:
+    tmp_path, result = fsdp_run
+    from safetensors.torch import load_file
+
+    gathered = torch.load(tmp_path / "wrapped.pt")  # the attribute's weights, gathered by torch
+    for name in ("final", "last"):  # as `lightning-mgpu export` writes them: without the attribute's prefix
+        weights = load_file(tmp_path / "wrapped" / f"{name}.safetensors")
+        plain = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 2))
+        plain.load_state_dict(weights, strict=True)
+        for key, value in gathered.items():
+            torch.testing.assert_close(weights[key], value, atol=0, rtol=0)
+    # the second epoch's last.ckpt replaces the run's own first one: a normal run, nothing to warn about
+    assert "Detected an existing checkpoint" not in result.output
+
+
 def test_the_summary_shows_the_plan_and_each_rank_share(fsdp_run) -> None:
     _, result = fsdp_run
-    assert result.output.count("mgpu_fsdp: 1 node(s) x 2 process(es) per node = 2 process(es)") == 5
+    assert result.output.count("mgpu_fsdp: 1 node(s) x 2 process(es) per node = 2 process(es)") == 6
     plan = "sharding: 3 unit(s): net.0, net.2 and the root, blocks chosen by the automatic policy"
     assert f"{plan}; reshard_after_forward=True\n" in result.output
     assert f"{plan}; reshard_after_forward=False\n" in result.output  # the resumed run's option
