@@ -2,7 +2,8 @@
 
 - ``make_copies`` copies a module's parameters and buffers (and a sample batch) to the measuring
   device (``meta`` or CPU), in the precision measured, with a call that runs a step on them
-  through ``torch.func.functional_call``, so the module itself is left as it was;
+  through ``torch.func.functional_call``, so the module itself is left as it was (a sharded
+  parameter is copied to ``meta`` by its global shape);
 - ``sample_sizes`` picks the two batch sizes measured; ``Line`` is a byte count through them;
 - ``MeasuredStep`` is what a measurement returns.
 """
@@ -139,6 +140,9 @@ def make_copies(
 
     def copy(t: torch.Tensor) -> torch.Tensor:
         dtype = param_dtype if param_dtype is not None and t.is_floating_point() else t.dtype
+        if device.type == "meta" and hasattr(t, "to_local"):
+            # a sharded parameter (a DTensor, under mgpu_fsdp) counts by its global shape
+            return torch.empty(t.shape, dtype=dtype, device=device).requires_grad_(t.requires_grad)
         return t.detach().to(device=device, dtype=dtype, copy=True).requires_grad_(t.requires_grad)
 
     named = dict(module.named_parameters())

@@ -5,11 +5,19 @@ CUDA device, whose memory is known, ``lightning_mgpu.estimate_memory`` (on meta 
 is computed or allocated) predicts the largest batch that fits, so a batch far too large for the
 card starts in micro-batches that fit instead of failing first. The estimate only sets the start:
 out-of-memory errors still halve it, and clean batches still grow it back up to the whole batch.
+
+Under ``mgpu_fsdp`` the model is sharded already: the estimate counts each parameter by its global
+shape, runs the step with FSDP's hooks set aside on the units (they would gather parameters, a
+collective), and predicts the ``mgpu_fsdp`` peak over the run's processes (shards, the largest unit
+gathered, the activations). Activation checkpointing, a hook too, is set aside with them: the
+activations are counted whole, so the start errs on the small side there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,8 +41,9 @@ def start_from_estimate(estimate: MemoryEstimate, rows: int, kind: str, replicas
     Args:
         estimate: ``estimate_memory``'s result, made with the device's memory.
         rows: the batch's rows on this rank.
-        kind: ``"single"``, ``"mgpu_ddp"`` or ``"mgpu_dp"`` (whose micro-batches are split over
-            ``replicas`` devices, the first one holding the most).
+        kind: ``"single"``, ``"mgpu_ddp"``, ``"mgpu_fsdp"`` (the estimate made over the run's
+            processes) or ``"mgpu_dp"`` (whose micro-batches are split over ``replicas`` devices,
+            the first one holding the most).
         replicas: devices one micro-batch is split over (``mgpu_dp``).
     """
     per_device = estimate.largest_per_device_batch(kind)
@@ -45,12 +54,33 @@ def start_from_estimate(estimate: MemoryEstimate, rows: int, kind: str, replicas
 
 
 def _kind(strategy: MicroBatchHost) -> tuple[str, int]:
+    """The estimate's strategy and the devices it counts: ``mgpu_dp``'s replicas, ``mgpu_fsdp``'s ranks."""
     name = strategy.strategy_name
     if name == "mgpu_dp":
         return "mgpu_dp", len(getattr(strategy, "parallel_devices", None) or [None])
+    if name == "mgpu_fsdp":
+        return "mgpu_fsdp", int(getattr(strategy, "world_size", 1))
     if name == "mgpu_ddp":
         return "mgpu_ddp", 1
     return "single", 1
+
+
+# what nn.Module keeps its hooks in; FSDP2 registers its gathers and reduce-scatters there
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+@contextlib.contextmanager
+def _units_without_hooks(module: nn.Module) -> Iterator[None]:
+    """The hooks of every FSDP unit set aside, so the estimate's step on meta tensors runs no collective."""
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    saved = [(unit, name, getattr(unit, name)) for unit in units for name in _HOOKS if hasattr(unit, name)]
+    for unit, name, hooks in saved:
+        setattr(unit, name, type(hooks)())
+    try:
+        yield
+    finally:
+        for unit, name, hooks in saved:
+            setattr(unit, name, hooks)
 
 
 def estimated_start(
@@ -59,11 +89,9 @@ def estimated_start(
     """The first micro-batch size for ``batch`` under ``strategy``, or ``None`` for the whole batch.
 
     ``device_memory`` defaults to the total memory of the strategy's CUDA device; on other devices
-    (memory unknown), for a sharded model (``mgpu_fsdp``: its gathered units are not measured this
-    way), or when the step cannot run on meta tensors, the answer is ``None``.
+    (memory unknown), or when the step cannot run on meta tensors (a precision that autocasts, say),
+    the answer is ``None``. A model sharded by ``mgpu_fsdp`` is estimated as the module docstring says.
     """
-    if isinstance(module, FSDPModule):
-        return None
     device = strategy.root_device
     if device_memory is None:
         if device.type != "cuda":
@@ -71,15 +99,18 @@ def estimated_start(
         device_memory = torch.cuda.mem_get_info(device)[1]
     kind, replicas = _kind(strategy)
     precision = getattr(strategy.precision_plugin, "precision", None)
+    sharded = any(isinstance(m, FSDPModule) for m in module.modules())
     try:
-        estimate = estimate_memory(
-            module,
-            batch,
-            devices=replicas,
-            device_memory=device_memory,
-            precision=precision,
-            measure_on="meta",
-        )
+        with _units_without_hooks(module) if sharded else contextlib.nullcontext():
+            estimate = estimate_memory(
+                module,
+                batch,
+                devices=replicas,
+                device_memory=device_memory,
+                precision=precision,
+                measure_on="meta",
+                block_classes=getattr(strategy, "block_classes", None) if sharded else None,
+            )
     except Exception as err:  # the estimate is a hint: without it the whole batch is tried first
         log.debug(
             "no estimate for the first micro-batch size (%s: %s): the whole batch first",
