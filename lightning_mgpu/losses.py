@@ -17,7 +17,9 @@ divides by the count of the *whole* batch instead of the part's:
   micro-batching weights it by its count and divides the gradients by the whole batch's count
   (all ranks, through the step's one all-reduce) once every micro-batch is done (``MicroCounts``).
   Under micro-batching a ``training_step`` may hold one ``global_mean`` term, and other terms
-  added to it are then weighted by the count of their micro-batch rather than its rows.
+  added to it are then weighted by the count of their micro-batch rather than its rows. The loss
+  returned, and a value ``global_mean`` returned that is logged as it is (``self.log("loss", loss)``),
+  are combined over the micro-batches with the same weights: they show what the unsplit step shows.
 - **``accumulate_grad_batches``**: Lightning averages the losses of the accumulated batches, each
   divided by its own global count. That equals one step on all of them only when every
   accumulated batch has the same global count (a sum over rows with equal batch sizes, tokens of
@@ -41,7 +43,9 @@ __all__ = [
     "MicroCounts",
     "ReplicaPart",
     "global_mean",
+    "is_micro_mean",
     "micro_counts",
+    "note_micro_mean",
     "replica_part",
     "replica_step_context",
 ]
@@ -66,9 +70,16 @@ class ReplicaPart:
 
 @dataclass
 class MicroCounts:
-    """The counts ``global_mean`` saw in each micro-batch of the batch being run."""
+    """What ``global_mean`` saw and gave in the micro-batch being run.
+
+    Attributes:
+        counts: The count of each call (with ``mgpu_dp`` replicas: summed over them, given once).
+        means: The values it returned, and those ``mgpu_dp`` combined from them over its replicas
+            (``note_micro_mean``): logged as they are, micro-batching weights them by the counts.
+    """
 
     counts: list[Tensor] = field(default_factory=list)
+    means: list[Tensor] = field(default_factory=list)
 
 
 _local = threading.local()
@@ -128,6 +139,17 @@ def micro_counts(counts: MicroCounts) -> Iterator[MicroCounts]:
         yield counts
     finally:
         _micro.remove(counts)
+
+
+def is_micro_mean(value: Any) -> bool:
+    """Whether ``value`` is a mean ``global_mean`` gave in the micro-batch running now (the very tensor)."""
+    return bool(_micro) and any(value is mean for mean in _micro[-1].means)
+
+
+def note_micro_mean(value: Tensor) -> None:
+    """Count ``value``, made from ``global_mean``'s values alone (replicas' parts combined), as one too."""
+    if _micro:
+        _micro[-1].means.append(value)
 
 
 def _as_count(count: Any, like: Tensor) -> Tensor:
@@ -192,7 +214,9 @@ def global_mean(total: Tensor, count: Any) -> Tensor:
         if part is None or part.index == 0:
             _micro[-1].counts.append(mine)
         mean = total / torch.where(mine > 0, mine, torch.ones_like(mine))
-        return mean * share if share is not None else mean
+        mean = mean * share if share is not None else mean
+        _micro[-1].means.append(mean)  # from every replica: each one's value may be logged
+        return mean
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if world > 1:
         mine = mine.clone()

@@ -170,7 +170,9 @@ class MicroBatchRunner:
         grown = self.sizes.succeeded()
         if grown is not None:
             log.info("[rank %d] micro-batches grow to %d rows after clean batches", self._rank(), grown)
-        return self._combine(module, done)
+        # each micro-batch's share of a global_mean loss: the weight its gradients got
+        shares = None if scale is None else [c * scale for c in done.counts]
+        return self._combine(module, done, shares)
 
     def _start_from_estimate(self, module: LightningModule, batch: Any, rows: int) -> None:
         """Where the device's memory is known, start ``"auto"`` at the size the estimate says fits."""
@@ -307,16 +309,23 @@ class MicroBatchRunner:
         )
 
     # ------------------------------------------------------------------ after the batch
-    def _combine(self, module: LightningModule, done: _Done) -> Any:
+    def _combine(self, module: LightningModule, done: _Done, shares: list[Tensor] | None) -> Any:
+        """The step's output, logs and metrics as the unsplit step leaves them.
+
+        ``shares``: each micro-batch's weight in the batch's ``global_mean`` (its count, times the
+        ranks' factor, over the global count), ``None`` when the step did not use it. The loss
+        returned, and a ``global_mean`` value logged as it is, are then the sum of the micro-batches'
+        values times their shares: the unsplit step's value (on each rank its share of the global
+        mean, as ``global_mean`` returns it there); otherwise the mean by rows gives it.
+        """
         originals = self._metrics.merge()
-        replay_logs(module, done.captures, done.sizes, self.strategy.root_device, originals)
+        replay_logs(module, done.captures, done.sizes, self.strategy.root_device, originals, shares)
         output = combine_outputs(done.outputs, done.sizes, self.strategy.root_device)
         losses = [loss for loss in map(_loss_of, done.outputs) if loss is not None]
-        if done.counts and len(losses) == len(done.counts):
-            # the loss shown is the count-weighted mean of the micro-batches' own means
-            counts = torch.stack([c.to(losses[0].dtype) for c in done.counts])
-            weighted = (counts * torch.stack(losses)).sum() / counts.sum()
-            output = {**output, "loss": weighted} if isinstance(output, dict) else weighted
+        if shares is not None and len(losses) == len(shares):
+            parts = zip(losses, shares, strict=True)
+            loss = torch.stack([part * share.to(part) for part, share in parts]).sum()
+            output = {**output, "loss": loss} if isinstance(output, dict) else loss
         return output
 
     def take_backward(self) -> bool:

@@ -2,7 +2,9 @@
 
 - ``LogCapture`` stands in for ``self.log`` while one part runs and records its calls;
 - ``replay_logs`` logs once on the module what the parts logged: the mean weighted by the parts'
-  rows (or the ``batch_size`` they passed), or the sum / max / min their ``reduce_fx`` asks for.
+  rows (or the ``batch_size`` they passed), or the sum / max / min their ``reduce_fx`` asks for;
+  a value ``global_mean`` returned in micro-batches is weighted by their counts instead
+  (``lightning_mgpu.losses``), as the gradients are.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 from torchmetrics import Metric
 
+from lightning_mgpu.losses import is_micro_mean, note_micro_mean
 from lightning_mgpu.strategies.split.batch import weighted_mean
 
 __all__ = ["LogCapture", "replay_logs"]
@@ -28,16 +31,26 @@ def _log_signature() -> inspect.Signature:
 
 
 class LogCapture:
-    """Stands in for ``self.log`` inside one part of a batch."""
+    """Stands in for ``self.log`` inside one part of a batch.
+
+    Attributes:
+        calls: name -> the value and the options of its last ``self.log`` call.
+        micro_means: The names logged with a value ``global_mean`` returned in a micro-batch.
+    """
 
     def __init__(self) -> None:
         self.calls: dict[str, tuple[Any, dict[str, Any]]] = {}
+        self.micro_means: set[str] = set()
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         options = dict(_log_signature().bind(None, name, value, *args, **kwargs).arguments)
         for key in ("self", "name", "value"):
             options.pop(key, None)
         self.calls[name] = (value, options)
+        if is_micro_mean(value):
+            self.micro_means.add(name)
+        else:
+            self.micro_means.discard(name)
 
 
 def _reduction(reduce_fx: Any) -> str:
@@ -69,12 +82,19 @@ def replay_logs(
     sizes: Sequence[int],
     device: torch.device,
     originals: dict[int, Metric],
+    shares: Sequence[Tensor] | None = None,
 ) -> None:
     """Log once on ``module`` what the parts of a batch logged.
 
     A value is the mean of the parts' values weighted by their rows (``sizes``, or the
     ``batch_size`` they passed), or their sum / max / min when ``reduce_fx`` says so. A metric
     object logged in a part is replaced by the module's own metric (``originals``: copy id -> metric).
+
+    ``shares`` (micro-batches, when the step used ``global_mean``): each part's weight in the batch's
+    ``global_mean``, its count over the whole count, as its gradients got it. A mean that every part
+    logged from ``global_mean`` is then the sum of each part's value times its share, the value of the
+    unsplit step; without ``shares`` (``mgpu_dp``'s replicas, whose values ``global_mean`` already
+    scaled to their rows) the mean by rows gives it, and the result counts as ``global_mean``'s again.
     """
     names = dict.fromkeys(name for capture in captures for name in capture.calls)
     for name in names:
@@ -93,4 +113,14 @@ def replay_logs(
         values = [
             v.to(device) if isinstance(v, Tensor) else torch.tensor(v, device=device) for _, (v, _) in entries
         ]
-        module.log(name, _combine_logged(values, weights, options.get("reduce_fx", "mean")), **options)
+        reduce_fx = options.get("reduce_fx", "mean")
+        means = _reduction(reduce_fx) == "mean" and all(name in c.micro_means for c in captures)
+        if means and shares is not None:
+            combined = functools.reduce(
+                torch.add, (v * s.to(device, v.dtype) for v, s in zip(values, shares, strict=True))
+            )
+        else:
+            combined = _combine_logged(values, weights, reduce_fx)
+        if means:
+            note_micro_mean(combined)
+        module.log(name, combined, **options)

@@ -10,6 +10,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -70,6 +71,39 @@ class TokenModel(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
+class LoggedTokenModel(TokenModel):
+    """``TokenModel`` that logs its loss as ``train_loss``, averaged over the ranks (``sync_dist=True``)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+
+class LossRecorder(Callback):
+    """Each step's loss as a user sees it: returned by ``training_step`` (the progress bar) and logged."""
+
+    def __init__(self) -> None:
+        self.returned: list[float] = []
+        self.logged: list[float] = []
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.returned.append(float(outputs["loss"]))
+        self.logged.append(float(trainer.callback_metrics["train_loss"]))
+
+    def losses(self) -> dict[str, list[float]]:
+        """What was recorded, for a JSON file."""
+        return {"returned": self.returned, "logged": self.logged}
+
+
+def masked_mean(err: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``global_mean`` of ``err`` over the rows whose first input is positive: uneven counts per part."""
+    mask = (x[:, :1] > 0).to(err.dtype)
+    return lightning_mgpu.global_mean((err * mask).sum(), mask.sum())
+
+
 def reference(data: TensorDataset, kind: str, batch_size: int, steps: int, lr: float = 0.1) -> nn.Module:
     """One device, plain torch: ``steps`` steps on consecutive batches of ``batch_size`` rows."""
     model = net()
@@ -111,7 +145,8 @@ class Hungry(L.LightningModule):
     ``(1 + forward_extra)`` row-sizes per row. From the first batch on, ``limit_rank`` (if set)
     limits its process's address space to what it holds plus ``budget`` row-sizes, so a large
     activation fails in the allocator as a real out-of-memory would; from step ``lift_at`` on
-    the limit is lifted again.
+    the limit is lifted again. ``masked`` trains on ``masked_mean`` instead of the mean over rows; the
+    loss is logged as ``train_loss``.
     """
 
     ROW_FLOATS = 2**20  # 4 MiB per row
@@ -122,6 +157,7 @@ class Hungry(L.LightningModule):
         budget: float = 24,
         forward_extra: int = 0,
         lift_at: int | None = None,
+        masked: bool = False,
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -131,6 +167,7 @@ class Hungry(L.LightningModule):
         self.budget = budget
         self.forward_extra = forward_extra
         self.lift_at = lift_at
+        self.masked = masked
         self.sizes_seen: list[int] = []
         self._limited = False
 
@@ -159,7 +196,10 @@ class Hungry(L.LightningModule):
                 held = big.repeat(1, self.forward_extra)
             del held
         act = (big * big).mean(1, keepdim=True)
-        return F.mse_loss(self.head(h) + act, y)
+        out = self.head(h) + act
+        loss = masked_mean((out - y) ** 2, x) if self.masked else F.mse_loss(out, y)
+        self.log("train_loss", loss)
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)

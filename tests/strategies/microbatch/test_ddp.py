@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 
 from tests.helpers import run_script, script_env
@@ -22,6 +23,7 @@ from tests.strategies.microbatch._models import (
     assert_both_ranks_stopped,
     loader,
     max_difference,
+    net,
     reference,
     regression_data,
     token_data,
@@ -32,7 +34,8 @@ ATOL = 1e-6
 SCRIPT = """
 import json, time, torch, lightning as L
 from lightning_mgpu import DeviceMemoryMonitor, MGPUDDPStrategy
-from tests.strategies.microbatch._models import QUIET, Hungry, TokenModel, loader, regression_data, token_data
+from tests.strategies.microbatch._models import QUIET, Hungry, LoggedTokenModel, LossRecorder, loader
+from tests.strategies.microbatch._models import regression_data, token_data
 
 def fit(model, data, batch_size, steps, callbacks=(), **strategy):
     strategy = MGPUDDPStrategy(**strategy)
@@ -42,15 +45,19 @@ def fit(model, data, batch_size, steps, callbacks=(), **strategy):
     trainer.fit(model, loader(data, batch_size))
     return trainer, strategy
 
-results = {}
+results, losses = {}, {}
 for kind in ("masked", "sum", "naive"):  # global_mean, 8 rows per rank
-    model = TokenModel(kind)
-    trainer, _ = fit(model, token_data(), 8, 2)
+    model, recorder = LoggedTokenModel(kind), LossRecorder()
+    trainer, _ = fit(model, token_data(), 8, 2, [recorder])
     results[kind] = model.state_dict()
+    losses[kind] = recorder.losses()
 for kind in ("masked", "mean"):  # and in micro-batches of at most 3 rows
-    model = TokenModel(kind)
-    trainer, _ = fit(model, token_data(), 8, 2, micro_batch_size=3)
+    model, recorder = LoggedTokenModel(kind), LossRecorder()
+    trainer, _ = fit(model, token_data(), 8, 2, [recorder], micro_batch_size=3)
     results["micro_" + kind] = model.state_dict()
+    losses["micro_" + kind] = recorder.losses()
+with open(f"losses_rank{trainer.global_rank}.json", "w") as f:
+    json.dump(losses, f)
 
 # rank 1 runs out of memory in backward with its whole batch of 8 rows; the monitor's table shows the sizes
 model = Hungry(limit_rank=1, budget=24)
@@ -88,6 +95,16 @@ def test_ddp_global_mean_micro_batches_and_out_of_memory(tmp_path: Path) -> None
     for kind in ("masked", "mean"):
         expected = reference(token_data(), kind, 16, 2).state_dict()
         assert max_difference(final["micro_" + kind], expected) < ATOL, kind
+    # the loss logged with sync_dist=True is the token mean of the global batch, in micro-batches too;
+    # each rank returns its share of it (the progress bar's value), as without micro-batches
+    x, y, mask = token_data().tensors
+    first = ((net()(x[:16]) - y[:16]) ** 2 * mask[:16]).sum() / mask[:16].sum()
+    for rank in (0, 1):
+        losses = json.loads((tmp_path / f"losses_rank{rank}.json").read_text())
+        assert losses["masked"]["logged"][0] == pytest.approx(first.item(), abs=ATOL)
+        for what in ("logged", "returned"):
+            expected = losses["masked"][what]
+            assert losses["micro_masked"][what] == pytest.approx(expected, abs=ATOL), (rank, what)
 
     big, small, strided = final["averaged"]
     assert torch.equal(big, torch.full((300_000,), 1.5))

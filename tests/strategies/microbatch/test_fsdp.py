@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 
 from tests.helpers import run_script, script_env
@@ -35,14 +36,14 @@ ATOL = 1e-6
 SCRIPT = """
 import json, torch, lightning as L
 from lightning_mgpu import MGPUFSDPStrategy
-from tests.strategies.microbatch._models import QUIET, HungryBlocks, TokenModel, loader
-from tests.strategies.microbatch._models import regression_data, token_data
+from tests.strategies.microbatch._models import QUIET, HungryBlocks, LoggedTokenModel, LossRecorder
+from tests.strategies.microbatch._models import TokenModel, loader, regression_data, token_data
 
-def fit(model, data, batch_size, steps, accumulate=1, **strategy):
+def fit(model, data, batch_size, steps, accumulate=1, callbacks=(), **strategy):
     strategy = MGPUFSDPStrategy(**strategy)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate,
-        **QUIET,
+        callbacks=list(callbacks), **QUIET,
     )
     trainer.fit(model, loader(data, batch_size))
     return trainer, strategy
@@ -50,11 +51,14 @@ def fit(model, data, batch_size, steps, accumulate=1, **strategy):
 def full(model):
     return {k: v.full_tensor() for k, v in model.state_dict().items()}
 
-results = {}
+results, losses = {}, {}
 for kind, micro in (("masked", None), ("masked", 3), ("sum", 3)):  # global_mean; 8 rows per rank
-    model = TokenModel(kind)
-    trainer, _ = fit(model, token_data(), 8, 2, micro_batch_size=micro)
+    model, recorder = LoggedTokenModel(kind), LossRecorder()
+    trainer, _ = fit(model, token_data(), 8, 2, callbacks=[recorder], micro_batch_size=micro)
     results[f"{kind}_{micro}"] = full(model)
+    losses[f"{kind}_{micro}"] = recorder.losses()
+with open(f"losses_rank{trainer.global_rank}.json", "w") as f:
+    json.dump(losses, f)
 for micro in (None, 3):  # two batches of 4 rows per rank accumulated into each step
     model = TokenModel("mean")
     trainer, _ = fit(model, token_data(), 4, 2, accumulate=2, micro_batch_size=micro)
@@ -88,6 +92,13 @@ def test_fsdp_micro_batches_and_out_of_memory_between_gathers(tmp_path: Path) ->
     for kind, micro in (("masked", None), ("masked", 3), ("sum", 3)):
         expected = reference(token_data(), kind, 16, 2).state_dict()
         assert max_difference(final[f"{kind}_{micro}"], expected) < ATOL, (kind, micro)
+
+    # the loss logged with sync_dist=True and the one returned are those of whole batches
+    for rank in (0, 1):
+        losses = json.loads((tmp_path / f"losses_rank{rank}.json").read_text())
+        for what in ("logged", "returned"):
+            expected = losses["masked_None"][what]
+            assert losses["masked_3"][what] == pytest.approx(expected, abs=ATOL), (rank, what)
 
     # with accumulate_grad_batches the sharded gradients of earlier batches are kept aside, then added
     assert max_difference(final["accumulated_3"], final["accumulated_None"]) < ATOL

@@ -24,9 +24,12 @@ from tests.strategies.microbatch._models import (
     LIMITED_MEMORY,
     QUIET,
     Hungry,
+    LoggedTokenModel,
+    LossRecorder,
     TokenModel,
     loader,
     max_difference,
+    net,
     reference,
     regression_data,
     token_data,
@@ -119,6 +122,22 @@ def test_logs_metrics_and_hooks_see_the_whole_batch() -> None:
     assert max_difference(split.state_dict(), whole.state_dict()) < ATOL
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_global_mean_loss_is_logged_and_returned_as_over_the_whole_batch(devices: int) -> None:
+    seen = {}
+    for micro in (None, 3):
+        recorder = LossRecorder()
+        model = LoggedTokenModel("masked")
+        fit(model, token_data(), 8, devices, micro_batch_size=micro, max_steps=3, callbacks=[recorder])
+        seen[micro] = recorder
+    x, y, mask = token_data().tensors
+    first = ((net()(x[:8]) - y[:8]) ** 2 * mask[:8]).sum() / mask[:8].sum()  # the first batch's token mean
+    assert seen[None].logged[0] == pytest.approx(first.item(), abs=ATOL)
+    # micro-batches of 3, 3 and 2 rows hold other token counts than rows: the values stay the batch's
+    assert seen[3].logged == pytest.approx(seen[None].logged, abs=ATOL)
+    assert seen[3].returned == pytest.approx(seen[None].returned, abs=ATOL)
+
+
 def test_manual_optimization_is_refused_with_the_fix() -> None:
     class Manual(TokenModel):
         def __init__(self) -> None:
@@ -135,12 +154,14 @@ def test_manual_optimization_is_refused_with_the_fix() -> None:
 OOM_SCRIPT = """
 import json, sys, lightning as L
 from lightning_mgpu.strategies.dp.strategy import MGPUDataParallelStrategy
-from tests.strategies.microbatch._models import QUIET, Hungry, loader, regression_data
+from tests.strategies.microbatch._models import QUIET, Hungry, LossRecorder, loader, regression_data
 
-def fit(model, batch_size, steps, grow_after=100):
+def fit(model, batch_size, steps, grow_after=100, callbacks=()):
     strategy = MGPUDataParallelStrategy(micro_batch_size="auto")
     strategy.micro_batches.grow_after = grow_after
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, **QUIET)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, callbacks=list(callbacks), **QUIET
+    )
     trainer.fit(model, loader(regression_data(), batch_size))
     return model
 
@@ -148,6 +169,10 @@ seen = {}
 # backward needs about 4 row-sizes per row, forward 1 (+ forward_extra): 24 fit 4 rows, not 8
 seen["backward"] = fit(Hungry(limit_rank=0, budget=24), 8, 2).sizes_seen
 seen["forward"] = fit(Hungry(limit_rank=0, budget=32, forward_extra=5), 8, 2).sizes_seen
+# a token mean: after the out-of-memory the micro-batches hold other counts than rows
+recorder = LossRecorder()
+seen["masked"] = fit(Hungry(limit_rank=0, budget=24, masked=True), 8, 2, callbacks=[recorder]).sizes_seen
+seen["masked_losses"] = recorder.losses()
 # 16 and 8 rows fail, 4 fit; the limit is lifted at step 1 and after 2 clean batches it grows to 7
 model = fit(Hungry(limit_rank=0, budget=24, lift_at=1), 16, 4, grow_after=2)
 seen["grow"] = model.sizes_seen
@@ -168,6 +193,12 @@ def test_auto_recovers_from_real_out_of_memory(tmp_path: Path) -> None:
     )
     assert seen["forward"] == [8, 4, 4, 4, 4]
     assert "[rank 0] out of memory in forward at batch 0 of epoch 0 with micro-batches of 8 rows" in out
+    # a token mean logged and returned as over the whole batch, before and after the out-of-memory
+    assert seen["masked"] == [8, 4, 4, 4, 4]
+    whole = LossRecorder()
+    fit(Hungry(masked=True), regression_data(), 8, max_steps=2, callbacks=[whole])
+    assert seen["masked_losses"]["logged"] == pytest.approx(whole.logged, abs=ATOL)
+    assert seen["masked_losses"]["returned"] == pytest.approx(whole.returned, abs=ATOL)
     assert seen["grow"] == [16, 8] + [4] * 8 + [6, 5, 5] * 2
     assert "micro-batches of 16 rows: running the batch again in micro-batches of 8 rows" in out
     assert "micro-batches of 8 rows: running the batch again in micro-batches of 4 rows" in out
