@@ -15,7 +15,9 @@ It overrides these hooks and calls the host's own through ``super()`` in each:
 - ``_get_process_group_backend``: the explicit ``process_group_backend``, else
   ``checks.default_backend`` for the root device;
 - ``setup_environment`` / ``teardown``: the watchdog starts before the process group,
-  joins the run's store after it, and stops (thread joined) when the run ends;
+  joins the run's store after it, and stops (thread joined) when the run ends; under
+  torchrun the group is created in a key space of its store fresh to this attempt
+  (``attempt.py``), so a restarted attempt never meets the dead one's keys;
 - ``setup``: the training ``DataLoader``'s own ``shuffle`` is kept;
 - ``on_train_start``, ``on_validation_start``, ``on_test_start``, ``on_predict_start``:
   rank 0 prints the start-up summary once;
@@ -48,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import _is_dataloader_shuffled
@@ -55,7 +58,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_mgpu.strategies.process_group import checks
+from lightning_mgpu.strategies.process_group import attempt, checks
 from lightning_mgpu.strategies.process_group.errors import add_to_message, is_communication_error
 from lightning_mgpu.strategies.process_group.launcher import _WatchedSubprocessScriptLauncher
 from lightning_mgpu.strategies.process_group.requeue import DeferredRequeue
@@ -160,12 +163,16 @@ class ProcessGroupServices(ExplainedStepMemory):
         self._watching = self.world_size > 1
         if self._watching:
             watchdog().start(self.global_rank, self.local_rank)
+        # under torchrun, before Lightning creates the group in the store earlier attempts left keys in
+        timeout = getattr(self, "_timeout", None) or default_pg_timeout
+        backend = self._get_process_group_backend()
+        attempt.init_process_group(backend, self.global_rank, self.world_size, timeout, self.root_device)
         super().setup_environment()
         if self._watching:
             self._attach_watchdog()
 
     def _attach_watchdog(self) -> None:
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        restart = attempt.current_token() or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         try:
             client = dist.TCPStore(
                 os.environ["MASTER_ADDR"],
