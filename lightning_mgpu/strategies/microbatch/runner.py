@@ -134,10 +134,10 @@ class MicroBatchRunner:
         while True:
             status = OK
             if done is None:
-                tried = self.sizes.rows(rows)
-                parts = math.ceil(rows / tried)
+                parts = math.ceil(rows / self.sizes.rows(rows))
                 if lockstep is not None:
                     parts = self._shared_parts(agreement, parts, rows, where)
+                tried = max(split_sizes(rows, parts))  # what runs: another rank may cut this one finer
                 watching = lockstep.watching(agreement) if lockstep is not None and self.sizes.auto else None
                 try:
                     with watching or nullcontext():
@@ -167,6 +167,7 @@ class MicroBatchRunner:
         scale = None if count is None else (world if averaged else 1) / count
         grads.finish(scale, world if syncing else 1)
         self._grads = grads
+        self.sizes.ran(rows, max(done.sizes))
         grown = self.sizes.succeeded()
         if grown is not None:
             log.info("[rank %d] micro-batches grow to %d rows after clean batches", self._rank(), grown)
@@ -279,8 +280,7 @@ class MicroBatchRunner:
             torch.cuda.empty_cache()
 
     def _recover(self, tried: int, rows: int, where: str) -> int:
-        shrink = self.sizes.out_of_memory(tried)
-        if shrink is None:
+        if self.sizes.out_of_memory(tried) is None:
             return FATAL
         log.warning(
             "[rank %d] out of memory in %s at %s with micro-batches of %d rows: running the batch again"
@@ -288,8 +288,8 @@ class MicroBatchRunner:
             self._rank(),
             self._phase,
             where,
-            shrink.old,
-            shrink.new,
+            tried,
+            self.sizes.rows(rows),
             rows,
         )
         return RETRY

@@ -152,9 +152,12 @@ def test_manual_optimization_is_refused_with_the_fix() -> None:
 
 
 OOM_SCRIPT = """
-import json, sys, lightning as L
+import json, logging, sys, lightning as L
 from lightning_mgpu.strategies.dp.strategy import MGPUDataParallelStrategy
 from tests.strategies.microbatch._models import QUIET, Hungry, LossRecorder, loader, regression_data
+
+logging.basicConfig()
+logging.getLogger("lightning_mgpu.strategies.microbatch").setLevel(logging.INFO)  # how the size grows
 
 def fit(model, batch_size, steps, grow_after=100, callbacks=()):
     strategy = MGPUDataParallelStrategy(micro_batch_size="auto")
@@ -173,7 +176,7 @@ seen["forward"] = fit(Hungry(limit_rank=0, budget=32, forward_extra=5), 8, 2).si
 recorder = LossRecorder()
 seen["masked"] = fit(Hungry(limit_rank=0, budget=24, masked=True), 8, 2, callbacks=[recorder]).sizes_seen
 seen["masked_losses"] = recorder.losses()
-# 16 and 8 rows fail, 4 fit; the limit is lifted at step 1 and after 2 clean batches it grows to 7
+# 16 and 8 rows fail, 4 fit; the limit is lifted at step 1 and after 2 clean batches it grows to 6
 model = fit(Hungry(limit_rank=0, budget=24, lift_at=1), 16, 4, grow_after=2)
 seen["grow"] = model.sizes_seen
 json.dump(seen, open("seen.json", "w"))
@@ -200,6 +203,9 @@ def test_auto_recovers_from_real_out_of_memory(tmp_path: Path) -> None:
     assert seen["masked_losses"]["logged"] == pytest.approx(whole.logged, abs=ATOL)
     assert seen["masked_losses"]["returned"] == pytest.approx(whole.returned, abs=ATOL)
     assert seen["grow"] == [16, 8] + [4] * 8 + [6, 5, 5] * 2
+    # the size it grows to is the one that runs: 7 rows would cut 16 rows as 6, 5 and 5
+    assert "[rank 0] micro-batches grow to 6 rows after clean batches" in out
+    assert "grow to 7" not in out
     assert "micro-batches of 16 rows: running the batch again in micro-batches of 8 rows" in out
     assert "micro-batches of 8 rows: running the batch again in micro-batches of 4 rows" in out
     assert result.returncode != 0

@@ -33,10 +33,37 @@ def test_auto_grows_after_clean_batches_but_never_to_a_size_that_failed() -> Non
     sizes.rows(32)
     sizes.out_of_memory(32)  # -> 16
     sizes.out_of_memory(16)  # -> 8
-    assert [sizes.succeeded() for _ in range(3)] == [None, None, 15]  # doubling stops below 16
-    assert sizes.rows(32) == 15
+    # doubling stops below 16; 15 rows would cut 32 as 11, 11 and 10: it grows to what runs
+    assert [sizes.succeeded() for _ in range(3)] == [None, None, 11]
+    assert sizes.rows(32) == 11
     assert [sizes.succeeded() for _ in range(6)] == [None] * 6  # nothing larger to try
-    assert sizes.size == 15
+    assert sizes.size == 11
+
+
+def test_a_size_that_changes_nothing_is_not_a_growth() -> None:
+    sizes = MicroBatchSizes(None, auto=True, grow_after=1)
+    sizes.rows(8)
+    sizes.out_of_memory(8)  # -> 4
+    # below 8 rows, batches of 8 can only be cut in two halves of 4: nothing to grow to
+    assert [sizes.succeeded() for _ in range(3)] == [None] * 3
+    assert sizes.rows(8) == 4
+
+
+def test_the_rows_that_ran_are_recorded_and_never_tried_again() -> None:
+    sizes = MicroBatchSizes(7, auto=True, grow_after=1)
+    assert sizes.rows(8) == 4  # at most 7 rows: 8 rows run as 4 and 4
+    assert sizes.out_of_memory(sizes.rows(8)) == Shrink(4, 2)
+    assert sizes.failed == 4
+    assert sizes.succeeded() == 3  # 3, 3 and 2 rows; 4 failed
+    assert sizes.rows(8) == 3
+    assert [sizes.succeeded() for _ in range(3)] == [None] * 3
+    # what the last batch ran, as the memory summary reports it: whole batches are None
+    sizes.ran(8, 3)
+    assert sizes.last_rows == 3
+    sizes.ran(5, 5)  # a smaller last batch of the epoch leaves it as it was
+    assert sizes.last_rows == 3
+    sizes.ran(8, 8)
+    assert sizes.last_rows is None
 
 
 def test_auto_without_failure_grows_back_to_the_whole_batch() -> None:
