@@ -55,7 +55,7 @@ class DeviceMemoryMonitor(Callback):
       ``imbalance_threshold`` it warns once, naming the likely cause in this run.
     - At the end of ``fit`` rank 0 prints an ``nvidia-smi``-like table and writes the
       same data to ``<trainer.log_dir>/memory_summary.json``; under a strategy given
-      ``micro_batch_size=``, each rank's final micro-batch size too.
+      ``micro_batch_size=``, the rows per micro-batch each rank's last batch really ran in too.
     - When a step runs out of memory (``torch.cuda.OutOfMemoryError`` or ``MemoryError``)
       the failing rank prints which device failed, what every device held (other ranks'
       devices as last gathered) and options computed from the run; the original exception

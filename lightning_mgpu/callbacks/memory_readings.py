@@ -6,8 +6,8 @@
 - ``take_readings`` reads them, as plain ``Reading`` records (``memory_report.py``); the rank's
   first device also carries the bytes of parameters, gradients and optimizer state the rank holds
   (``measure_model_state``: the local shards under ``mgpu_fsdp``, whole tensors otherwise);
-- ``micro_batch_sizes`` gathers each rank's micro-batch size at the end of a fit, under a strategy
-  that runs micro-batches (``micro_batch_size=``).
+- ``micro_batch_sizes`` gathers the rows per micro-batch each rank's last batch ran in, at the end
+  of a fit, under a strategy that runs micro-batches (``micro_batch_size=``).
 """
 
 from __future__ import annotations
@@ -133,8 +133,10 @@ def take_readings(
 
 
 def micro_batch_sizes(trainer: Trainer) -> dict[int, int | None]:
-    """Rank -> rows per micro-batch now (``None``: whole batches); empty for a strategy without micro-batches.
+    """Rank -> rows per micro-batch its last batch ran in (``None``: whole); empty without micro-batches.
 
+    What ran, not the rank's setting: under ``mgpu_fsdp`` a rank runs as many micro-batches as the
+    rank that needs most, so one that never ran out of memory may run smaller ones than its own.
     Under several processes every rank must call it (one all-gather); each reaches the same answer
     whether to gather, as the setting is the same on every rank.
     """
@@ -142,7 +144,7 @@ def micro_batch_sizes(trainer: Trainer) -> dict[int, int | None]:
     sizes = getattr(strategy, "micro_batches", None)
     if sizes is None or getattr(strategy, "micro_batch_size", None) is None:
         return {}
-    everyone = all_gather_objects(trainer, (trainer.global_rank, sizes.size))
+    everyone = all_gather_objects(trainer, (trainer.global_rank, sizes.last_rows))
     log.debug("micro-batch sizes at the end of fit: %s", everyone)
     return dict(everyone)
 

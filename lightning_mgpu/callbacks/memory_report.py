@@ -103,7 +103,7 @@ class Summary:
     max_imbalance: float = 1.0
     logs: int = 0
     micro_batches: dict[int, int | None] = field(default_factory=dict)
-    """rank -> its micro-batch size at the end of fit (``None``: whole batches); empty without them."""
+    """rank -> rows per micro-batch its last batch ran in (``None``: whole); empty without micro-batches."""
 
     def update(self, readings: list[Reading], imbalance_now: float) -> None:
         self.logs += 1

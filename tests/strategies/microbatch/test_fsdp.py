@@ -35,7 +35,7 @@ ATOL = 1e-6
 
 SCRIPT = """
 import json, torch, lightning as L
-from lightning_mgpu import MGPUFSDPStrategy
+from lightning_mgpu import DeviceMemoryMonitor, MGPUFSDPStrategy
 from tests.strategies.microbatch._models import QUIET, HungryBlocks, LoggedTokenModel, LossRecorder
 from tests.strategies.microbatch._models import TokenModel, loader, regression_data, token_data
 
@@ -68,8 +68,11 @@ sizes = {}
 # rank 1 fails with its whole batch of 8 rows; "recompute": in backward, recomputing a checkpointed block
 for phase, budget, recompute in [("forward", 24, False), ("backward", 32, False), ("recompute", 24, True)]:
     model = HungryBlocks(limit_rank=1, budget=budget)
+    # the memory summary of the first: rank 0 ran micro-batches too, as many as rank 1
+    monitor = [DeviceMemoryMonitor(every_n_steps=1)] if phase == "forward" else []
     trainer, strategy = fit(
-        model, regression_data(), 8, 2, micro_batch_size="auto", activation_checkpointing=recompute
+        model, regression_data(), 8, 2, callbacks=monitor, micro_batch_size="auto",
+        activation_checkpointing=recompute,
     )
     results[phase] = full(model)
     sizes[phase] = {"final": strategy.micro_batches.size, "seen": model.sizes_seen}
@@ -126,5 +129,11 @@ def test_fsdp_micro_batches_and_out_of_memory_between_gathers(tmp_path: Path) ->
         assert sizes[0][phase] == {"final": None, "seen": [8, 4, 4, 4, 4]}
         assert sizes[1][phase] == {"final": 4, "seen": [8, 4, 4, 4, 4]}
     assert max_difference(final["forward"], HungryBlocks().state_dict()) > 1e-4  # training moved the weights
+    # the memory summary says what each rank ran: micro-batches of 4 rows on both
+    table = result.output[result.output.index("Device memory over the fit (peaks):") :].splitlines()
+    rows = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in table[4:6]}
+    assert rows == {"cpu:rank0": "4 rows", "cpu:rank1": "4 rows"}, "\n".join(table[:8])
+    memory = json.loads((tmp_path / "memory_summary.json").read_text())["devices"]
+    assert [(d["device"], d["micro_batch_size"]) for d in memory] == [("cpu:rank0", 4), ("cpu:rank1", 4)]
 
     assert_both_ranks_stopped(result)
