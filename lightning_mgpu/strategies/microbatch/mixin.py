@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
@@ -13,19 +15,28 @@ from lightning_mgpu.strategies.microbatch.runner import MicroBatchRunner
 from lightning_mgpu.strategies.microbatch.sizes import MicroBatchSizes
 from lightning_mgpu.strategies.mixin import StrategyMixin
 
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
 __all__ = ["MicroBatching", "check_micro_batch_size"]
+
+_MANUAL_OPTIMIZATION = (
+    "micro_batch_size needs automatic optimization: with `automatic_optimization = False` the"
+    " training_step calls backward itself. Split the batch inside training_step instead, or"
+    " remove micro_batch_size."
+)
 
 
 def check_micro_batch_size(value: Any) -> int | str | None:
-    """``value`` if it is a positive int, ``"auto"`` or ``None``.
+    """``value`` if it is a positive integer (of any integer type, as an ``int``), ``"auto"`` or ``None``.
 
     Raises:
         ValueError: for anything else, naming the value.
     """
     if value is None or value == "auto":
         return value
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 1:
+        return int(value)  # numpy.int64(4), a size computed with numpy, is 4 rows
     raise ValueError(
         f"micro_batch_size must be a positive number of rows, 'auto' (halve on out-of-memory) or None"
         f" (off), got {value!r}"
@@ -55,14 +66,18 @@ class MicroBatching(StrategyMixin):
     with its own statistics; dropout draws other masks; under DDP the gradients are averaged
     once after the last micro-batch instead of during backward, and buffers are not broadcast
     from rank 0 at each forward; ``on_before_backward`` and ``on_after_backward`` run once per
-    batch, after the micro-batches' backward passes. Manual optimization is refused.
-
-    Attributes:
-        micro_batch_size: the setting.
-        micro_batches: this rank's ``MicroBatchSizes`` (``size`` now, ``failed``, ``grow_after``).
+    batch, after the micro-batches' backward passes. Manual optimization is refused when fit starts.
 
     The host strategy is the runner's ``MicroBatchHost`` (``microbatch/host.py``): beside what every
     ``ParallelStrategy`` has, it names itself (``strategy_name``) and provides ``note_progress``.
+
+    Attributes:
+        micro_batch_size: the setting.
+        micro_batches: this rank's ``MicroBatchSizes`` (``size`` now, ``failed``, ``grow_after``, and
+            ``last_rows``, the rows per micro-batch its last batch ran in).
+
+    Raises:
+        ValueError: when fit starts, for a LightningModule with ``automatic_optimization = False``.
     """
 
     if TYPE_CHECKING:  # what the host provides (microbatch/host.py's MicroBatchHost)
@@ -78,6 +93,15 @@ class MicroBatching(StrategyMixin):
         assert start is None or isinstance(start, int)
         self.micro_batches = MicroBatchSizes(start, auto=auto)
         self._micro_runner: MicroBatchRunner = MicroBatchRunner(self, self.micro_batches)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        # refused before the first step, not when a batch happens to be split
+        module = self.lightning_module
+        manual = module is not None and not module.automatic_optimization
+        if self.micro_batch_size is not None and manual and trainer.state.fn == TrainerFn.FITTING:
+            raise ValueError(_MANUAL_OPTIMIZATION)
+        super().setup(trainer)
 
     @property
     def collective_passes(self) -> CollectivePasses | None:

@@ -107,12 +107,6 @@ class MicroBatchRunner:
         rows = split_rows(args[0], f"micro_batch_size under {self.strategy.strategy_name}")
         if rows is None or (not self.sizes.auto and self.sizes.rows(rows) >= rows):
             return step(*args, **kwargs)  # nothing to split: the step as without micro-batching
-        if not module.automatic_optimization:
-            raise ValueError(
-                "micro_batch_size needs automatic optimization: with `automatic_optimization = False` the"
-                " training_step calls backward itself. Split the batch inside training_step instead, or"
-                " remove micro_batch_size."
-            )
         if self.sizes.auto and not self._estimated:
             self._estimated = True
             self._start_from_estimate(module, args[0], rows)

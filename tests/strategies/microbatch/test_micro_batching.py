@@ -138,17 +138,27 @@ def test_a_global_mean_loss_is_logged_and_returned_as_over_the_whole_batch(devic
     assert seen[3].returned == pytest.approx(seen[None].returned, abs=ATOL)
 
 
-def test_manual_optimization_is_refused_with_the_fix() -> None:
-    class Manual(TokenModel):
-        def __init__(self) -> None:
-            super().__init__("mean")
-            self.automatic_optimization = False
+class Manual(TokenModel):
+    def __init__(self) -> None:
+        super().__init__("mean")
+        self.automatic_optimization = False
+        self.steps = 0
 
-        def training_step(self, batch: Any, batch_idx: int) -> None:
-            self.manual_backward(super().training_step(batch, batch_idx))
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        self.steps += 1
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        optimizer.step()
 
+
+def test_manual_optimization_is_refused_at_the_start_of_fit_with_the_fix() -> None:
+    model = Manual()
+    # batches of 8 rows would never be split by micro-batches of 16: refused all the same, before a step
     with pytest.raises(ValueError, match=r"micro_batch_size needs automatic optimization"):
-        fit(Manual(), token_data(), 8, micro_batch_size=3, max_steps=1)
+        fit(model, token_data(), 8, micro_batch_size=16, max_steps=2)
+    assert model.steps == 0
+    fit(Manual(), token_data(), 8, max_steps=2)  # without micro_batch_size it trains
 
 
 OOM_SCRIPT = """

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import numpy
 import pytest
 
 from lightning_mgpu.strategies.microbatch import MicroBatchSizes, check_micro_batch_size
@@ -84,10 +87,17 @@ def test_an_out_of_memory_resets_the_clean_count() -> None:
     assert sizes.succeeded() == 3  # below 4, which failed
 
 
-@pytest.mark.parametrize("bad", [0, -3, 2.5, "half", True])
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "half", True, numpy.int64(0)])
 def test_a_bad_setting_is_named(bad: object) -> None:
-    with pytest.raises(ValueError, match=rf"micro_batch_size must be a positive number .* got {bad!r}"):
+    expected = rf"micro_batch_size must be a positive number .* got {re.escape(repr(bad))}"
+    with pytest.raises(ValueError, match=expected):
         check_micro_batch_size(bad)
+
+
+def test_any_integer_type_is_a_number_of_rows() -> None:
+    size = check_micro_batch_size(numpy.int64(4))  # a size computed with numpy
+    assert size == 4
+    assert type(size) is int
 
 
 def test_auto_can_start_below_the_whole_batch_and_still_grows_back() -> None:
