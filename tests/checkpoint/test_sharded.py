@@ -1,14 +1,14 @@
 """Sharded checkpoint folders (``torch.distributed.checkpoint``) exported, loaded, inspected as plain weights.
 
 One real 2-process run of Lightning's ``ModelParallelStrategy`` (FSDP2 on gloo) writes the folder
-that most checks share, with every tensor split over both ranks' files; the rest save folders in
-this process, which ``torch.distributed.checkpoint`` does without a process group.
+that most checks share (``fsdp_run``, see ``_sharded``), with every tensor split over both ranks'
+files; the rest save folders in this process, which ``torch.distributed.checkpoint`` does without
+a process group.
 """
 
 from __future__ import annotations
 
 import pickle
-import shutil
 import sys
 from pathlib import Path
 
@@ -20,80 +20,8 @@ from torch import nn
 
 from lightning_mgpu import export_state_dict, inspect_checkpoint, load_state_dict
 from lightning_mgpu.cli.main import main
-from tests.helpers import run_command, run_script, script_env
-
-_FIT = """
-import sys
-import lightning as L
-import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
-from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import fully_shard
-from torch.utils.data import DataLoader, TensorDataset
-
-
-class Lit(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-
-    def configure_model(self):
-        mesh = self.device_mesh["data_parallel"]
-        for layer in self.model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.mse_loss(self.model(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.1)
-
-
-torch.manual_seed(1)
-data = TensorDataset(torch.randn(16, 8), torch.randn(16, 4))
-trainer = L.Trainer(
-    accelerator="cpu",
-    devices=2,
-    strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-    max_steps=2,
-    logger=False,
-    enable_checkpointing=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
-)
-lit = Lit()
-trainer.fit(lit, DataLoader(data, batch_size=4))
-trainer.save_checkpoint("last.ckpt")
-full = get_model_state_dict(lit.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-if trainer.global_rank == 0:
-    torch.save(full, "reference.pt")
-"""
-
-
-def plain_model() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-
-
-@pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
-    """The folder a 2-rank ``ModelParallelStrategy`` saved, and its full weights gathered by torch."""
-    folder = tmp_path_factory.mktemp("fsdp")
-    result = run_script(_FIT, folder, timeout=300)
-    assert result.returncode == 0, result.output[-3000:]
-    return folder / "last.ckpt", torch.load(folder / "reference.pt", weights_only=True)
-
-
-def copy_of(folder: Path, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(folder, tmp_path / folder.name))
-
-
-def only_inputs_left(folder: Path, *names: str) -> None:
-    assert sorted(p.name for p in folder.iterdir()) == sorted(names)
+from tests.checkpoint._sharded import Touch, copy_of, only_inputs_left, plain_model
+from tests.helpers import run_command, script_env
 
 
 def test_the_run_wrote_shards_of_every_tensor(fsdp_run: tuple[Path, dict]) -> None:
@@ -221,21 +149,11 @@ def test_missing_or_corrupt_metadata(fsdp_run: tuple[Path, dict], tmp_path: Path
     only_inputs_left(tmp_path, folder.name)
 
 
-class _Touch:
-    """Unpickling this would create ``marker``."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple:
-        return (Path.touch, (self.marker,))
-
-
 def test_metadata_is_never_unpickled_unrestricted(tmp_path: Path) -> None:
     folder = tmp_path / "ckpt"
     dcp.save({"w": torch.ones(2)}, checkpoint_id=folder)
     marker = tmp_path / "ran"
-    (folder / ".metadata").write_bytes(pickle.dumps(_Touch(marker)))
+    (folder / ".metadata").write_bytes(pickle.dumps(Touch(marker)))
     with pytest.raises(ValueError, match=r"pathlib\.Path\.touch|refused.*trust_pickle=True"):
         inspect_checkpoint(folder)
     assert not marker.exists()
