@@ -5,9 +5,10 @@ A Lightning checkpoint names its weights ``model.encoder.0.weight`` where the pl
 LightningModules may call the attribute ``model`` and ``net``. Each way of mapping (as is, take off
 one top-level name, put one on, or both) is scored by how many names it makes meet; a mapping that
 makes both sides equal, with every shape equal too, wins, and two such mappings are an error naming
-only them (a way whose names fit but whose shapes cannot is never offered). When none does, the
-closest one is kept only if it moves a LightningModule's attribute prefix (the known cause);
-otherwise the names are compared as they are, so the error shows the real differences.
+only them (a way whose names fit but whose shapes cannot is never offered; when no way's shapes
+fit, the first is kept, so that the error lists its shape mismatches, not ways that do not fit).
+When none does, the closest one is kept only if it moves a LightningModule's attribute prefix (the
+known cause); otherwise the names are compared as they are, so the error shows the real differences.
 """
 
 from __future__ import annotations
@@ -94,7 +95,9 @@ def match_names(
             [m.describe() for m in exact],
             [m.describe() for m in shaped],
         )
-        exact = shaped or exact
+        if not shaped:  # no way fits: nothing to choose between; the first one's mismatches are reported
+            return exact[0]
+        exact = shaped
     if len(exact) == 1:
         logger.debug("source names fit the model %s", exact[0].describe())
         return exact[0]

@@ -37,6 +37,7 @@ from lightning_mgpu.checkpoint._safetensors import ORDER_KEY
 from lightning_mgpu.checkpoint._zip_check import RecordCheck
 
 __all__ = [
+    "PlainWeights",
     "Source",
     "count_values",
     "describe_tops",
@@ -232,20 +233,28 @@ def describe_tops(state_dict: Mapping[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def kept_tops(src: Source, submodule: str | None, state_dict: Mapping[str, Any]) -> list[str]:
-    """The top-level names an export kept because a LightningModule holds its weights in several."""
-    if submodule is not None or not src.lightning:
-        return []
-    tops = list(split_top(state_dict))
-    return tops if len(tops) > 1 else []
-
-
 def count_under(state_dict: Mapping[str, Any], name: str) -> int:
     """Keys strictly below ``name.``."""
     return sum(k.startswith(name + ".") for k in state_dict)
 
 
-def plain_state_dict(src: Source, submodule: str | None = None) -> tuple[OrderedDict[str, Any], list[str]]:
+@dataclass(frozen=True)
+class PlainWeights:
+    """What :func:`plain_state_dict` gives: the weights, the prefixes removed, the attributes kept.
+
+    Attributes:
+        state_dict: The weights as a plain model holds them.
+        removed: The prefixes removed, in the keys' spelling (``["module.", "model."]``).
+        kept: When a LightningModule holds its weights in several attributes and no submodule was
+            asked for: those attributes, kept in the names (what a report offers to pick).
+    """
+
+    state_dict: OrderedDict[str, Any]
+    removed: list[str]
+    kept: list[str] = field(default_factory=list)
+
+
+def plain_state_dict(src: Source, submodule: str | None = None) -> PlainWeights:
     """The weights as a plain model holds them: wrappers removed, one submodule picked.
 
     - every wrapper prefix is removed: exactly the wrappers' for a module, for a file or a dict
@@ -255,12 +264,10 @@ def plain_state_dict(src: Source, submodule: str | None = None) -> tuple[Ordered
     - by default a LightningModule (or a Lightning checkpoint) that holds one submodule loses its
       attribute prefix; one whose weights lie in several attributes (``embed``, ``blocks``,
       ``head``) keeps them all, named as the module names them: nothing is lost, and
-      :func:`kept_tops` says what a report should offer to pick.
-
-    Returns:
-        The state_dict and the prefixes removed, in the keys' spelling (``["module.", "model."]``).
+      :attr:`PlainWeights.kept` lists them (never the names inside the one attribute removed).
     """
     state_dict, removed = strip_wrappers(src.state_dict, src.wrappers, lightning=src.lightning)
+    kept: list[str] = []
     if submodule is None and src.lightning and state_dict:
         tops = split_top(state_dict)
         only = next(iter(tops)) if len(tops) == 1 else None
@@ -271,7 +278,8 @@ def plain_state_dict(src: Source, submodule: str | None = None) -> tuple[Ordered
             submodule = only
         else:
             logger.debug("kept every entry: the LightningModule's weights lie in %s", ", ".join(tops))
+            kept = list(tops) if len(tops) > 1 else []
     if submodule:
         state_dict = select(state_dict, submodule)
         removed.append(submodule.rstrip(".") + ".")
-    return state_dict, removed
+    return PlainWeights(state_dict, removed, kept)

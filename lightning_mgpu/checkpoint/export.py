@@ -22,7 +22,7 @@ from lightning_mgpu.checkpoint._safetensors import (
     view_key,
     write_safetensors,
 )
-from lightning_mgpu.checkpoint._source import count_values, kept_tops, plain_state_dict, resolve
+from lightning_mgpu.checkpoint._source import count_values, plain_state_dict, resolve
 
 __all__ = ["ExportReport", "export_state_dict", "exported_state_dict"]
 
@@ -196,9 +196,9 @@ def export_state_dict(
     fmt = _choose_format(path, format)
     to_dtype = _choose_dtype(dtype)
     src = resolve(source, trust_pickle=trust_pickle, key=key)
-    state_dict, removed = plain_state_dict(src, submodule)
-    several = kept_tops(src, submodule, state_dict)
-    kept_attributes = {top: count for top, count in split_top(state_dict).items() if top in several}
+    plain = plain_state_dict(src, submodule)
+    state_dict, removed = plain.state_dict, plain.removed
+    kept_attributes = {top: count for top, count in split_top(state_dict).items() if top in plain.kept}
     if isinstance(src.mapped, ShardedFolder):  # placeholders: the writer reads them one by one
         state_dict, to_dtype = src.mapped.prepare(state_dict, to_dtype, stream=fmt == "safetensors"), None
     if to_dtype is not None:
@@ -257,7 +257,7 @@ def exported_state_dict(
 
         print(list(exported_state_dict(nn.DataParallel(nn.Linear(2, 1)))))  # ['weight', 'bias']
     """
-    return plain_state_dict(resolve(source, trust_pickle=trust_pickle, key=key), submodule)[0]
+    return plain_state_dict(resolve(source, trust_pickle=trust_pickle, key=key), submodule).state_dict
 
 
 def _cast(state_dict: OrderedDict[str, Any], dtype: torch.dtype) -> OrderedDict[str, Any]:

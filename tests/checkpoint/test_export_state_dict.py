@@ -106,6 +106,9 @@ def test_lightning_module_loses_its_attribute_prefix(tmp_path: Path) -> None:
     fresh = net(seed=5)
     fresh.load_state_dict(safetensors.torch.load_file(tmp_path / "w.safetensors"))
     assert_same(module.model._orig_mod.state_dict(), fresh.state_dict())
+    # the layers inside the one attribute (0, 1, 3) are no attributes kept for the user to pick from
+    assert report.kept_attributes == {}
+    assert "kept every entry" not in str(report)
 
 
 class LitLayers(LitNet):

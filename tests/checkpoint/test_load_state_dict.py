@@ -13,6 +13,7 @@ from omegaconf.nodes import PathNode
 from torch import nn
 
 from lightning_mgpu import LoadReport, export_state_dict, load_state_dict
+from lightning_mgpu.checkpoint import LoadError
 from tests.checkpoint._models import LitNet, LitTwo, ResNet, assert_same, lightning_checkpoint, net
 
 
@@ -162,6 +163,17 @@ def test_only_ways_whose_shapes_fit_are_offered() -> None:
         load_state_dict(target, three)
     assert "'wide" not in str(err.value)
     assert str(err.value).endswith("Pass submodule='student' or submodule='teacher' to choose.")
+
+
+def test_ways_whose_shapes_do_not_fit_are_no_choice() -> None:
+    """Names that fit under ``norm.`` and under ``head.``, shapes under neither: a shape mismatch."""
+    two = nn.ModuleDict({"norm": nn.LayerNorm(4), "head": nn.LayerNorm(4)})
+    target = nn.LayerNorm(8)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(LoadError, match=r"shape mismatch \(2\): norm.weight \[4\] -> weight \[8\]") as err:
+        load_state_dict(target, two)
+    assert "several ways" not in str(err.value)
+    assert_same(before, target.state_dict())
 
 
 def test_two_exact_fits_are_ambiguous_until_submodule_is_given() -> None:
