@@ -1,7 +1,8 @@
 """The ``mgpu_*`` strategies, one room per family plus the rooms several share; each class registers itself.
 
 Imports run one way (``tests/strategies/test_layers.py`` checks it):
-``auto/`` -> the families ``ddp/``, ``fsdp/``, ``dp/`` -> ``process_group/``, ``microbatch/`` -> ``split/``.
+``auto/`` -> the families ``ddp/``, ``fsdp/``, ``dp/`` -> ``process_group/``, ``microbatch/`` -> ``split/``;
+``process_group/`` -> ``resume/``.
 
 - ``auto/``: ``mgpu_auto`` and ``choose_strategy``: the pure decision, the facts it reads, the
   model's memory, and the class swap that turns the placeholder into its choice;
@@ -10,6 +11,8 @@ Imports run one way (``tests/strategies/test_layers.py`` checks it):
 - ``dp/``: ``mgpu_dp``, DataParallel in one process: replicas, their threads and lockstep;
 - ``process_group/``: what every multi-process strategy adds to its Lightning base (checks,
   watched launcher, start-up summary, SLURM requeue, communication errors, the watchdog);
+- ``resume/``: a restarted run going on where it stopped: the restart read, the newest complete
+  checkpoint chosen (used by ``process_group/``);
 - ``microbatch/``: the ``micro_batch_size`` mixin and its runner;
 - ``split/``: cut a batch along dim 0, capture and replay ``self.log``, merge torchmetrics
   (used by ``dp/`` and ``microbatch/``);

@@ -1,4 +1,4 @@
-"""strategies/ imports run one way: auto -> the strategy families -> process_group, microbatch -> split.
+"""strategies/ imports run one way: auto -> the families -> process_group -> resume; microbatch -> split.
 
 Read from the source with ``ast``, so a cycle dodged by an import inside a function shows too.
 """
@@ -21,7 +21,8 @@ PACKAGE = "lightning_mgpu.strategies"
 ALLOWED = {
     "mixin": set(),
     "split": set(),
-    "process_group": {"mixin"},
+    "resume": set(),
+    "process_group": {"mixin", "resume"},
     "microbatch": {"mixin", "split"},
     "ddp": {"mixin", "process_group", "microbatch"},
     "fsdp": {"mixin", "process_group", "microbatch"},

@@ -8,7 +8,7 @@ device and creates a process group::
 
 It overrides these hooks and calls the host's own through ``super()`` in each:
 
-- ``__init__``: takes ``stall_timeout`` (keyword only) and passes everything else on;
+- ``__init__``: takes ``stall_timeout`` and ``resume`` (keyword only) and passes everything else on;
 - ``_configure_launcher``: ``checks.check_devices`` before any process starts, then the
   watched subprocess launcher for ``start_method="popen"`` (a host without
   ``_start_method`` counts as popen), the host's own launcher otherwise;
@@ -18,6 +18,8 @@ It overrides these hooks and calls the host's own through ``super()`` in each:
   joins the run's store after it, and stops (thread joined) when the run ends; under
   torchrun the group is created in a key space of its store fresh to this attempt
   (``attempt.py``), so a restarted attempt never meets the dead one's keys;
+- ``setup_environment`` also lets a restarted run resume from its newest complete checkpoint
+  when ``fit`` got no ``ckpt_path`` (``resume/auto.py``);
 - ``setup``: the training ``DataLoader``'s own ``shuffle`` is kept;
 - ``on_train_start``, ``on_validation_start``, ``on_test_start``, ``on_predict_start``:
   rank 0 prints the start-up summary once;
@@ -66,6 +68,7 @@ from lightning_mgpu.strategies.process_group.step_memory import ExplainedStepMem
 from lightning_mgpu.strategies.process_group.summary import format_summary, launcher_name, rank_info
 from lightning_mgpu.strategies.process_group.watchdog.verdicts import RankInfo
 from lightning_mgpu.strategies.process_group.watchdog.watchdog import DEAD_AFTER, INTERVAL, watchdog
+from lightning_mgpu.strategies.resume.auto import AutoResume
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -100,10 +103,14 @@ class ProcessGroupServices(ExplainedStepMemory):
         stall_timeout: Seconds without progress on every rank (while some ranks wait in a
             collective for the others) after which the run stops. ``None`` turns stall
             detection off.
+        resume: Whether a ``fit`` without ``ckpt_path`` resumes from the newest complete
+            checkpoint of the run: ``None`` only when the run is a restart (torchrun's
+            ``--max-restarts``, a requeued SLURM job), ``True`` always, ``False`` never.
         **kwargs: Keyword arguments of the host strategy.
 
     Raises:
-        ValueError: If ``stall_timeout`` is not a positive number or ``None``.
+        ValueError: If ``stall_timeout`` is not a positive number or ``None``, or ``resume`` is
+            not a bool or ``None``.
     """
 
     if TYPE_CHECKING:  # what the host (DDPStrategy, ModelParallelStrategy) has beyond ParallelStrategy
@@ -116,7 +123,9 @@ class ProcessGroupServices(ExplainedStepMemory):
 
         def set_world_ranks(self) -> None: ...
 
-    def __init__(self, *args: Any, stall_timeout: float | None = 300.0, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, stall_timeout: float | None = 300.0, resume: bool | None = None, **kwargs: Any
+    ) -> None:
         number = isinstance(stall_timeout, (int, float)) and not isinstance(stall_timeout, bool)
         if stall_timeout is not None and (not number or stall_timeout <= 0):
             raise ValueError(
@@ -130,6 +139,7 @@ class ProcessGroupServices(ExplainedStepMemory):
         self._summary_printed = False
         self._batch_size: int | None = None
         self._requeue = DeferredRequeue()
+        self._auto_resume = AutoResume(self, resume)
 
     # ------------------------------------------------------------ set-up
     @override
@@ -170,6 +180,9 @@ class ProcessGroupServices(ExplainedStepMemory):
         super().setup_environment()
         if self._watching:
             self._attach_watchdog()
+        trainer = self._trainer()
+        if trainer is not None:
+            self._auto_resume.install(trainer)
 
     def _attach_watchdog(self) -> None:
         restart = attempt.current_token() or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

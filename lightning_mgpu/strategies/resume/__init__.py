@@ -1,0 +1,13 @@
+"""A run cut anywhere goes on where it stopped: the restart read, the checkpoint chosen, the loader's place.
+
+- ``restart.py``: whether this run is a restart (torchrun's and SLURM's counts), pure;
+- ``candidates.py``: the run's checkpoints, newest first, and the newest one a kill did not cut short;
+- ``auto.py``: ``AutoResume``, a restarted ``fit`` without ``ckpt_path`` resuming from that checkpoint.
+
+The strategies use it through ``process_group/services.py``; nothing here imports another room.
+"""
+
+from lightning_mgpu.strategies.resume.auto import AutoResume
+from lightning_mgpu.strategies.resume.restart import Restart, restart_of
+
+__all__ = ["AutoResume", "Restart", "restart_of"]

@@ -1,0 +1,139 @@
+"""A restarted run resumes by itself from the newest complete checkpoint of the run: ``AutoResume``.
+
+Lightning resumes only from the ``ckpt_path`` given to ``fit`` (under SLURM, from the newest
+``hpc_ckpt_<n>.ckpt`` when there is one, complete or not). ``AutoResume`` takes the place of that
+choice when ``fit`` got no ``ckpt_path``:
+
+- on by default only when the run is a restart (torchrun's or SLURM's count above 0 on any
+  rank), always with ``resume=True``, never with ``resume=False``;
+- rank 0 lists the checkpoints (``candidates.py``), newest first, skips those a kill cut short
+  with a line each saying why, and every rank loads the one rank 0 chose;
+- one line says which attempt this is, which file it resumes from and at which step, or that
+  no checkpoint was usable and training starts from scratch.
+
+It acts from inside Lightning's ``_CheckpointConnector.resume_start`` on this trainer only
+(Lightning has no hook between its choice of the path and the load), when every rank has its
+process group and the ``ModelCheckpoint`` folders are known.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_mgpu.strategies.resume.candidates import Choice, find_checkpoints, newest_complete
+from lightning_mgpu.strategies.resume.restart import Restart, restart_of
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["AutoResume", "ResumeHost", "check_resume"]
+
+log = logging.getLogger(__name__)
+
+
+class ResumeHost(Protocol):
+    """What ``AutoResume`` needs of its strategy."""
+
+    strategy_name: str
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any: ...
+
+
+def check_resume(resume: object) -> bool | None:
+    """``resume`` as given, or ``ValueError`` naming what is accepted."""
+    if resume is not None and not isinstance(resume, bool):
+        raise ValueError(
+            f"resume must be True (resume from the newest complete checkpoint), False (never) or None"
+            f" (only when the run is a restart), got {resume!r}"
+        )
+    return resume
+
+
+class AutoResume:
+    """Chooses, on a restart, the checkpoint a ``fit`` without ``ckpt_path`` resumes from.
+
+    Args:
+        host: The strategy (its ranks, broadcast and reduce).
+        resume: ``None``: only when the run is a restart; ``True``: always, from the newest
+            complete checkpoint if there is one; ``False``: never.
+    """
+
+    def __init__(self, host: ResumeHost, resume: bool | None) -> None:
+        self.host = host
+        self.resume = check_resume(resume)
+
+    def install(self, trainer: pl.Trainer) -> None:
+        """Take part in this trainer's choice of the checkpoint (once per trainer)."""
+        connector = trainer._checkpoint_connector
+        if self.resume is False or "resume_start" in vars(connector):
+            return
+        original = connector.resume_start
+        connector.resume_start = functools.partial(self._resume_start, trainer, original)  # type: ignore[method-assign]
+
+    def _resume_start(
+        self,
+        trainer: pl.Trainer,
+        original: Any,
+        checkpoint_path: Any = None,
+        weights_only: bool | None = None,
+    ) -> None:
+        connector = trainer._checkpoint_connector
+        # Lightning's own choice under SLURM is the newest hpc_ckpt, complete or not: ours to make
+        chosen_by_lightning = checkpoint_path is not None and str(checkpoint_path) == str(
+            connector._hpc_resume_path
+        )
+        if trainer.state.fn != TrainerFn.FITTING or (checkpoint_path is not None and not chosen_by_lightning):
+            return original(checkpoint_path, weights_only)
+        restart = self._agreed_restart()
+        if not (self.resume or restart.is_restart):
+            return original(checkpoint_path, weights_only)
+        choice = self.host.broadcast(self._choose(trainer) if self.host.global_rank == 0 else None)
+        name = self.host.strategy_name
+        for skipped in choice.skipped:
+            rank_zero_info(f"{name}: not resuming from {skipped.path}: {skipped.reason}")
+        why = restart.describe() if restart.is_restart else "resume=True"
+        if choice.path is None:
+            folders = ", ".join(choice.searched) or "no checkpoint folder"
+            rank_zero_info(
+                f"{name}: {why}: no complete checkpoint in {folders}; training starts from scratch"
+            )
+            return original(None, weights_only)
+        original(choice.path, weights_only)
+        loaded = connector._loaded_checkpoint
+        rank_zero_info(
+            f"{name}: {why}: resuming from {choice.path}, saved at global step"
+            f" {loaded.get('global_step', '?')} (epoch {loaded.get('epoch', '?')})"
+        )
+
+    def _agreed_restart(self) -> Restart:
+        """This run's :class:`Restart`, with the largest count of any rank (torchrun counts per node)."""
+        own = restart_of(os.environ)
+        count = torch.tensor(float(own.count), device=self.host.root_device)
+        largest = int(self.host.reduce(count, reduce_op="max").item())
+        return Restart(largest, own.by or "torchrun") if largest != own.count else own
+
+    def _choose(self, trainer: pl.Trainer) -> Choice:
+        folders = [
+            str(cb.dirpath)
+            for cb in trainer.checkpoint_callbacks
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath
+        ]
+        hpc = str(trainer.default_root_dir)
+        searched = tuple(dict.fromkeys([*folders, hpc]))
+        return newest_complete(find_checkpoints(folders, hpc), searched)

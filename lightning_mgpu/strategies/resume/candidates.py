@@ -1,0 +1,134 @@
+"""The newest complete checkpoint of a run, and why each newer one is not complete.
+
+A run's checkpoints are the ``*.ckpt`` files and sharded ``*.ckpt`` folders in its
+``ModelCheckpoint`` folders, and the ``hpc_ckpt_<n>.ckpt`` files Lightning saves for SLURM in
+``default_root_dir``. They are tried newest first (by the time their last part was written), and
+the first complete one wins. What a kill leaves behind, and how it is told apart, without reading
+more than a file's zip directory:
+
+- a ``.ckpt`` cut while being written (Lightning moves its temporary file into place with a copy
+  when the temporary folder is on another file system, and other writers write in place): its zip
+  directory, written last, is missing or does not list the pickle;
+- a sharded folder whose ranks did not all finish: no ``.metadata`` (torch renames it into place
+  once every rank wrote its shard), or no ``meta.pt`` (Lightning's loop state, written by rank 0
+  after that), or a truncated one;
+- a sharded folder that a save was writing over: a ``meta.pt`` older than, or a shard newer than,
+  its ``.metadata``;
+- a link to a file that no longer exists.
+"""
+
+from __future__ import annotations
+
+import logging
+import zipfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Choice", "Skipped", "find_checkpoints", "interruption", "newest_complete"]
+
+log = logging.getLogger(__name__)
+
+_DCP_INDEX = ".metadata"  # torch.distributed.checkpoint's
+_LIGHTNING_META = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A checkpoint newer than the one chosen, and why it cannot be resumed from."""
+
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The checkpoint to resume from (``None``: none is complete) and the newer ones skipped."""
+
+    path: str | None
+    skipped: tuple[Skipped, ...] = ()
+    searched: tuple[str, ...] = ()
+    """The folders searched, for the message when none was found."""
+
+
+def _zip_problem(path: Path) -> str | None:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError) as err:
+        return f"its zip directory cannot be read ({err}): it was cut while being written"
+    if not any(name.endswith("data.pkl") for name in names):
+        return "its zip directory lists no data.pkl: it was cut while being written"
+    return None
+
+
+def _folder_problem(folder: Path) -> str | None:
+    index = folder / _DCP_INDEX
+    if not index.is_file():
+        return f"it has no {_DCP_INDEX}: the save ended before every rank had written its shard"
+    meta = folder / _LIGHTNING_META
+    if not meta.is_file():
+        return f"it has no {_LIGHTNING_META}: the save ended before rank 0 wrote the loop state"
+    problem = _zip_problem(meta)
+    if problem is not None:
+        return f"{_LIGHTNING_META}: {problem}"
+    written = index.stat().st_mtime
+    if meta.stat().st_mtime < written:
+        return f"its {_LIGHTNING_META} is older than its {_DCP_INDEX}: a save over it did not finish"
+    shards = [p for p in folder.iterdir() if p.suffix == ".distcp"]
+    if not shards:
+        return "it has no .distcp shard"
+    if any(p.stat().st_mtime > written for p in shards):
+        return f"a shard is newer than its {_DCP_INDEX}: a save over it did not finish"
+    return None
+
+
+def interruption(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` was cut before its save finished; ``None`` if it is complete."""
+    if path.is_symlink() and not path.exists():
+        return f"it links to {path.resolve()}, which does not exist"
+    if path.is_dir():
+        return _folder_problem(path)
+    return _zip_problem(path)
+
+
+def _written(path: Path) -> float:
+    """When the checkpoint's last part was written (a folder: its newest file)."""
+    if path.is_dir():
+        return max((p.stat().st_mtime for p in path.iterdir() if p.is_file()), default=path.stat().st_mtime)
+    return path.stat().st_mtime if path.exists() else path.lstat().st_mtime
+
+
+def find_checkpoints(checkpoint_folders: Iterable[str | Path], hpc_folder: str | Path | None) -> list[Path]:
+    """Every checkpoint of the run, newest first: ``*.ckpt`` in ``checkpoint_folders``,
+    ``hpc_ckpt_*.ckpt`` in ``hpc_folder``."""
+    found: dict[Path, float] = {}
+    for folder, pattern in [
+        *((Path(f), "*.ckpt") for f in checkpoint_folders),
+        (hpc_folder, "hpc_ckpt_*.ckpt"),
+    ]:
+        if folder is None or not Path(folder).is_dir():
+            continue
+        for path in Path(folder).glob(pattern):
+            try:
+                found[path] = _written(path)
+            except OSError:  # removed meanwhile (an older checkpoint a ModelCheckpoint replaced)
+                continue
+    return sorted(found, key=lambda p: (found[p], str(p)), reverse=True)
+
+
+def newest_complete(candidates: Sequence[Path], searched: Sequence[str] = ()) -> Choice:
+    """The first complete checkpoint of ``candidates`` (newest first), with the newer ones skipped."""
+    skipped: list[Skipped] = []
+    seen: set[Path] = set()
+    for path in candidates:
+        target = path.resolve()
+        if target in seen and path.is_symlink():
+            continue  # last.ckpt linking to a checkpoint already tried
+        seen.add(target)
+        reason = interruption(path)
+        if reason is None:
+            return Choice(str(path), tuple(skipped), tuple(searched))
+        log.debug("not resuming from %s: %s", path, reason)
+        skipped.append(Skipped(str(path), reason))
+    return Choice(None, tuple(skipped), tuple(searched))

@@ -1,0 +1,54 @@
+"""Whether this run is a restart of an earlier attempt of the same job, read from the launcher's environment.
+
+- torchrun sets ``TORCHELASTIC_RESTART_COUNT``: how many times this node's agent restarted its
+  workers after a failure (``--max-restarts``). A node restarted only because another node failed
+  does not count it, so the ranks take the largest count among them (see ``auto.py``);
+- SLURM sets ``SLURM_RESTART_COUNT`` once it requeued a job (a time limit's signal, a failed task,
+  ``scontrol requeue``); the job keeps its id.
+
+Pure: the environment in, a :class:`Restart` out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["Restart", "restart_of"]
+
+
+@dataclass(frozen=True)
+class Restart:
+    """How many earlier attempts of this job ran before this one, and who started this one again."""
+
+    count: int
+    """0 on a job's first attempt."""
+    by: str
+    """``"torchrun"``, ``"SLURM"`` or ``""`` (a first attempt)."""
+
+    @property
+    def is_restart(self) -> bool:
+        return self.count > 0
+
+    def describe(self) -> str:
+        """``"attempt 2 of this job (restarted by torchrun)"``."""
+        if not self.is_restart:
+            return "the first attempt of this job"
+        return f"attempt {self.count + 1} of this job (restarted by {self.by})"
+
+
+def _count(environ: Mapping[str, str], name: str) -> int:
+    try:
+        return max(0, int(environ.get(name, "0")))
+    except ValueError:
+        return 0
+
+
+def restart_of(environ: Mapping[str, str]) -> Restart:
+    """This process's :class:`Restart`, from torchrun's and SLURM's variables in ``environ``."""
+    counts = {
+        "SLURM": _count(environ, "SLURM_RESTART_COUNT"),
+        "torchrun": _count(environ, "TORCHELASTIC_RESTART_COUNT"),
+    }
+    # a requeued SLURM job that runs torchrun: both count, each since its own start
+    return Restart(sum(counts.values()), " and ".join(name for name, count in counts.items() if count))
