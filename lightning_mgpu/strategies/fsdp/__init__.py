@@ -8,15 +8,19 @@
 - ``saving.py``: sharded checkpoints saved again over the run's own (``last.ckpt``) without torch's warning;
 - ``sync_points.py``: checkpoints between FSDP's gathers, so micro-batching's ``"auto"`` survives an
   out-of-memory on one rank;
+- ``buffers.py``: FSDP's own collectives, watched: an out-of-memory in their buffers is named, and
+  recovered under ``"auto"``; one inside a collective stops every rank (``CollectiveOutOfMemoryError``);
 - ``lightning_mgpu.estimate.model_state``: bytes of parameters, gradients and optimizer state held by this
   rank and by the whole model (``state.py`` keeps the old import path).
 """
 
 from lightning_mgpu.estimate.model_state import ModelState, StateBytes, measure_model_state
 from lightning_mgpu.estimate.shard_plan import ShardingPlan, find_blocks, plan_sharding
+from lightning_mgpu.strategies.fsdp.buffers import CollectiveOutOfMemoryError
 from lightning_mgpu.strategies.fsdp.strategy import MGPUFSDPStrategy
 
 __all__ = [
+    "CollectiveOutOfMemoryError",
     "MGPUFSDPStrategy",
     "ModelState",
     "ShardingPlan",

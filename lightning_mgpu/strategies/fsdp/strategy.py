@@ -25,6 +25,7 @@ from lightning_mgpu.estimate.model_state import measure_model_state
 from lightning_mgpu.estimate.shard_plan import ShardingPlan, plan_sharding, validate_block_classes
 from lightning_mgpu.estimate.sharded import check_fits, sharded_need
 from lightning_mgpu.precision import FSDP_PRECISIONS
+from lightning_mgpu.strategies.fsdp.buffers import watch_buffers
 from lightning_mgpu.strategies.fsdp.saving import ResavingOwnCheckpoints
 from lightning_mgpu.strategies.fsdp.sharding import (
     ShardingOptions,
@@ -70,6 +71,7 @@ class _ShardingModelParallel(ModelParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self._shard_model(trainer)
+        watch_buffers(self.model)  # FSDP's own buffers say which one ran out (fsdp/buffers.py)
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -130,9 +132,10 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
             parameters collectively: a rank that needs more splits every rank's batch as finely.
             Gradients are reduce-scattered after each micro-batch's backward (they stay sharded:
             no whole copy builds up). Under ``"auto"`` the ranks meet at a checkpoint (one small
-            all-reduce) around every unit's gathers (``fsdp/sync_points.py``), so an out-of-memory
-            on one rank, in forward or backward, leaves no rank waiting; one inside FSDP's own
-            gathering buffers is not recovered.
+            all-reduce) around every unit's gathers and before each of FSDP's collectives
+            (``fsdp/sync_points.py``, ``fsdp/buffers.py``), so an out-of-memory on one rank, in
+            forward, backward or FSDP's own buffers, leaves no rank waiting. One inside a collective
+            itself stops every rank within seconds (``CollectiveOutOfMemoryError``).
 
     Raises:
         TypeError: If ``block_classes``, ``reshard_after_forward``, ``cpu_offload`` or

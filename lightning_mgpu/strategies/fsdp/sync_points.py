@@ -9,13 +9,16 @@ puts a checkpoint (``Agreement.checkpoint``, one small all-reduce) before each c
 - before each unit's forward (before its parameters are gathered);
 - in backward, where the gradient reaches a unit's output (before FSDP gathers it again) and
   where it leaves the unit's input (before the unit's gradients are reduce-scattered);
-- at the end of the backward, before the root unit's gradients are reduce-scattered.
+- at the end of the backward, before the root unit's gradients are reduce-scattered;
+- right before each of FSDP's own collectives, after it allocated their buffers (``buffers.py``, where
+  torch lets a strategy give FSDP its collectives).
 
 The rank that failed meets the others at their next checkpoint, where they abandon the pass; every
 rank then resets FSDP's per-pass state (``FSDPModule.reset_iter_state``) and the batch runs again.
-An out-of-memory inside FSDP's own gathering or reduce-scatter (allocating its buffers) happens
-after the checkpoint, while the other ranks are in the collective: that one is not recovered, and the
-watchdog stops the run (``stall_timeout``).
+An out-of-memory allocating FSDP's buffers is recovered so too. One inside a collective (gloo's own
+temporaries) is not: the other ranks are in it; it stops every rank within seconds, named
+(``buffers.CollectiveOutOfMemoryError``), as does one in FSDP's buffers on a torch that cannot take
+custom collectives.
 """
 
 from __future__ import annotations
@@ -32,11 +35,16 @@ from torch.autograd import Variable
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
+from lightning_mgpu.strategies.fsdp.buffers import watch_buffers
 from lightning_mgpu.strategies.microbatch.agreement import Agreement
 
 __all__ = ["SyncPoints"]
 
 log = logging.getLogger(__name__)
+
+
+def _nothing() -> None:
+    """Before FSDP's collectives once the checkpoints are removed: nothing to meet."""
 
 
 class _BackwardCheckpoint(torch.autograd.Function):
@@ -74,6 +82,7 @@ class SyncPoints:
                 # after FSDP's post-forward: the outputs it hooked for its backward gather
                 unit.register_forward_hook(self._wrap_outputs),
             ]
+        watch_buffers(root, self.check)
         log.debug("checkpoints around %d FSDP units", len(units))
 
     @contextmanager
@@ -123,17 +132,19 @@ class SyncPoints:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        watch_buffers(self.root, _nothing)
 
     # ------------------------------------------------------------------ hooks
-    def _check(self) -> None:
+    def check(self) -> None:
+        """A checkpoint while ``watching``, else nothing (``buffers.py`` runs one before each collective)."""
         if self._agreement is not None:
             self._agreement.checkpoint()
 
     def _check_then_final(self) -> None:
         """The backward checkpoint of the root's output: also one at the end of the backward."""
-        self._check()
+        self.check()
         if self._agreement is not None:
-            Variable._execution_engine.queue_callback(self._check)
+            Variable._execution_engine.queue_callback(self.check)
 
     def _wrap(self, value: Any, check: Callable[[], None]) -> Any:
         def wrap(tensor: Tensor) -> Tensor:
@@ -144,14 +155,14 @@ class SyncPoints:
         return apply_to_collection(value, Tensor, wrap)
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
-        self._check()
+        self.check()
 
     def _wrap_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
         if self._agreement is None:
             return None
-        return self._wrap(args, self._check), self._wrap(kwargs, self._check)
+        return self._wrap(args, self.check), self._wrap(kwargs, self.check)
 
     def _wrap_outputs(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self._agreement is None:
             return None
-        return self._wrap(output, self._check_then_final if module is self.root else self._check)
+        return self._wrap(output, self._check_then_final if module is self.root else self.check)

@@ -1,0 +1,170 @@
+"""FSDP's own buffers out of memory under ``mgpu_fsdp``: recovered before the collective, or a fast stop.
+
+One launch of two processes, two fits. Rank 0's address space is limited right before the unit
+``wide`` (4.13 MiB of parameters gathered) runs its first forward, with room for:
+
+- 2 MiB: FSDP's all-gather buffer does not fit. With ``micro_batch_size="auto"`` every rank abandons
+  the pass before the all-gather and runs the batch again in micro-batches of 8 rows (the limit is
+  lifted for the rerun); the weights are those of plain training;
+- 6 MiB: the buffer fits, but gloo's own copy inside the all-gather does not, while rank 1 is in it:
+  every rank stops within seconds, the error naming the all-gather, instead of after ``stall_timeout``
+  (gloo, left alone, aborts both processes on the collectives that no longer match).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_mgpu.devices import format_bytes
+from tests.helpers import run_script, script_env
+from tests.strategies.microbatch._models import LIMITED_MEMORY
+
+SCRIPT = """
+import json, resource, time
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mgpu import MGPUFSDPStrategy
+
+def squeeze(room_mib):
+    # the address space this process holds now, plus room_mib; None lifts the limit
+    with open("/proc/self/status") as status:
+        held = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (hard if room_mib is None else held + room_mib * 2**20, hard))
+
+class Wide(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.mid, self.down = nn.Linear(16, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 16)
+
+    def forward(self, h):
+        return self.down(torch.tanh(self.mid(torch.tanh(self.up(h)))))
+
+class Model(L.LightningModule):
+    def __init__(self, room_mib):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.wide, self.head = nn.Linear(4, 16), Wide(), nn.Linear(16, 1)
+        self.room_mib, self.forwards, self.rows = room_mib, 0, []
+
+    def on_train_start(self):
+        if self.global_rank == 0:  # before FSDP's own hook, which allocates and gathers
+            self.wide.register_forward_pre_hook(self.limit, prepend=True)
+
+    def limit(self, module, args):
+        self.forwards += 1
+        if self.forwards == 1:
+            with open("limited_at", "w") as f:
+                f.write(str(time.monotonic()))
+        squeeze(self.room_mib if self.forwards == 1 else None)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.rows.append(len(x))
+        return F.mse_loss(self.head(self.wide(torch.tanh(self.lin(x)))), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+def fit(room_mib):
+    model = Model(room_mib)
+    strategy = MGPUFSDPStrategy(block_classes=["Wide"], micro_batch_size="auto")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=16))
+    return trainer, model
+
+g = torch.Generator().manual_seed(2)
+x, y = torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)
+trainer, model = fit(2)
+final = {k: v.full_tensor() for k, v in model.state_dict().items()}  # a collective: every rank
+with open(f"rows_rank{trainer.global_rank}.json", "w") as f:
+    json.dump(model.rows, f)
+if trainer.global_rank == 0:
+    torch.save(final, "recovered.pt")
+fit(6)
+"""
+
+WIDE_BYTES = (16 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 16 + 16) * 4
+
+
+class Reference(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 16)
+        self.wide = nn.ModuleDict({"up": nn.Linear(16, 1024), "mid": nn.Linear(1024, 1024)})
+        self.wide["down"] = nn.Linear(1024, 16)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.wide
+        h = w["down"](torch.tanh(w["mid"](torch.tanh(w["up"](torch.tanh(self.lin(x)))))))
+        return self.head(h)
+
+
+def trained_reference() -> dict[str, torch.Tensor]:
+    """Two plain steps on the global batches: rows 0-31, then 32-63 (each rank's 16 of every other row)."""
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)
+    model = Reference()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for start in (0, 32):
+        optimizer.zero_grad()
+        F.mse_loss(model(x[start : start + 32]), y[start : start + 32]).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def buffers_run(tmp_path_factory: pytest.TempPathFactory):
+    tmp_path = tmp_path_factory.mktemp("buffers")
+    result = run_script(SCRIPT, tmp_path, timeout=240, env=script_env(**LIMITED_MEMORY))
+    return tmp_path, result, time.monotonic()
+
+
+@pytest.mark.slow
+def test_no_room_for_the_all_gather_buffer_reruns_the_batch_smaller_on_every_rank(buffers_run) -> None:
+    tmp_path, result, _ = buffers_run
+    assert (tmp_path / "recovered.pt").exists(), result.output[-4000:]
+    line = f"[rank 0] out of memory allocating {format_bytes(WIDE_BYTES)} for mgpu_fsdp's all-gather of the"
+    assert f"{line} parameters of unit 'wide'" in result.output
+    assert (
+        "[rank 0] out of memory in forward at batch 0 of epoch 0 with micro-batches of 16 rows: running the"
+        " batch again in micro-batches of 8 rows"
+    ) in result.output
+    # both ranks abandoned the 16-row pass and ran both batches in micro-batches of 8 rows
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rows_rank{rank}.json").read_text()) == [16, 8, 8, 8, 8]
+    recovered = torch.load(tmp_path / "recovered.pt", weights_only=True)
+    expected = trained_reference()
+    assert recovered.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(recovered[name], value, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_no_room_inside_the_all_gather_stops_every_rank_within_seconds_naming_it(buffers_run) -> None:
+    tmp_path, result, ended = buffers_run
+    assert result.returncode != 0, result.output[-4000:]
+    error = (
+        "failed with CollectiveOutOfMemoryError: [rank 0] out of memory inside mgpu_fsdp's all-gather of the"
+        " parameters of unit 'wide', which the other ranks had entered, so the batch cannot run again in"
+        " smaller micro-batches"
+    )
+    told = [row for row in result.output.splitlines() if row.startswith("[rank1]: [rank 1] stopped because")]
+    assert any(error in row for row in told), result.output[-4000:]
+    assert "Received data size doesn't match" not in result.output  # no collective out of step
+    assert ended - float((tmp_path / "limited_at").read_text()) < 60  # stall_timeout is 300 s
