@@ -23,6 +23,7 @@ from lightning_mgpu.checkpoint._safetensors import (
     write_safetensors,
 )
 from lightning_mgpu.checkpoint._source import count_values, plain_state_dict, resolve
+from lightning_mgpu.checkpoint.inspect import suggested_output
 
 __all__ = ["ExportReport", "export_state_dict", "exported_state_dict"]
 
@@ -195,6 +196,8 @@ def export_state_dict(
     path = Path(path)
     fmt = _choose_format(path, format)
     to_dtype = _choose_dtype(dtype)
+    if isinstance(source, (str, os.PathLike)):
+        _refuse_writing_into(Path(source), path)
     src = resolve(source, trust_pickle=trust_pickle, key=key)
     plain = plain_state_dict(src, submodule)
     state_dict, removed = plain.state_dict, plain.removed
@@ -258,6 +261,20 @@ def exported_state_dict(
         print(list(exported_state_dict(nn.DataParallel(nn.Linear(2, 1)))))  # ['weight', 'bias']
     """
     return plain_state_dict(resolve(source, trust_pickle=trust_pickle, key=key), submodule).state_dict
+
+
+def _refuse_writing_into(source: Path, path: Path) -> None:
+    """Refuse an output that is the source file, or lies inside the source folder: writing it would
+    replace part of what is being read (a shard of a sharded folder), and the source would be lost."""
+    real_source, real_path = Path(os.path.realpath(source)), Path(os.path.realpath(path))
+    same = real_path == real_source or (path.exists() and source.exists() and os.path.samefile(path, source))
+    if same or (source.is_dir() and real_source in real_path.parents):
+        where = "is the checkpoint" if same else "lies inside the checkpoint folder"
+        raise ValueError(
+            f"{path} {where} {source} that it would be exported from: writing it would replace "
+            "what is being read, and lose the checkpoint; give an output outside it "
+            f"(e.g. {suggested_output(source, '')})"
+        )
 
 
 def _cast(state_dict: OrderedDict[str, Any], dtype: torch.dtype) -> OrderedDict[str, Any]:

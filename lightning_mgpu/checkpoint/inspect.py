@@ -16,7 +16,7 @@ from lightning_mgpu.checkpoint._report import Shape, human_size
 from lightning_mgpu.checkpoint._safetensors import ORDER_KEY, PREFIXES_KEY
 from lightning_mgpu.checkpoint._source import count_values, resolve
 
-__all__ = ["CheckpointInfo", "TensorInfo", "inspect_checkpoint"]
+__all__ = ["CheckpointInfo", "TensorInfo", "inspect_checkpoint", "suggested_output"]
 
 _MAX_GROUP_DEPTH = 3
 # suffixes a suggested export's name drops, after the last one: x.pth.tar -> x
@@ -118,13 +118,11 @@ class CheckpointInfo:
         key = f" --key {shlex.quote(self.chosen_key)}" if self.chosen_key is not None else ""
         export = f"no  -> lightning-mgpu export{key}"
         given = shlex.quote(str(source))
-        plain = (
-            f"yes{entry}" if self.loads_into_plain else f"{export} {given} {_suggested_output(source, '')}"
-        )
+        plain = f"yes{entry}" if self.loads_into_plain else f"{export} {given} {suggested_output(source, '')}"
         dp = (
             f"yes{entry}"
             if self.loads_into_dataparallel
-            else f"{export} --dataparallel {given} {_suggested_output(source, '_dp')}"
+            else f"{export} --dataparallel {given} {suggested_output(source, '_dp')}"
         )
         hedge = "only if the model ties no weights this file left out (see below)"
         if self.tied_unknown:
@@ -148,7 +146,7 @@ class CheckpointInfo:
         return self.render()
 
 
-def _suggested_output(source: Path, tag: str) -> str:
+def suggested_output(source: Path, tag: str) -> str:
     """A safetensors file next to ``source`` for the suggested export, quoted for a shell.
 
     Every weights or archive suffix goes (``x.pth.tar`` -> ``x``), and the result never names

@@ -133,6 +133,28 @@ def test_a_truncated_or_damaged_shard(fsdp_run: tuple[Path, dict], tmp_path: Pat
     only_inputs_left(tmp_path, folder.name)
 
 
+def test_an_output_inside_the_source_is_refused(
+    fsdp_run: tuple[Path, dict], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    folder = copy_of(fsdp_run[0], tmp_path)
+    saved = {p.name: p.read_bytes() for p in folder.iterdir()}
+    (tmp_path / "link.safetensors").symlink_to(folder / "__0_0.distcp")  # a shard under another name
+    for out in (folder / "__0_0.distcp", folder / "model.safetensors", folder, tmp_path / "link.safetensors"):
+        assert main(["export", str(folder), str(out)]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert f"error: {out} " in err
+        assert "would replace what is being read" in err
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == saved
+    assert (tmp_path / "link.safetensors").is_symlink()
+
+    weights = tmp_path / "weights.pt"
+    torch.save(plain_model().state_dict(), weights)
+    with pytest.raises(ValueError, match=r"weights.pt is the checkpoint .* that it would be exported from"):
+        export_state_dict(weights, weights)
+    export_state_dict(folder, tmp_path / "beside.safetensors")  # beside the folder is fine
+
+
 def test_missing_or_corrupt_metadata(fsdp_run: tuple[Path, dict], tmp_path: Path) -> None:
     folder = copy_of(fsdp_run[0], tmp_path)
     index = folder / ".metadata"
