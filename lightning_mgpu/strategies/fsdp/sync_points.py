@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.autograd import Variable
@@ -82,7 +83,8 @@ class SyncPoints:
                 # after FSDP's post-forward: the outputs it hooked for its backward gather
                 unit.register_forward_hook(self._wrap_outputs),
             ]
-        watch_buffers(root, self.check)
+        # no unit watched: this torch cannot take custom collectives (said once, under "auto")
+        self._buffers_unwatched = bool(units) and watch_buffers(root, self.check) == 0
         log.debug("checkpoints around %d FSDP units", len(units))
 
     @contextmanager
@@ -94,6 +96,14 @@ class SyncPoints:
                 f" pass abandoned after an out-of-memory can be reset, but {type(self.root).__name__}'s"
                 " configure_model shards only parts of it: end configure_model with fully_shard(self), or"
                 " use a fixed micro_batch_size"
+            )
+        if self._buffers_unwatched:
+            self._buffers_unwatched = False
+            rank_zero_warn(
+                f"micro_batch_size='auto' under mgpu_fsdp: this torch ({torch.__version__}) cannot give FSDP"
+                " its collectives (FSDPModule.set_custom_all_gather), so an out-of-memory in FSDP's own"
+                " all-gather or reduce-scatter buffers is not recovered: it ends the run, possibly only"
+                " after stall_timeout, the other ranks being in the collective. A newer torch recovers it."
             )
         self._agreement = agreement
         try:
