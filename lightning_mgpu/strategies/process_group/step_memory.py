@@ -156,12 +156,12 @@ def _options(memory: StepMemory) -> list[str]:
 def step_oom_message(memory: StepMemory) -> str:
     """The lines put in front of the allocator's message: the numbers first, then the options."""
     b = format_bytes
-    whose = "its shards: " if memory.sharded else ""
-    first = "allocating its state in its first step: " if memory.held < memory.state else ""
+    first = " allocating its state in its first step" if memory.held < memory.state else ""
+    whose = " for this rank's shards" if memory.sharded else ""
     on = f" on a device of {b(memory.device_memory)}" if memory.device_memory is not None else ""
     line = (
-        f"[rank {memory.rank}] out of memory in the optimizer step ({memory.optimizer} {first}{whose}"
-        f"{b(memory.state)} of optimizer state, beside {b(memory.parameters)} of parameters and"
+        f"[rank {memory.rank}] out of memory in the optimizer step ({memory.optimizer}{first}:"
+        f" {b(memory.state)} of optimizer state{whose}, beside {b(memory.parameters)} of parameters and"
         f" {b(memory.gradients)} of gradients on this rank, {memory.strategy} over {memory.world}"
         f" process(es){on})"
     )

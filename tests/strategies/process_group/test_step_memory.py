@@ -47,9 +47,9 @@ def test_under_mgpu_fsdp_on_a_gpu_more_devices_offloading_and_what_else_holds_th
     )
     message = step_oom_message(memory)
     assert message.splitlines()[0] == (
-        "[rank 1] out of memory in the optimizer step (AdamW its shards: 2.00 MiB of optimizer state, beside"
-        " 1.00 MiB of parameters and 1.00 MiB of gradients on this rank, mgpu_fsdp over 4 process(es) on a"
-        " device of 80.00 GiB)"
+        "[rank 1] out of memory in the optimizer step (AdamW: 2.00 MiB of optimizer state for this rank's"
+        " shards, beside 1.00 MiB of parameters and 1.00 MiB of gradients on this rank, mgpu_fsdp over 4"
+        " process(es) on a device of 80.00 GiB)"
     )
     assert "- more devices: over 8 processes each holds about 2.00 MiB instead of 4.00 MiB;" in message
     assert "MGPUFSDPStrategy(cpu_offload=True)" in message
