@@ -34,7 +34,7 @@ from lightning_mgpu.checkpoint._prefixes import (
     wrapped_child,
 )
 from lightning_mgpu.checkpoint._safetensors import ORDER_KEY
-from lightning_mgpu.checkpoint._zip_check import RecordCheck
+from lightning_mgpu.checkpoint._zip_check import Check
 
 __all__ = [
     "PlainWeights",
@@ -75,7 +75,7 @@ class Source:
     ordered: bool = True
     mapped: MappedFile | ShardedFolder | None = None
     wrappers: list[str] | None = None
-    check: RecordCheck | None = None
+    check: Check | None = None
 
 
 def is_state_dict(obj: Any) -> bool:

@@ -1,17 +1,22 @@
-"""Check a torch zip checkpoint's records against the CRC-32 the archive stores for each of them.
+"""Check torch zip archives against the CRC-32 they store for each record.
 
 ``torch.load`` does not check them, so a flipped bit in a tensor's bytes loads as a wrong value
-without a word. :class:`RecordCheck` reads every record once and compares; a damaged record is
-named by the tensors whose storage it holds (``model.3.weight``), found by where the memory-mapped
-tensors lie in the file.
+without a word. Both checks read every stored record once and compare:
+
+- :class:`RecordCheck`: a ``.pt`` / ``.ckpt`` file; a damaged record is named by the tensors whose
+  storage it holds (``model.3.weight``), found by where the memory-mapped tensors lie in the file;
+- :class:`ArchiveCheck`: the archives a sharded checkpoint's shard files hold one after another (one
+  ``torch.save`` per chunk); a damaged one is named by the entry whose chunk it holds.
 
 An export runs the check in a thread while it writes (``zlib.crc32`` and file reads release the
 GIL), and waits for it before renaming the result into place, so the check costs little time and a
-damaged source never becomes a clean-looking export.
+damaged source never becomes a clean-looking export. :class:`Window` shows one archive inside a
+larger file as a file of its own, so that nothing outside it is ever read.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import mmap
 import os
@@ -19,17 +24,18 @@ import struct
 import threading
 import zipfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import torch
 
-__all__ = ["RecordCheck"]
+__all__ = ["Archive", "ArchiveCheck", "Check", "RecordCheck", "StoredRecord", "Window", "stored_records"]
 
 logger = logging.getLogger(__name__)
 
-_CHUNK = 8 << 20
+_CHUNK = 1 << 20  # summed, then released: the check holds about this much of the file
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra field length
 
 
@@ -37,11 +43,76 @@ class _Offsets(Protocol):
     def file_offset(self, address: int) -> int | None: ...
 
 
-class _Record:
-    """One stored (uncompressed) record: name, where its bytes start, how many, their CRC-32."""
+class Window(io.RawIOBase):
+    """Bytes ``[start, start + length)`` of an open file, as a file of their own, read without copies."""
 
-    def __init__(self, name: str, start: int, size: int, crc: int) -> None:
-        self.name, self.start, self.size, self.crc = name, start, size, crc
+    def __init__(self, file: BinaryIO, start: int, length: int) -> None:
+        super().__init__()
+        self._file, self._start, self._length, self._pos = file, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = min(max(base + offset, 0), self._length)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        wanted = min(len(buffer), self._length - self._pos)
+        if wanted <= 0:
+            return 0
+        self._file.seek(self._start + self._pos)
+        got = self._file.readinto(memoryview(buffer).cast("B")[:wanted]) or 0  # type: ignore[attr-defined]
+        self._pos += got
+        return got
+
+
+@dataclass(frozen=True)
+class StoredRecord:
+    """One stored (uncompressed) record: its name, where its bytes start in the file, how many, CRC-32."""
+
+    name: str
+    start: int
+    size: int
+    crc: int
+
+
+def stored_records(file: BinaryIO, start: int = 0, length: int | None = None) -> list[StoredRecord]:
+    """The stored records of the zip archive at bytes ``[start, start + length)`` of ``file``.
+
+    ``length=None``: the archive is the whole file. Compressed records are left out (torch never
+    compresses; ``zipfile`` checks those itself). Where a record begins, and the archive's own
+    directory, are read within those bytes only.
+
+    Raises:
+        zipfile.BadZipFile: the bytes are no zip archive, or a record has no local header.
+    """
+    if length is None:
+        length = os.fstat(file.fileno()).st_size - start
+    window = Window(file, start, length)
+    with zipfile.ZipFile(window) as archive:
+        infos = archive.infolist()
+    records = []
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED:
+            continue
+        if not 0 <= info.header_offset < length:
+            raise zipfile.BadZipFile(f"{info.filename} lies outside the archive")
+        window.seek(info.header_offset)
+        header = window.read(_LOCAL_HEADER.size)
+        if len(header) < _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+            raise zipfile.BadZipFile(f"no local header for {info.filename}")
+        _, name_length, extra_length = _LOCAL_HEADER.unpack(header)
+        data = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+        records.append(StoredRecord(info.filename, start + data, info.file_size, info.CRC))
+    return records
 
 
 def _release(mapped: mmap.mmap, start: int, size: int) -> None:
@@ -54,17 +125,25 @@ def _release(mapped: mmap.mmap, start: int, size: int) -> None:
     advise(dontneed, aligned, start + size - aligned)
 
 
-class RecordCheck:
-    """Compares every stored record of a torch zip file with its CRC-32.
+def _matches(view: memoryview, mapped: mmap.mmap, record: StoredRecord, end: int) -> bool:
+    """Whether ``record``'s bytes, all before ``end``, have its CRC-32; summed from the map, no copy."""
+    crc, at, stop = 0, record.start, min(record.start + record.size, end)
+    if at < 0:
+        return False
+    while at < stop:
+        step = min(_CHUNK, stop - at)
+        crc = zlib.crc32(view[at : at + step], crc)
+        _release(mapped, at, step)  # each chunk's pages leave this process once summed
+        at += step
+    return stop - record.start == record.size and crc == record.crc
 
-    Call :meth:`start` to run it in a thread, then :meth:`verify`; :meth:`verify` alone runs it
-    in the caller.
-    """
 
-    def __init__(self, path: Path, offsets: _Offsets | None = None) -> None:
-        """``offsets`` tells where memory-mapped tensors lie in the file (``MappedFile``), to name them."""
-        self.path, self._offsets = path, offsets
-        self._damaged: list[_Record] | None = None
+class Check:
+    """A CRC-32 check that runs in a thread: :meth:`start` it, then :meth:`verify`; :meth:`verify`
+    alone runs it in the caller."""
+
+    def __init__(self) -> None:
+        self._damaged: list[Any] | None = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
@@ -74,74 +153,71 @@ class RecordCheck:
             self._thread = threading.Thread(target=self._run, name="lightning-mgpu-crc", daemon=True)
             self._thread.start()
 
-    def verify(self, tensors: Mapping[str, Any]) -> None:
+    def verify(self, tensors: Mapping[str, Any] | None = None) -> None:
         """Wait for the check; raise if a record is damaged.
 
         Args:
             tensors: The state_dict read from the file, to name the damaged tensors.
 
         Raises:
-            ValueError: a record's bytes do not match its CRC-32; the message names the tensors.
+            ValueError: a record's bytes do not match its CRC-32; the message names what it holds.
         """
         if self._thread is not None:
             self._thread.join()
         elif self._damaged is None:
             self._run()
         if self._error is not None:
-            raise ValueError(f"{self.path} could not be checked: {self._error}") from None
+            raise ValueError(f"{self._where()} could not be checked: {self._error}") from None
         if self._damaged:
-            raise ValueError(self._message(self._damaged, tensors))
+            raise ValueError(self._message(self._damaged, tensors or {}))
 
     def _run(self) -> None:
         try:
             self._damaged = self._check()
-        except (OSError, zipfile.BadZipFile, struct.error) as err:
+        except Exception as err:  # reported by verify, in the caller's thread, never printed by this one
             self._error = err
 
-    def _records(self, file: Any) -> list[_Record]:
-        with zipfile.ZipFile(self.path) as archive:
-            infos = archive.infolist()
-        records = []
-        for info in infos:
-            if info.compress_type != zipfile.ZIP_STORED:
-                continue  # torch never compresses; zipfile itself checks compressed records
-            file.seek(info.header_offset)
-            signature, name_length, extra_length = _LOCAL_HEADER.unpack(file.read(_LOCAL_HEADER.size))
-            if signature != b"PK\x03\x04":
-                raise zipfile.BadZipFile(f"no local header for {info.filename}")
-            start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
-            records.append(_Record(info.filename, start, info.file_size, info.CRC))
-        return records
+    def _check(self) -> list[Any]:
+        raise NotImplementedError
 
-    def _check(self) -> list[_Record]:
-        damaged = []
+    def _where(self) -> str:
+        raise NotImplementedError
+
+    def _message(self, damaged: list[Any], tensors: Mapping[str, Any]) -> str:
+        raise NotImplementedError
+
+
+_ADVICE = (
+    "do not match the CRC-32 {what} recorded when it was written, so the values are not the ones saved; "
+    "copy {what} again from where it was written, or use another checkpoint"
+)
+
+
+class RecordCheck(Check):
+    """Compares every stored record of a torch zip file with its CRC-32."""
+
+    def __init__(self, path: Path, offsets: _Offsets | None = None) -> None:
+        """``offsets`` tells where memory-mapped tensors lie in the file (``MappedFile``), to name them."""
+        super().__init__()
+        self.path, self._offsets = path, offsets
+
+    def _where(self) -> str:
+        return str(self.path)
+
+    def _check(self) -> list[StoredRecord]:
         with open(self.path, "rb") as file:
-            records = self._records(file)
+            records = stored_records(file)
             if not records or os.fstat(file.fileno()).st_size == 0:
                 return []
-            # CRC straight from a private map of the file: no copy into a buffer; each chunk's pages
-            # leave this process once summed, so its memory stays near one chunk
             mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-        try:
-            view = memoryview(mapped)
-            for record in records:
-                crc, at, end = 0, record.start, min(record.start + record.size, len(mapped))
-                while at < end:
-                    step = min(_CHUNK, end - at)
-                    crc = zlib.crc32(view[at : at + step], crc)
-                    _release(mapped, at, step)
-                    at += step
-                if end - record.start < record.size or crc != record.crc:
-                    damaged.append(record)
-            view.release()
-        finally:
-            mapped.close()
+        with mapped, memoryview(mapped) as view:
+            damaged = [record for record in records if not _matches(view, mapped, record, len(mapped))]
         logger.debug(
             "%s: %d records checked against their CRC-32, %d damaged", self.path, len(records), len(damaged)
         )
         return damaged
 
-    def _message(self, damaged: list[_Record], tensors: Mapping[str, Any]) -> str:
+    def _message(self, damaged: list[StoredRecord], tensors: Mapping[str, Any]) -> str:
         starts = {record.start: record for record in damaged}
         names: dict[str, list[str]] = {record.name: [] for record in damaged}
         if self._offsets is not None:
@@ -156,8 +232,73 @@ class RecordCheck:
             held = names[record.name]
             what = ("tensor " + ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")) if held else "data"
             parts.append(f"{what} (record {record.name})")
-        return (
-            f"{self.path} is corrupt: the stored bytes of {'; '.join(parts)} do not match the CRC-32 the "
-            "file recorded when it was written, so the values are not the ones saved; copy the file "
-            "again from where it was written, or use another checkpoint"
+        advice = _ADVICE.format(what="the file")
+        return f"{self.path} is corrupt: the stored bytes of {'; '.join(parts)} {advice}"
+
+
+@dataclass(frozen=True)
+class Archive:
+    """A ``torch.save`` archive at bytes ``[start, start + length)`` of ``path``, and what it holds."""
+
+    path: Path
+    start: int
+    length: int
+    holds: str  # for the message: "'state_dict.model.0.weight', chunk at [8, 0]"
+
+
+class ArchiveCheck(Check):
+    """Compares every stored record of several archives inside larger files with its CRC-32."""
+
+    def __init__(self, archives: Sequence[Archive]) -> None:
+        super().__init__()
+        self._archives = list(archives)
+
+    def _where(self) -> str:
+        files = sorted({str(a.path) for a in self._archives})
+        return ", ".join(files[:3]) + (", ..." if len(files) > 3 else "")
+
+    def _check(self) -> list[tuple[Archive, str, bool]]:
+        """``(archive, what is wrong, whether it is a CRC mismatch)`` for each damaged archive or record."""
+        damaged: list[tuple[Archive, str, bool]] = []
+        by_file: dict[Path, list[Archive]] = {}
+        for archive in self._archives:
+            by_file.setdefault(archive.path, []).append(archive)
+        for path, archives in by_file.items():
+            with open(path, "rb") as file:
+                if os.fstat(file.fileno()).st_size == 0:
+                    damaged += [(a, "the file is empty", False) for a in archives]
+                    continue
+                mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+                with mapped, memoryview(mapped) as view:
+                    for archive in sorted(archives, key=lambda a: a.start):
+                        damaged += self._archive(file, view, mapped, archive)
+        logger.debug(
+            "%d archives checked against their CRC-32, %d damaged", len(self._archives), len(damaged)
         )
+        return damaged
+
+    @staticmethod
+    def _archive(
+        file: BinaryIO, view: memoryview, mapped: mmap.mmap, archive: Archive
+    ) -> list[tuple[Archive, str, bool]]:
+        try:
+            records = stored_records(file, archive.start, archive.length)
+        except (zipfile.BadZipFile, struct.error, ValueError, OSError) as err:
+            return [(archive, str(err) or type(err).__name__, False)]
+        end = min(archive.start + archive.length, len(mapped))
+        return [(archive, f"record {r.name}", True) for r in records if not _matches(view, mapped, r, end)]
+
+    def _message(self, damaged: list[tuple[Archive, str, bool]], tensors: Mapping[str, Any]) -> str:
+        archive, why, crc = damaged[0]
+        if not crc:
+            end = archive.start + archive.length
+            return (
+                f"{archive.path} is corrupt: {archive.holds} at bytes {archive.start:,}-{end:,} is no "
+                f"readable torch archive ({why}); copy the folder again from where it was written, or use "
+                "another checkpoint"
+            )
+        here = [(a, w) for a, w, c in damaged if c and a.path == archive.path]
+        parts = [f"{a.holds} ({w})" for a, w in here[:5]]
+        more = f"; and {len(damaged) - len(parts)} more" if len(damaged) > len(parts) else ""
+        advice = _ADVICE.format(what="the folder")
+        return f"{archive.path} is corrupt: the stored bytes of {'; '.join(parts)}{more} {advice}"

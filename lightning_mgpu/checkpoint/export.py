@@ -203,6 +203,7 @@ def export_state_dict(
     state_dict, removed = plain.state_dict, plain.removed
     kept_attributes = {top: count for top, count in split_top(state_dict).items() if top in plain.kept}
     if isinstance(src.mapped, ShardedFolder):  # placeholders: the writer reads them one by one
+        src.check = src.mapped.record_check(state_dict)
         state_dict, to_dtype = src.mapped.prepare(state_dict, to_dtype, stream=fmt == "safetensors"), None
     if to_dtype is not None:
         state_dict = _cast(state_dict, to_dtype)

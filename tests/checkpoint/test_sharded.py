@@ -214,6 +214,43 @@ def test_fabric_layout_and_a_bare_state_dict(tmp_path: Path) -> None:
             torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0)
 
 
+def test_every_dtype_and_chunks_side_by_side(tmp_path: Path) -> None:
+    """Chunks split along the last dimension (as tensor parallelism splits a layer) land in place."""
+    left, right = torch.arange(8.0).view(4, 2), torch.arange(8.0, 16.0).view(4, 2)
+    typed = {
+        "bool": torch.tensor([True, False, True]),
+        "bf16": torch.randn(3, 5).bfloat16(),
+        "int64": torch.arange(6).view(2, 3),
+        "uint8": torch.arange(7, dtype=torch.uint8),
+        "half": torch.randn(2, 2).half(),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 4),
+    }
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"state_dict": {"left": left, "right": right, **typed}}, checkpoint_id=tmp_path / "ckpt")
+    index = tmp_path / "ckpt" / ".metadata"
+    metadata = pickle.loads(index.read_bytes())  # our own folder: torch's reader does the same
+    saved, storage = metadata.state_dict_metadata, metadata.storage_data
+    whole = saved.pop("state_dict.right")
+    saved["state_dict.left"].size = torch.Size([4, 4])
+    saved["state_dict.left"].chunks.append(type(whole.chunks[0])(torch.Size([0, 2]), torch.Size([4, 2])))
+    right_record = storage.pop(next(k for k in storage if k.fqn == "state_dict.right"))
+    storage[type(next(iter(storage)))("state_dict.left", [0, 2])] = right_record
+    metadata.planner_data.pop("state_dict.right")
+    index.write_bytes(pickle.dumps(metadata))
+
+    expected = {"left": torch.cat([left, right], dim=1), **typed}
+    for suffix in ("safetensors", "pt"):
+        export_state_dict(tmp_path / "ckpt", tmp_path / f"out.{suffix}")
+        if suffix == "pt":
+            out = torch.load(tmp_path / "out.pt", weights_only=True)
+        else:
+            out = safetensors.torch.load_file(tmp_path / "out.safetensors")
+        assert out.keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(out[key], value, rtol=0, atol=0, msg=key)
+
+
 _PEAK = """
 import sys
 from pathlib import Path

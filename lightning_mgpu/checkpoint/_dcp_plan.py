@@ -1,0 +1,379 @@
+"""What a ``torch.distributed.checkpoint`` index (``.metadata``) says to read, checked before anything is.
+
+The index says where every chunk of every tensor lies: in which file, at which bytes, which part of
+the tensor. A reader that follows it blindly opens any path it names, allocates any size it claims
+and fills a tensor from chunks that overlap or leave holes. :func:`check_index` turns the unpickled
+index into an :class:`Index` of small frozen records, or raises naming the file and the entry:
+
+- every record's file is a plain name of a regular file in the folder (no separator, no ``..``, no
+  absolute path), the record lies within that file, and no two records share a byte;
+- every tensor has a plain dtype and a shape of non-negative sizes, its chunks lie inside it, do not
+  overlap and cover it exactly, and each chunk's record is long enough for its values: a tensor is
+  never larger than the bytes the folder holds for it, so nothing larger is ever allocated;
+- no two entries are placed at the same nested name, nor one inside another.
+
+A shard file may be a symbolic link, and is then read where it points, as the Hugging Face cache
+lays out its snapshots: a link is put there by whoever owns the folder, while the index, which may
+come from anywhere, can only name files of the folder. The unpickled objects are dropped once
+checked: time and memory grow linearly with the number of entries.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["DTYPES", "METADATA", "Chunk", "Index", "Record", "TensorEntry", "check_index", "regular_file"]
+
+log = logging.getLogger(__name__)
+
+METADATA = ".metadata"  # torch.distributed.checkpoint.filesystem's name for it
+AGAIN = "copy the checkpoint again from where it was written, or use another one"
+_DTYPE_NAMES = [
+    *("float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32"),
+    *("int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool"),
+    *("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"),
+]
+DTYPES: frozenset[torch.dtype] = frozenset(
+    getattr(torch, name) for name in _DTYPE_NAMES if isinstance(getattr(torch, name, None), torch.dtype)
+)
+"""The dtypes a chunk may have: numbers, not the quantized or bit-packed types no state_dict saves."""
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """Bytes ``[offset, offset + length)`` of the folder's file ``file``: one ``torch.save`` archive."""
+
+    file: str
+    offset: int
+    length: int
+    transforms: tuple[str, ...] = ()  # storage extensions (compression), which this reader does not undo
+
+
+# (entry, chunk offsets or None for a saved object) -> its record
+_Records = dict[tuple[str, "tuple[int, ...] | None"], Record]
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """The part of a tensor at ``offsets`` of size ``sizes``, and the record holding its values."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    record: Record
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """A tensor of the index: dtype, shape, and chunks that cover it exactly once."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+
+@dataclass(frozen=True)
+class Index:
+    """What a checked ``.metadata`` holds, in its order.
+
+    Attributes:
+        tensors: Entry -> its tensor.
+        objects: Entry -> the record of a saved Python object (an optimizer's ``param_groups``).
+        paths: Entry -> the nested names it is saved under (``("state_dict", "model.0.weight")``).
+        files: The folder's files the records lie in.
+    """
+
+    tensors: dict[str, TensorEntry]
+    objects: dict[str, Record]
+    paths: dict[str, tuple[str, ...]]
+    files: list[str]
+
+
+def check_index(folder: Path, loaded: Any) -> Index:
+    """The :class:`Index` of ``folder``, whose unpickled ``.metadata`` is ``loaded``.
+
+    Raises:
+        FileNotFoundError: a file the index names is missing; the message names it and its entries.
+        ValueError: the index is corrupt or crafted, or a file it names is too short or not a
+            regular file; the message names the file and the entry.
+    """
+    return _Checker(folder, loaded).index()
+
+
+def regular_file(path: Path, holds: str = "") -> os.stat_result:
+    """``path``'s status, following a link; raises ValueError unless it is a regular file.
+
+    ``holds`` says what the index places in it, for the message (``"'model.0.weight'"``).
+    """
+    held = f" (where {METADATA} places {holds})" if holds else ""
+    try:
+        status = path.stat()
+    except FileNotFoundError:
+        raise
+    except OSError as err:  # a link loop, a name too long
+        raise ValueError(f"{path} cannot be read{held}: {err.strerror or err}") from None
+    if not stat.S_ISREG(status.st_mode):
+        kind = "a folder" if stat.S_ISDIR(status.st_mode) else "not a regular file"
+        raise ValueError(f"{path} is {kind}{held}, so it is no part of a checkpoint; {AGAIN}")
+    return status
+
+
+class _Checker:
+    """Turns an unpickled index into an :class:`Index`, or raises naming what is wrong."""
+
+    def __init__(self, folder: Path, loaded: Any) -> None:
+        from torch.distributed.checkpoint import filesystem, metadata
+
+        self.folder, self.index_path, self.loaded = folder, folder / METADATA, loaded
+        self.md, self.storage_info = metadata, filesystem._StorageInfo
+
+    def fail(self, key: Any, problem: str) -> ValueError:
+        return ValueError(f"{self.index_path} is corrupt: entry {key!r} {problem}; {AGAIN}")
+
+    def index(self) -> Index:
+        loaded = self.loaded
+        if not isinstance(loaded, self.md.Metadata):
+            what = type(loaded).__name__
+            raise ValueError(
+                f"{self.index_path} is corrupt: it holds a {what}, not a checkpoint index; {AGAIN}"
+            )
+        parts: dict[str, Any] = {
+            name: getattr(loaded, name, None) or ({} if name == "planner_data" else None)
+            for name in ("state_dict_metadata", "storage_data", "planner_data")
+        }
+        for name, value in parts.items():
+            if not isinstance(value, dict):
+                raise ValueError(
+                    f"{self.index_path} is corrupt: its {name} is a {type(value).__name__}, not a dict; "
+                    + AGAIN
+                )
+        saved, storage, planner = parts["state_dict_metadata"], parts["storage_data"], parts["planner_data"]
+        records = self._records(storage)
+        self._files(records)
+        tensors: dict[str, TensorEntry] = {}
+        objects: dict[str, Record] = {}
+        for key, entry in saved.items():
+            if not isinstance(key, str):
+                raise self.fail(key, "is not named by a string")
+            if isinstance(entry, self.md.TensorStorageMetadata):
+                tensors[key] = self._tensor(key, entry, records)
+            elif isinstance(entry, self.md.BytesStorageMetadata):
+                if (key, None) not in records:
+                    raise self.fail(key, "has no storage record")
+                objects[key] = records[key, None]
+            else:
+                raise self.fail(key, f"is a {type(entry).__name__}, neither a tensor nor a saved object")
+        paths = self._paths(saved, planner)
+        files = sorted({record.file for record in records.values()})
+        log.debug(
+            "%s: %d tensors, %d objects in %d files", self.index_path, len(tensors), len(objects), len(files)
+        )
+        return Index(tensors, objects, paths, files)
+
+    def _records(self, storage: dict[Any, Any]) -> _Records:
+        records: _Records = {}
+        for where, info in storage.items():
+            key = getattr(where, "fqn", where)
+            if not isinstance(where, self.md.MetadataIndex) or not isinstance(key, str):
+                raise self.fail(key, f"is keyed by a {type(where).__name__}, not a storage index")
+            offsets = None if where.offset is None else self._counts(key, where.offset, "chunk offset")
+            if not isinstance(info, self.storage_info):
+                raise self.fail(key, f"has a {type(info).__name__} for its storage, not a storage record")
+            name = self._file_name(key, getattr(info, "relative_path", None))
+            start = self._count(key, getattr(info, "offset", None), "byte offset")
+            length = self._count(key, getattr(info, "length", None), "byte length")
+            transforms = getattr(info, "transform_descriptors", None) or ()
+            if not isinstance(transforms, (list, tuple)) or not all(isinstance(t, str) for t in transforms):
+                raise self.fail(key, f"has storage extensions {transforms!r}, not a list of names")
+            records[key, offsets] = Record(name, start, length, tuple(transforms))
+        return records
+
+    def _file_name(self, key: str, name: Any) -> str:
+        plain = (
+            isinstance(name, str)
+            and name not in ("", ".", "..")
+            and not any(c in name for c in "/\\:\0")
+            and not os.path.isabs(name)
+        )
+        if not plain:
+            raise ValueError(
+                f"{self.index_path} is corrupt or crafted: entry {key!r} places its data in {name!r}, which "
+                f"is not a file of {self.folder} (an index names the folder's own shard files, such as "
+                f"__0_0.distcp), so nothing was read from it; {AGAIN}"
+            )
+        return str(name)
+
+    def _count(self, key: str, value: Any, what: str) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise self.fail(key, f"has a {what} of {value!r}, not a count of bytes")
+        return value
+
+    def _counts(self, key: str, values: Any, what: str) -> tuple[int, ...]:
+        if not isinstance(values, (tuple, list)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values
+        ):
+            raise self.fail(key, f"has a {what} of {values!r}, not a list of non-negative whole numbers")
+        return tuple(values)
+
+    def _files(self, records: _Records) -> None:
+        """Every file present, a regular file, long enough; no two records sharing a byte."""
+        spans: dict[str, list[tuple[int, int, str]]] = {}
+        for (key, _), record in records.items():
+            spans.setdefault(record.file, []).append((record.offset, record.offset + record.length, key))
+        missing = [name for name in sorted(spans) if _missing(self.folder / name)]
+        if missing:
+            what = "; ".join(f"{name} (holds {_some([k for _, _, k in spans[name]])})" for name in missing)
+            raise FileNotFoundError(
+                f"{self.folder} is incomplete: {len(missing)} of its {len(spans)} shard files "
+                f"{'is' if len(missing) == 1 else 'are'} missing: {what}. Copy the whole folder, every "
+                "rank's files included."
+            )
+        for name, ranges in sorted(spans.items()):
+            size = regular_file(self.folder / name, _some([k for _, _, k in ranges])).st_size
+            ranges.sort()
+            reach, holder = 0, ""
+            for start, end, key in ranges:
+                if start < reach and start < end:
+                    raise ValueError(
+                        f"{self.index_path} is corrupt: entries {holder!r} and {key!r} both place data at "
+                        f"byte {start:,} of {name}, so one would be read from the other's bytes; {AGAIN}"
+                    )
+                if end > reach:
+                    reach, holder = end, key
+            if size < reach:
+                raise ValueError(
+                    f"{self.folder / name} is truncated: {size:,} bytes, but {METADATA} places data up "
+                    f"to byte {reach:,} (entry {holder!r}); {AGAIN}"
+                )
+
+    def _tensor(self, key: str, entry: Any, records: _Records) -> TensorEntry:
+        dtype = getattr(getattr(entry, "properties", None), "dtype", None)
+        if not isinstance(dtype, torch.dtype) or dtype not in DTYPES:
+            raise self.fail(
+                key, f"has dtype {dtype!r}, not a dtype of plain numbers, which this reader reads"
+            )
+        shape = self._counts(key, getattr(entry, "size", None), "shape")
+        listed = getattr(entry, "chunks", None)
+        if not isinstance(listed, (list, tuple)):
+            raise self.fail(key, f"lists its chunks as a {type(listed).__name__}")
+        size = dtype.itemsize
+        chunks = []
+        for chunk in listed:
+            if not isinstance(chunk, self.md.ChunkStorageMetadata):
+                raise self.fail(key, f"lists a {type(chunk).__name__} among its chunks")
+            offsets = self._counts(key, getattr(chunk, "offsets", None), "chunk offset")
+            sizes = self._counts(key, getattr(chunk, "sizes", None), "chunk size")
+            if len(offsets) != len(shape) or len(sizes) != len(shape):
+                raise self.fail(
+                    key, f"has a chunk at {list(offsets)} of {len(sizes)} dimensions in a shape {list(shape)}"
+                )
+            if any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
+                raise self.fail(
+                    key,
+                    f"has a chunk at {list(offsets)} of size {list(sizes)}, outside its shape {list(shape)}",
+                )
+            record = records.get((key, offsets))
+            if record is None:
+                raise self.fail(key, f"has no storage record for its chunk at {list(offsets)}")
+            values = math.prod(sizes)
+            if not record.transforms and record.length < values * size:
+                raise self.fail(
+                    key,
+                    f"has a chunk at {list(offsets)} of {values:,} values ({values * size:,} bytes), but its "
+                    f"record in {record.file} is {record.length:,} bytes long",
+                )
+            chunks.append(Chunk(offsets, sizes, record))
+        covered, total = sum(math.prod(c.sizes) for c in chunks), math.prod(shape)
+        if covered != total:
+            how = "leave part of it unwritten" if covered < total else "overlap"
+            raise self.fail(
+                key,
+                f"has chunks of {covered:,} values in all for a shape {list(shape)} of {total:,}: they {how}",
+            )
+        pair = _overlap(chunks)
+        if pair is not None:
+            raise self.fail(
+                key,
+                f"has chunks at {list(pair[0].offsets)} and {list(pair[1].offsets)} that overlap, so others "
+                "leave part of it unwritten",
+            )
+        return TensorEntry(dtype, shape, tuple(chunks))
+
+    def _paths(self, saved: dict[str, Any], planner: dict[Any, Any]) -> dict[str, tuple[str, ...]]:
+        """Each entry's nested names (``planner_data``), none the same as another's or inside another's."""
+        paths: dict[str, tuple[str, ...]] = {}
+        leaves: dict[tuple[str, ...], str] = {}
+        inner: dict[tuple[str, ...], str] = {}
+        for key in saved:
+            raw = planner.get(key, (key,))
+            if (
+                not isinstance(raw, (tuple, list))
+                or not raw
+                or not all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in raw)
+            ):
+                raise self.fail(key, f"is placed at {raw!r}, not a list of names")
+            path = tuple(str(p) for p in raw)
+            shown = "/".join(path)
+            if path in leaves:
+                raise self.fail(
+                    key, f"and entry {leaves[path]!r} are both saved as {shown}, so one would hide the other"
+                )
+            if path in inner:
+                raise self.fail(key, f"is saved as {shown}, where entry {inner[path]!r} is saved inside it")
+            for depth in range(1, len(path)):
+                if path[:depth] in leaves:
+                    raise self.fail(
+                        key,
+                        f"is saved inside {'/'.join(path[:depth])}, which is entry {leaves[path[:depth]]!r}",
+                    )
+                inner.setdefault(path[:depth], key)
+            leaves[path] = key
+            paths[key] = path
+        return paths
+
+
+def _missing(path: Path) -> bool:
+    """No file at ``path``, or a link to none (a link loop is not missing: :func:`regular_file` says why)."""
+    try:
+        path.stat()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def _overlap(chunks: list[Chunk]) -> tuple[Chunk, Chunk] | None:
+    """Two chunks that share a value, if any: a sweep along the dimension where they start apart most."""
+    boxes = [c for c in chunks if all(c.sizes)]
+    if len(boxes) < 2:
+        return None
+    ndim = len(boxes[0].sizes)
+    if ndim == 0:
+        return boxes[0], boxes[1]
+    dim = max(range(ndim), key=lambda d: len({c.offsets[d] for c in boxes}))
+    boxes.sort(key=lambda c: c.offsets[dim])
+    active: list[Chunk] = []
+    for box in boxes:
+        active = [a for a in active if a.offsets[dim] + a.sizes[dim] > box.offsets[dim]]
+        for other in active:
+            if all(
+                other.offsets[d] < box.offsets[d] + box.sizes[d]
+                and box.offsets[d] < other.offsets[d] + other.sizes[d]
+                for d in range(ndim)
+            ):
+                return other, box
+        active.append(box)
+    return None
+
+
+def _some(keys: list[str]) -> str:
+    shown = ", ".join(repr(k) for k in keys[:3])
+    return f"{len(keys)} entries: {shown}{', ...' * (len(keys) > 3)}" if len(keys) > 1 else shown
