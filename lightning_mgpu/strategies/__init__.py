@@ -12,7 +12,7 @@ Imports run one way (``tests/strategies/test_layers.py`` checks it):
 - ``process_group/``: what every multi-process strategy adds to its Lightning base (checks,
   watched launcher, start-up summary, SLURM requeue, communication errors, the watchdog);
 - ``resume/``: a restarted run going on where it stopped: the restart read, the newest complete
-  checkpoint chosen (used by ``process_group/``);
+  checkpoint chosen, the training loader's place in its epoch (used by ``process_group/``);
 - ``microbatch/``: the ``micro_batch_size`` mixin and its runner;
 - ``split/``: cut a batch along dim 0, capture and replay ``self.log``, merge torchmetrics
   (used by ``dp/`` and ``microbatch/``);

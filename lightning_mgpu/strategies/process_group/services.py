@@ -20,7 +20,8 @@ It overrides these hooks and calls the host's own through ``super()`` in each:
   (``attempt.py``), so a restarted attempt never meets the dead one's keys;
 - ``setup_environment`` also lets a restarted run resume from its newest complete checkpoint
   when ``fit`` got no ``ckpt_path`` (``resume/auto.py``);
-- ``setup``: the training ``DataLoader``'s own ``shuffle`` is kept;
+- ``setup``: the training ``DataLoader``'s own ``shuffle`` is kept, and its place in the epoch
+  is saved in every checkpoint and restored (``resume/position.py``);
 - ``on_train_start``, ``on_validation_start``, ``on_test_start``, ``on_predict_start``:
   rank 0 prints the start-up summary once;
 - ``pre_backward``, ``barrier``, ``broadcast``, ``reduce``, ``all_gather``: count progress
@@ -69,6 +70,7 @@ from lightning_mgpu.strategies.process_group.summary import format_summary, laun
 from lightning_mgpu.strategies.process_group.watchdog.verdicts import RankInfo
 from lightning_mgpu.strategies.process_group.watchdog.watchdog import DEAD_AFTER, INTERVAL, watchdog
 from lightning_mgpu.strategies.resume.auto import AutoResume
+from lightning_mgpu.strategies.resume.position import resumable
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -236,7 +238,10 @@ class ProcessGroupServices(ExplainedStepMemory):
                 self._batch_size = dataloader.batch_size or getattr(sampler, "batch_size", None)
             if mode == RunningStage.TRAINING and isinstance(dataloader, DataLoader):
                 shuffle = _is_dataloader_shuffled(dataloader)
-            return original(connector, dataloader, shuffle=shuffle, mode=mode)
+            prepared = original(connector, dataloader, shuffle=shuffle, mode=mode)
+            if mode == RunningStage.TRAINING:  # its place in the epoch goes into every checkpoint
+                prepared = resumable(prepared, trainer, self.strategy_name)
+            return prepared
 
         connector._prepare_dataloader = prepare  # type: ignore[method-assign]
 

@@ -2,7 +2,9 @@
 
 - ``restart.py``: whether this run is a restart (torchrun's and SLURM's counts), pure;
 - ``candidates.py``: the run's checkpoints, newest first, and the newest one a kill did not cut short;
-- ``auto.py``: ``AutoResume``, a restarted ``fit`` without ``ckpt_path`` resuming from that checkpoint.
+- ``auto.py``: ``AutoResume``, a restarted ``fit`` without ``ckpt_path`` resuming from that checkpoint;
+- ``position.py``: the training loader's place in its epoch, in every checkpoint, so that a run
+  resumed mid-epoch sees every sample once, in the uncut order.
 
 The strategies use it through ``process_group/services.py``; nothing here imports another room.
 """

@@ -1,0 +1,124 @@
+"""The training script the resume tests run under torchrun, cut and uncut.
+
+``python fit.py STRATEGY FAULT OUT``: 16 samples of 4 features, batches of 2 per rank on 2 ranks
+(4 steps an epoch), 3 epochs, shuffled; a ``ModelCheckpoint`` every 3 steps, as a user writes it.
+``FAULT`` is what the first attempt (``TORCHELASTIC_RESTART_COUNT=0``) suffers, rank 1 or the
+saving rank SIGKILLed:
+
+- ``none``: nothing, the uncut reference;
+- ``step``: rank 1 at global step 5, in the middle of the second epoch (the step-3 checkpoint is
+  the newest, from the middle of the first);
+- ``save``: rank 0 in the middle of writing the step-6 checkpoint (half its bytes written in place,
+  as on a file system without atomic rename) under ``mgpu_ddp``; rank 1 before writing its shard
+  of the step-6 checkpoint under ``mgpu_fsdp`` (rank 0's shard written, no index).
+
+Rank 0 writes ``OUT``: the final weights and, from a callback whose state is saved in every
+checkpoint, how many times each sample went through a training step that the final weights
+include, per epoch.
+"""
+
+SCRIPT = r'''
+import os, signal, sys
+import torch, lightning as L
+import lightning_mgpu  # registers the mgpu_* strategies
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+strategy_name, fault, out = sys.argv[1], sys.argv[2], sys.argv[3]
+first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Indexed(Dataset):
+    def __init__(self):
+        generator = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(16, 4, generator=generator), torch.randn(16, 1, generator=generator)
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return i, self.x[i], self.y[i]
+
+
+class Regression(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def training_step(self, batch, batch_idx):
+        if fault == "step" and first_attempt and self.global_step == 5 and self.global_rank == 1:
+            die()
+        _, x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class Visits(Callback):
+    """Per epoch, how many times each sample went through a step (every rank's, kept by all)."""
+
+    def __init__(self):
+        self.visits = {}
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        seen = trainer.strategy.all_gather(batch[0]).reshape(-1).tolist()
+        epoch = self.visits.setdefault(trainer.current_epoch, [0] * 16)
+        for i in seen:
+            epoch[i] += 1
+
+    def state_dict(self):
+        return {"visits": self.visits}
+
+    def load_state_dict(self, state):
+        self.visits = {int(k): v for k, v in state["visits"].items()}
+
+
+class HalfWrite(TorchCheckpointIO):
+    """Writes in place, as a file system without atomic rename does; attempt 0 dies halfway at step 6."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        import io
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        data = buffer.getvalue()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            if first_attempt and checkpoint["global_step"] == 6:
+                f.write(data[: len(data) // 2])
+                f.flush()
+                die()
+            f.write(data)
+
+
+if fault == "save" and strategy_name == "mgpu_fsdp" and first_attempt:
+    write_data = dcp_filesystem.FileSystemWriter.write_data
+
+    def dying_write_data(self, plan, planner):
+        if int(os.environ["RANK"]) == 1 and "step=6" in str(self.path):
+            die()
+        return write_data(self, plan, planner)
+
+    dcp_filesystem.FileSystemWriter.write_data = dying_write_data
+
+plugins = [HalfWrite()] if fault == "save" and strategy_name == "mgpu_ddp" else []
+visits = Visits()
+trainer = L.Trainer(
+    accelerator="cpu", devices=2, strategy=strategy_name, max_epochs=3, logger=False, plugins=plugins,
+    callbacks=[visits, ModelCheckpoint(dirpath="ckpts", every_n_train_steps=3)],
+    enable_progress_bar=False, enable_model_summary=False,
+)
+module = Regression()
+trainer.fit(module, DataLoader(Indexed(), batch_size=2, shuffle=True))
+weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in module.state_dict().items()}
+if trainer.global_rank == 0:
+    torch.save({"weights": weights, "visits": visits.visits, "step": trainer.global_step}, out)
+'''

@@ -1,0 +1,73 @@
+"""A torchrun job whose rank is SIGKILLed anywhere finishes as if it had never been cut.
+
+``torchrun --standalone --nproc-per-node=2 --max-restarts=1`` runs ``scripts.SCRIPT``; the first
+attempt loses a rank, torchrun starts both again, and the strategy resumes by itself from the
+newest complete checkpoint: the job exits 0 with the uncut run's final weights, and every sample
+went exactly once per epoch through a step those weights include.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers import Result, run_command, script_env
+from tests.strategies.resume.scripts import SCRIPT
+
+
+def _torchrun(folder: Path, strategy: str, fault: str, restarts: int = 1) -> tuple[Result, dict[str, Any]]:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "fit.py").write_text(SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += [f"--max-restarts={restarts}", "fit.py", strategy, fault, "out.pt"]
+    result = run_command(cmd, cwd=folder, env=script_env(), timeout=240)
+    assert result.returncode == 0, result.output[-6000:]
+    return result, torch.load(folder / "out.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def uncut(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """The uncut runs, one per strategy (about 15 s each)."""
+    root = tmp_path_factory.mktemp("uncut")
+    return {name: _torchrun(root / name, name, "none", restarts=0)[1] for name in ("mgpu_ddp", "mgpu_fsdp")}
+
+
+def _assert_as_uncut(out: dict[str, Any], reference: dict[str, Any]) -> None:
+    assert out["step"] == reference["step"] == 12
+    assert out["visits"] == {epoch: [1] * 16 for epoch in range(3)}
+    assert reference["visits"] == out["visits"]
+    for name, tensor in reference["weights"].items():
+        torch.testing.assert_close(out["weights"][name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_rank_killed_mid_epoch(tmp_path: Path, uncut: dict[str, dict[str, Any]]) -> None:
+    """About 30 s: two attempts."""
+    result, out = _torchrun(tmp_path, "mgpu_ddp", "step")
+    _assert_as_uncut(out, uncut["mgpu_ddp"])
+    line = f"mgpu_ddp: attempt 2 of this job (restarted by torchrun): resuming from {tmp_path}/ckpts/"
+    assert f"{line}epoch=0-step=3.ckpt, saved at global step 3 (epoch 0)" in result.output
+
+
+def test_a_rank_killed_while_writing_a_checkpoint(tmp_path: Path, uncut: dict[str, dict[str, Any]]) -> None:
+    """About 30 s: the half-written step-6 checkpoint is skipped with a line, step 3 resumed from."""
+    result, out = _torchrun(tmp_path, "mgpu_ddp", "save")
+    _assert_as_uncut(out, uncut["mgpu_ddp"])
+    skipped = f"mgpu_ddp: not resuming from {tmp_path}/ckpts/epoch=1-step=6.ckpt: its zip directory"
+    assert skipped in result.output
+    assert "cut while being written" in result.output
+    assert f"resuming from {tmp_path}/ckpts/epoch=0-step=3.ckpt, saved at global step 3" in result.output
+
+
+def test_a_rank_killed_while_writing_a_sharded_checkpoint(
+    tmp_path: Path, uncut: dict[str, dict[str, Any]]
+) -> None:
+    """About 40 s: under mgpu_fsdp, the step-6 folder without its index is skipped."""
+    result, out = _torchrun(tmp_path, "mgpu_fsdp", "save")
+    _assert_as_uncut(out, uncut["mgpu_fsdp"])
+    skipped = f"mgpu_fsdp: not resuming from {tmp_path}/ckpts/epoch=1-step=6.ckpt: it has no .metadata"
+    assert skipped in result.output
+    assert f"resuming from {tmp_path}/ckpts/epoch=0-step=3.ckpt, saved at global step 3" in result.output
