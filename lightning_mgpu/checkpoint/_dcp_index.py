@@ -88,7 +88,13 @@ def _unpickle(folder: Path, trust_pickle: bool) -> Any:
             f"{', ...' * (len(shards) > 4)}), so the save did not finish; use another checkpoint"
         )
     regular_file(index)
-    data = index.read_bytes()  # from memory: a length the file claims can only come up short
+    try:
+        data = index.read_bytes()  # from memory: a length the file claims can only come up short
+    except MemoryError:
+        raise ValueError(
+            f"{index} is {index.stat().st_size:,} bytes, more than this machine can hold: it is no index "
+            "torch wrote for a checkpoint this machine could export"
+        ) from None
     try:
         stream = io.BytesIO(data)
         return pickle.load(stream) if trust_pickle else _MetadataUnpickler(stream).load()

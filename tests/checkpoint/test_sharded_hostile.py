@@ -224,6 +224,7 @@ VARIANTS = [
     Variant("index_huge_bytes", raw_index(b"\x80\x05\x8e" + _HUGE + b"abc"), M0),
     Variant("index_truncated", files(lambda f: (f / INDEX).write_bytes((f / INDEX).read_bytes()[:3000])), M0),
     Variant("index_empty", raw_index(b""), M0),
+    Variant("index_64_gib_sparse", files(lambda f: os.truncate(f / INDEX, 2**36)), M0),
     Variant("index_not_a_pickle", raw_index(b"not a pickle at all"), M0),
     Variant(
         "index_pickle_payload",
