@@ -1,6 +1,7 @@
 # make demo  -- build .venv, install the project, train the digits recipe on all local devices
 # make test  -- build .venv with the test extras, lint, run the whole suite
 # make test-slurm -- the SLURM tests: a one-node cluster started for them (root; apt installs slurm-wlm)
+# make docs  -- install the docs extra into .venv, build the site in docs/ into site/ (mkdocs build --strict)
 #
 # Torch: a CPU machine gets torch $(TORCH_VERSION) (the CPU build). A machine
 # with an NVIDIA driver keeps whatever CUDA torch the venv can already import:
@@ -60,6 +61,15 @@ test: lint
 # not part of `make test`: pyproject's addopts leave the slurm marker out, `-m slurm` brings it back
 test-slurm: test-venv
 	$(BIN)/python -m pytest -m slurm tests/slurm $(PYTEST_ARGS)
+
+# --strict: a broken link or anchor, a page left out of the nav or an unresolved API reference fails
+.PHONY: docs
+docs: $(VENV)/.stamp-docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+$(VENV)/.stamp-docs: $(VENV)/.stamp-base
+	$(PIP) install -e ".[docs]"
+	@touch $@
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
