@@ -45,6 +45,10 @@ class MGPUDDPStrategy(MicroBatching, ProcessGroupServices, DDPStrategy):
     - DDP's "Expected to have finished reduction" error names the parameters that got no
       gradient and gives both fixes.
     - Device choices are checked before any process starts, with the devices that exist.
+    - A run cut anywhere goes on as if it had not been: restarted by torchrun's
+      ``--max-restarts`` or SLURM's requeue, a ``fit`` without ``ckpt_path`` resumes from the
+      newest complete checkpoint, at the next sample of the epoch (``resume``), and such runs
+      save a resumable checkpoint every 30 minutes (``checkpoint_every``).
 
     Args:
         accelerator: As for ``DDPStrategy``; the Trainer sets it.
@@ -63,6 +67,12 @@ class MGPUDDPStrategy(MicroBatching, ProcessGroupServices, DDPStrategy):
         stall_timeout: Seconds without progress on every rank (while some ranks wait in a
             collective for the others) after which the run stops. Set it above your slowest
             step, validation batch and checkpoint save. ``None`` turns stall detection off.
+        resume: Whether a ``fit`` without ``ckpt_path`` resumes from the run's newest complete
+            checkpoint: ``None`` only on a restart (torchrun's ``--max-restarts``, a requeued
+            SLURM job), ``True`` always, ``False`` never.
+        checkpoint_every: A resumable checkpoint every that many steps (``int``) or that often
+            (``timedelta``) in ``<default_root_dir>/resume``; ``"auto"``: every 30 minutes where
+            the run can be restarted; ``None``: never.
         micro_batch_size: ``None`` (off), a number of rows, or ``"auto"``: each training batch
             runs as micro-batches with one optimizer step; under ``"auto"`` an out-of-memory
             on any rank reruns the batch in smaller ones instead of ending the run (see
@@ -120,6 +130,8 @@ class MGPUDDPStrategy(MicroBatching, ProcessGroupServices, DDPStrategy):
         *,
         stall_timeout: float | None = 300.0,
         micro_batch_size: int | str | None = None,
+        resume: bool | None = None,
+        checkpoint_every: int | timedelta | str | None = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -137,6 +149,8 @@ class MGPUDDPStrategy(MicroBatching, ProcessGroupServices, DDPStrategy):
             start_method=start_method,
             stall_timeout=stall_timeout,
             micro_batch_size=micro_batch_size,
+            resume=resume,
+            checkpoint_every=checkpoint_every,
             **kwargs,
         )
 

@@ -125,6 +125,8 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
         timeout: Timeout of the process group's collectives.
         stall_timeout: Seconds without progress on every rank after which the run stops
             (see ``MGPUDDPStrategy``); ``None`` turns stall detection off.
+        resume: As for ``MGPUDDPStrategy``: a restarted ``fit`` resumes by itself.
+        checkpoint_every: As for ``MGPUDDPStrategy``: a resumable checkpoint every N steps or minutes.
         micro_batch_size: ``None`` (off), a number of rows, or ``"auto"``: each training batch
             runs as micro-batches with one optimizer step, ``"auto"`` running the batch again in
             smaller ones after an out-of-memory (``lightning_mgpu.strategies.microbatch.MicroBatching``).
@@ -187,6 +189,8 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
         timeout: timedelta | None = default_pg_timeout,
         stall_timeout: float | None = 300.0,
         micro_batch_size: int | str | None = None,
+        resume: bool | None = None,
+        checkpoint_every: int | timedelta | str | None = "auto",
     ) -> None:
         self.block_classes = validate_block_classes(block_classes)
         self.options = ShardingOptions(reshard_after_forward, cpu_offload, activation_checkpointing)
@@ -206,6 +210,8 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
             process_group_backend=process_group_backend,
             timeout=timeout,
             micro_batch_size=micro_batch_size,
+            resume=resume,
+            checkpoint_every=checkpoint_every,
         )
         self._sync_points: SyncPoints | None = None
         self.plan: ShardingPlan | None = None

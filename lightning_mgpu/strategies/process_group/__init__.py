@@ -5,6 +5,7 @@
 - ``launcher.py``: Lightning's subprocess launcher, watched so a failed rank fails the command;
 - ``attempt.py``: under torchrun, each attempt's process group in a key space of torchrun's store
   that no earlier (dead) attempt wrote to;
+- ``at_exit.py``: the process group destroyed before the interpreter exits, so a finished run exits 0;
 - ``checks.py``: the backend for a device, and the device, backend and ``sync_batchnorm`` checks
   made before any process starts;
 - ``summary.py``: the start-up summary printed by rank 0;

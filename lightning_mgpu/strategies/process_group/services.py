@@ -8,20 +8,19 @@ device and creates a process group::
 
 It overrides these hooks and calls the host's own through ``super()`` in each:
 
-- ``__init__``: takes ``stall_timeout`` and ``resume`` (keyword only) and passes everything else on;
+- ``__init__``: takes ``stall_timeout``, ``resume`` and ``checkpoint_every`` (keyword only) and
+  passes everything else on;
 - ``_configure_launcher``: ``checks.check_devices`` before any process starts, then the
   watched subprocess launcher for ``start_method="popen"`` (a host without
   ``_start_method`` counts as popen), the host's own launcher otherwise;
 - ``_get_process_group_backend``: the explicit ``process_group_backend``, else
   ``checks.default_backend`` for the root device;
 - ``setup_environment`` / ``teardown``: the watchdog starts before the process group,
-  joins the run's store after it, and stops (thread joined) when the run ends; under
-  torchrun the group is created in a key space of its store fresh to this attempt
-  (``attempt.py``), so a restarted attempt never meets the dead one's keys;
-- ``setup_environment`` also lets a restarted run resume from its newest complete checkpoint
-  when ``fit`` got no ``ckpt_path`` (``resume/auto.py``);
-- ``setup``: the training ``DataLoader``'s own ``shuffle`` is kept, and its place in the epoch
-  is saved in every checkpoint and restored (``resume/position.py``);
+  joins the run's store after it, and stops (thread joined) when the run ends; under torchrun
+  the group lives in a key space fresh to the attempt (``attempt.py``); a ``fit`` gets the
+  ``checkpoint_every`` safety net and, on a restart, resumes by itself (``resume/``);
+- ``setup``: the training ``DataLoader``'s own ``shuffle`` is kept, and its place in the
+  epoch goes into every checkpoint (``resume/position.py``);
 - ``on_train_start``, ``on_validation_start``, ``on_test_start``, ``on_predict_start``:
   rank 0 prints the start-up summary once;
 - ``pre_backward``, ``barrier``, ``broadcast``, ``reduce``, ``all_gather``: count progress
@@ -61,7 +60,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_mgpu.strategies.process_group import attempt, checks
+from lightning_mgpu.strategies.process_group import at_exit, attempt, checks
 from lightning_mgpu.strategies.process_group.errors import add_to_message, is_communication_error
 from lightning_mgpu.strategies.process_group.launcher import _WatchedSubprocessScriptLauncher
 from lightning_mgpu.strategies.process_group.requeue import DeferredRequeue
@@ -71,6 +70,7 @@ from lightning_mgpu.strategies.process_group.watchdog.verdicts import RankInfo
 from lightning_mgpu.strategies.process_group.watchdog.watchdog import DEAD_AFTER, INTERVAL, watchdog
 from lightning_mgpu.strategies.resume.auto import AutoResume
 from lightning_mgpu.strategies.resume.position import resumable
+from lightning_mgpu.strategies.resume.safety_net import check_checkpoint_every, install_safety_net
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -105,14 +105,15 @@ class ProcessGroupServices(ExplainedStepMemory):
         stall_timeout: Seconds without progress on every rank (while some ranks wait in a
             collective for the others) after which the run stops. ``None`` turns stall
             detection off.
-        resume: Whether a ``fit`` without ``ckpt_path`` resumes from the newest complete
-            checkpoint of the run: ``None`` only when the run is a restart (torchrun's
-            ``--max-restarts``, a requeued SLURM job), ``True`` always, ``False`` never.
+        resume: Whether a ``fit`` without ``ckpt_path`` resumes from the run's newest complete
+            checkpoint: ``None`` on a restart only, ``True`` always, ``False`` never.
+        checkpoint_every: A resumable checkpoint every that many steps (``int``) or that often
+            (``timedelta``); ``"auto"``: 30 minutes where the run can be restarted; ``None``: never.
         **kwargs: Keyword arguments of the host strategy.
 
     Raises:
-        ValueError: If ``stall_timeout`` is not a positive number or ``None``, or ``resume`` is
-            not a bool or ``None``.
+        ValueError: If ``stall_timeout`` is not a positive number or ``None``, ``resume`` is
+            not a bool or ``None``, or ``checkpoint_every`` is none of those it accepts.
     """
 
     if TYPE_CHECKING:  # what the host (DDPStrategy, ModelParallelStrategy) has beyond ParallelStrategy
@@ -126,7 +127,12 @@ class ProcessGroupServices(ExplainedStepMemory):
         def set_world_ranks(self) -> None: ...
 
     def __init__(
-        self, *args: Any, stall_timeout: float | None = 300.0, resume: bool | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        stall_timeout: float | None = 300.0,
+        resume: bool | None = None,
+        checkpoint_every: int | timedelta | str | None = "auto",
+        **kwargs: Any,
     ) -> None:
         number = isinstance(stall_timeout, (int, float)) and not isinstance(stall_timeout, bool)
         if stall_timeout is not None and (not number or stall_timeout <= 0):
@@ -142,6 +148,7 @@ class ProcessGroupServices(ExplainedStepMemory):
         self._batch_size: int | None = None
         self._requeue = DeferredRequeue()
         self._auto_resume = AutoResume(self, resume)
+        self.checkpoint_every = check_checkpoint_every(checkpoint_every)
 
     # ------------------------------------------------------------ set-up
     @override
@@ -180,10 +187,12 @@ class ProcessGroupServices(ExplainedStepMemory):
         backend = self._get_process_group_backend()
         attempt.init_process_group(backend, self.global_rank, self.world_size, timeout, self.root_device)
         super().setup_environment()
+        at_exit.destroy_at_exit()  # before the watchdog's exit guard, which then runs first
         if self._watching:
             self._attach_watchdog()
         trainer = self._trainer()
-        if trainer is not None:
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            install_safety_net(trainer, self.checkpoint_every, self.strategy_name, self.cluster_environment)
             self._auto_resume.install(trainer)
 
     def _attach_watchdog(self) -> None:

@@ -4,7 +4,9 @@
 - ``candidates.py``: the run's checkpoints, newest first, and the newest one a kill did not cut short;
 - ``auto.py``: ``AutoResume``, a restarted ``fit`` without ``ckpt_path`` resuming from that checkpoint;
 - ``position.py``: the training loader's place in its epoch, in every checkpoint, so that a run
-  resumed mid-epoch sees every sample once, in the uncut order.
+  resumed mid-epoch sees every sample once, in the uncut order;
+- ``safety_net.py``: ``checkpoint_every``, a resumable checkpoint every N steps or minutes, on by
+  itself where the run can be restarted.
 
 The strategies use it through ``process_group/services.py``; nothing here imports another room.
 """

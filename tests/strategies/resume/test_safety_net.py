@@ -1,0 +1,96 @@
+"""``checkpoint_every``: a resumable checkpoint every N steps or minutes, by itself where runs restart."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mgpu import MGPUDDPStrategy
+from lightning_mgpu.strategies.resume.safety_net import ResumeCheckpoint, restartable
+
+
+class _Regression(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(folder: Path, every: object = "auto", checkpointing: bool = True, **strategy: object) -> L.Trainer:
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=MGPUDDPStrategy(checkpoint_every=every, **strategy),  # type: ignore[arg-type]
+        max_steps=7,
+        logger=False,
+        enable_checkpointing=checkpointing,
+        default_root_dir=folder,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    trainer.fit(_Regression(), DataLoader(data, batch_size=4))
+    return trainer
+
+
+def test_every_n_steps_keeps_the_newest_and_a_restart_resumes_from_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caplog.set_level(logging.INFO)
+    _fit(tmp_path, every=3, checkpointing=False)  # the safety net's checkpoints only
+    assert "mgpu_ddp: checkpoint_every: a resumable checkpoint every 3 steps in" in caplog.text
+    assert sorted(p.name for p in (tmp_path / "resume").iterdir()) == ["resume-epoch=0-step=6.ckpt"]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    trainer = _fit(tmp_path, every=3, checkpointing=False)
+    assert trainer.global_step == 7
+    assert (
+        f"resuming from {tmp_path}/resume/resume-epoch=0-step=6.ckpt, saved at global step 6" in caplog.text
+    )
+
+
+def test_auto_is_on_only_where_the_run_can_restart_and_checkpoints(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caplog.set_level(logging.INFO)
+    trainer = _fit(tmp_path / "plain")
+    assert not [cb for cb in trainer.callbacks if isinstance(cb, ResumeCheckpoint)]  # type: ignore[attr-defined]
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    assert not [
+        cb
+        for cb in _fit(tmp_path / "off", checkpointing=False).callbacks  # type: ignore[attr-defined]
+        if isinstance(cb, ResumeCheckpoint)
+    ]
+    (net,) = [
+        cb
+        for cb in _fit(tmp_path / "restartable").callbacks  # type: ignore[attr-defined]
+        if isinstance(cb, ResumeCheckpoint)
+    ]
+    assert net._train_time_interval == timedelta(minutes=30)
+    assert (
+        "mgpu_ddp: the run can be restarted (torchrun --max-restarts=2): a resumable checkpoint every 30"
+        f" minutes in {tmp_path}/restartable/resume" in caplog.text
+    )
+
+
+def test_what_can_restart_a_run() -> None:
+    assert restartable({"TORCHELASTIC_MAX_RESTARTS": "0"}, LightningEnvironment()) is None
+    assert restartable({"TORCHELASTIC_MAX_RESTARTS": "3"}, None) == "torchrun --max-restarts=3"
+
+
+@pytest.mark.parametrize("every", [0, -2, True, 1.5, "30min", timedelta(0)])
+def test_checkpoint_every_says_what_it_accepts(every: object) -> None:
+    with pytest.raises(ValueError, match=r"checkpoint_every must be 'auto' .* got "):
+        MGPUDDPStrategy(checkpoint_every=every)  # type: ignore[arg-type]
