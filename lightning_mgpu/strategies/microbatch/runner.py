@@ -267,6 +267,12 @@ class MicroBatchRunner:
         """Free what an abandoned attempt held; under ``mgpu_fsdp`` reset its half-run pass too."""
         grads.drop_attempt()
         self._metrics.forget_attempt()
+        model = self.strategy.model
+        if isinstance(model, DistributedDataParallel):
+            # DDP broadcasts its buffers at the start of a forward that follows a synced one, and only a
+            # forward that returns clears the flag: the ranks that succeeded cleared it, so the rerun
+            # must not broadcast again (it would meet their all-reduce, and wait there for good)
+            model.require_forward_param_sync = False
         if lockstep is not None:
             lockstep.reset()
         gc.collect()

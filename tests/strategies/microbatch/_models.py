@@ -146,7 +146,8 @@ class Hungry(L.LightningModule):
     limits its process's address space to what it holds plus ``budget`` row-sizes, so a large
     activation fails in the allocator as a real out-of-memory would; from step ``lift_at`` on
     the limit is lifted again. ``masked`` trains on ``masked_mean`` instead of the mean over rows; the
-    loss is logged as ``train_loss``.
+    loss is logged as ``train_loss``. A non-persistent buffer, as BatchNorm keeps, makes DDP broadcast
+    buffers at its first forward.
     """
 
     ROW_FLOATS = 2**20  # 4 MiB per row
@@ -163,6 +164,7 @@ class Hungry(L.LightningModule):
         torch.manual_seed(0)
         self.lin = nn.Linear(4, 16)
         self.head = nn.Linear(16, 1)
+        self.register_buffer("shift", torch.zeros(1), persistent=False)
         self.limit_rank = limit_rank
         self.budget = budget
         self.forward_extra = forward_extra
@@ -196,7 +198,7 @@ class Hungry(L.LightningModule):
                 held = big.repeat(1, self.forward_extra)
             del held
         act = (big * big).mean(1, keepdim=True)
-        out = self.head(h) + act
+        out = self.head(h) + act + self.shift
         loss = masked_mean((out - y) ** 2, x) if self.masked else F.mse_loss(out, y)
         self.log("train_loss", loss)
         return loss
