@@ -74,8 +74,9 @@ class MGPUDDPStrategy(MicroBatching, ProcessGroupServices, DDPStrategy):
             (``timedelta``) in ``<default_root_dir>/resume``; ``"auto"``: every 30 minutes where
             the run can be restarted; ``None``: never.
         micro_batch_size: ``None`` (off), a number of rows, or ``"auto"``: each training batch
-            runs as micro-batches with one optimizer step; under ``"auto"`` an out-of-memory
-            on any rank reruns the batch in smaller ones instead of ending the run (see
+            runs as micro-batches with one optimizer step (validation, test and predict batches
+            too, forward only); under ``"auto"`` an out-of-memory on any rank reruns the batch in
+            smaller ones instead of ending the run (see
             ``lightning_mgpu.strategies.microbatch.MicroBatching``).
         **kwargs: Keyword arguments that ``DDPStrategy`` passes on to
             ``torch.nn.parallel.DistributedDataParallel`` (``find_unused_parameters``, ...).

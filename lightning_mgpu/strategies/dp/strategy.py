@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -89,8 +90,9 @@ class MGPUDataParallelStrategy(MicroBatching, ParallelStrategy):
         checkpoint_io: set by the Trainer.
         precision_plugin: set by the Trainer.
         track_replica_memory: see above.
-        micro_batch_size: ``None`` (off), rows, or ``"auto"``: training batches run as micro-batches,
-            each spread over the replicas (``lightning_mgpu.strategies.microbatch.MicroBatching``).
+        micro_batch_size: ``None`` (off), rows, or ``"auto"``: training, validation, test and predict
+            batches run as micro-batches, each spread over the replicas
+            (``lightning_mgpu.strategies.microbatch.MicroBatching``).
 
     Raises:
         ValueError: with ``num_nodes > 1`` when the Trainer is built; with
@@ -239,31 +241,37 @@ class MGPUDataParallelStrategy(MicroBatching, ParallelStrategy):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
 
+    # each step runs over the replicas; micro-batching, when set, runs it once per micro-batch
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.micro_batched(self._replicated_training_step, *args, **kwargs)
-
-    def _replicated_training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._data_parallel("training_step", self.precision_plugin.train_step_context, args, kwargs)
+        replicated = functools.partial(
+            self._data_parallel, "training_step", self.precision_plugin.train_step_context
+        )
+        return self.micro_batched(replicated, *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._data_parallel("validation_step", self.precision_plugin.val_step_context, args, kwargs)
+        replicated = functools.partial(
+            self._data_parallel, "validation_step", self.precision_plugin.val_step_context
+        )
+        return self.micro_batched(replicated, *args, stage="validation_step", **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._data_parallel("test_step", self.precision_plugin.test_step_context, args, kwargs)
+        replicated = functools.partial(
+            self._data_parallel, "test_step", self.precision_plugin.test_step_context
+        )
+        return self.micro_batched(replicated, *args, stage="test_step", **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._data_parallel("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+        replicated = functools.partial(
+            self._data_parallel, "predict_step", self.precision_plugin.predict_step_context
+        )
+        return self.micro_batched(replicated, *args, stage="predict_step", **kwargs)
 
     def _data_parallel(
-        self,
-        method: str,
-        step_context: Callable[[], AbstractContextManager[Any]],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        self, method: str, step_context: Callable[[], AbstractContextManager[Any]], *args: Any, **kwargs: Any
     ) -> Any:
         module = self.lightning_module
         assert module is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -128,7 +129,8 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
         resume: As for ``MGPUDDPStrategy``: a restarted ``fit`` resumes by itself.
         checkpoint_every: As for ``MGPUDDPStrategy``: a resumable checkpoint every N steps or minutes.
         micro_batch_size: ``None`` (off), a number of rows, or ``"auto"``: each training batch
-            runs as micro-batches with one optimizer step, ``"auto"`` running the batch again in
+            runs as micro-batches with one optimizer step (validation, test and predict batches
+            too, forward only), ``"auto"`` running the batch again in
             smaller ones after an out-of-memory (``lightning_mgpu.strategies.microbatch.MicroBatching``).
             Every rank runs the same number of micro-batches, because each one gathers the
             parameters collectively: a rank that needs more splits every rank's batch as finely.
@@ -356,15 +358,18 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
+        step = functools.partial(self._step, "validation_step", self.precision_plugin.val_step_context)
+        return self.micro_batched(step, *args, stage="validation_step", **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
+        step = functools.partial(self._step, "test_step", self.precision_plugin.test_step_context)
+        return self.micro_batched(step, *args, stage="test_step", **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
+        step = functools.partial(self._step, "predict_step", self.precision_plugin.predict_step_context)
+        return self.micro_batched(step, *args, stage="predict_step", **kwargs)
 
     # ------------------------------------------------------------ summary
     @override

@@ -43,11 +43,11 @@ class Verdict:
     """What the ranks agreed on at the end of an attempt.
 
     Attributes:
-        statuses: Each rank's status (``OK``, ``RETRY``, ``FATAL``), by rank.
+        statuses: Rank -> its status (``OK``, ``RETRY``, ``FATAL``), for every rank that took part.
         count: The ``global_mean`` count summed over every rank, when the step used it.
     """
 
-    statuses: list[int]
+    statuses: dict[int, int]
     count: Tensor | None
 
 
@@ -56,7 +56,8 @@ class Agreement:
 
     Args:
         rank: This process's global rank.
-        world: The number of ranks; with one, nothing is exchanged.
+        world: The number of ranks; with one, nothing is exchanged: the rank decides alone (a
+            ``predict_step`` that no collective ties to the other ranks), whatever its rank.
         device: Where the vector lives (the process group's device: CUDA under NCCL).
     """
 
@@ -77,12 +78,12 @@ class Agreement:
     def agree(self, status: int, count: Tensor | None) -> Verdict:
         """Every rank's status and the summed count; returns once every rank reached the end."""
         if self.world == 1:
-            return Verdict([status], count)
+            return Verdict({self.rank: status}, count)
         while True:
             vector = self._exchange(status, count, at_end=True)
             arrived = int(vector[self.world + 1].item())
             if arrived == self.world:
-                statuses = [int(s) for s in vector[: self.world].tolist()]
+                statuses = {rank: int(s) for rank, s in enumerate(vector[: self.world].tolist())}
                 return Verdict(statuses, vector[self.world].to(self.device) if count is not None else None)
             log.debug(
                 "rank %d: %d of %d ranks at the end; the others abandon their pass",

@@ -11,7 +11,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_mgpu.strategies.microbatch.host import CollectivePasses
-from lightning_mgpu.strategies.microbatch.runner import MicroBatchRunner
+from lightning_mgpu.strategies.microbatch.runner import EVALUATION_STEPS, MicroBatchRunner
 from lightning_mgpu.strategies.microbatch.sizes import MicroBatchSizes
 from lightning_mgpu.strategies.mixin import StrategyMixin
 
@@ -44,7 +44,7 @@ def check_micro_batch_size(value: Any) -> int | str | None:
 
 
 class MicroBatching(StrategyMixin):
-    """Runs each training batch as micro-batches with one optimizer step; ``"auto"`` survives out-of-memory.
+    """Runs each batch as micro-batches, training with one optimizer step; ``"auto"`` survives out-of-memory.
 
     A mixin that goes first in a strategy's bases; it takes the keyword ``micro_batch_size``:
 
@@ -53,7 +53,8 @@ class MicroBatching(StrategyMixin):
       forward and backward in turn; the optimizer steps once per batch. With a per-row mean loss
       (or ``lightning_mgpu.global_mean``) the weights after the step equal those of the unsplit
       step; ``self.log`` values and torchmetrics updates combine as over the whole batch. A batch
-      no larger than the size runs unsplit.
+      no larger than the size runs unsplit. Validation, test and predict batches are cut with the
+      same size (a size chosen to fit training memory fits their forward too).
     - ``"auto"``: starts with the whole batch; when any rank runs out of memory, in forward or
       backward, every rank learns of it in the step's one all-reduce, the rank that failed frees
       what the attempt held, halves its micro-batches and runs the same batch again (ranks may end
@@ -61,6 +62,15 @@ class MicroBatching(StrategyMixin):
       batches the size doubles again, up to the whole batch and below any size that failed. A
       batch that does not fit in micro-batches of one row stops every rank with
       ``MicroBatchOutOfMemoryError``.
+
+    Evaluation (``validation_step``, ``test_step``, ``predict_step``) runs forward only, by the same
+    rules: each step starts from the whole batch (or the size it reached) and halves on
+    out-of-memory, with sizes of its own (``micro_batches_eval``) that never change the training
+    ones. Logged values (``sync_dist=True`` too: logs are replayed once the ranks agreed) and
+    torchmetrics equal the unsplit batch's; predictions come back whole and in order. Every rank
+    must run as many validation and test batches (Lightning's ``DistributedSampler`` sees to it);
+    in ``predict_step``, whose batches Lightning gives the ranks in unequal numbers, each rank
+    recovers alone, except under ``mgpu_fsdp``, whose passes gather collectively.
 
     What differs from an unsplit step: BatchNorm in training mode normalises each micro-batch
     with its own statistics; dropout draws other masks; under DDP the gradients are averaged
@@ -73,8 +83,11 @@ class MicroBatching(StrategyMixin):
 
     Attributes:
         micro_batch_size: the setting.
-        micro_batches: this rank's ``MicroBatchSizes`` (``size`` now, ``failed``, ``grow_after``, and
-            ``last_rows``, the rows per micro-batch its last batch ran in).
+        micro_batches: this rank's training ``MicroBatchSizes`` (``size`` now, ``failed``,
+            ``grow_after``, and ``last_rows``, the rows per micro-batch its last batch ran in); what
+            ``DeviceMemoryMonitor``'s summary shows.
+        micro_batches_eval: this rank's ``MicroBatchSizes`` of each evaluation step, by its name
+            (``"validation_step"``, ``"test_step"``, ``"predict_step"``).
 
     Raises:
         ValueError: when fit starts, for a LightningModule with ``automatic_optimization = False``.
@@ -92,7 +105,10 @@ class MicroBatching(StrategyMixin):
         start = None if auto else self.micro_batch_size
         assert start is None or isinstance(start, int)
         self.micro_batches = MicroBatchSizes(start, auto=auto)
-        self._micro_runner: MicroBatchRunner = MicroBatchRunner(self, self.micro_batches)
+        self.micro_batches_eval = {stage: MicroBatchSizes(start, auto=auto) for stage in EVALUATION_STEPS}
+        self._micro_runners = {"training_step": MicroBatchRunner(self, self.micro_batches)}
+        for stage, sizes in self.micro_batches_eval.items():
+            self._micro_runners[stage] = MicroBatchRunner(self, sizes, stage)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -112,19 +128,34 @@ class MicroBatching(StrategyMixin):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self.micro_batched(super().training_step, *args, **kwargs)
 
-    def micro_batched(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self.micro_batched(super().validation_step, *args, stage="validation_step", **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self.micro_batched(super().test_step, *args, stage="test_step", **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self.micro_batched(super().predict_step, *args, stage="predict_step", **kwargs)
+
+    def micro_batched(
+        self, step: Callable[..., Any], *args: Any, stage: str = "training_step", **kwargs: Any
+    ) -> Any:
         """``step(*args, **kwargs)``, in micro-batches when ``micro_batch_size`` is set.
 
-        A host whose ``training_step`` does not call ``super().training_step`` (``mgpu_dp``
-        runs its replicas itself) calls this with its own step instead.
+        A host whose steps do not call ``super()``'s (``mgpu_dp`` runs its replicas itself,
+        ``mgpu_fsdp`` redirects them through the sharded module's forward) calls this with its own
+        step instead, naming which one it is (``stage="validation_step"``; training by default).
         """
         if self.micro_batch_size is None or not args:
             return step(*args, **kwargs)
-        return self._micro_runner.run(step, args, kwargs)
+        return self._micro_runners[stage].run(step, args, kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if self.micro_batch_size is None or not self._micro_runner.take_backward():
+        if self.micro_batch_size is None or not self._micro_runners["training_step"].take_backward():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         # the micro-batches ran backward already and their gradients are back in place: only the hooks
         module = self.lightning_module

@@ -1,4 +1,4 @@
-"""One training batch run as micro-batches: forward and backward in turn, retried smaller on out-of-memory.
+"""One batch run as micro-batches, forward (and backward in training) in turn, rerun smaller on out-of-memory.
 
 ``MicroBatchRunner.run`` replaces one call of the strategy's ``training_step``:
 
@@ -14,6 +14,12 @@
   micro-batches and runs the batch again while the others wait at the next all-reduce;
   when no rank failed, the gradients are averaged over the ranks once (``grads``), the logs
   replayed once and the metrics merged, as one unsplit step would have left them.
+
+A runner made for ``validation_step``, ``test_step`` or ``predict_step`` runs the same attempts with
+forward only: no gradients to keep apart, no loss to weight, and the outputs (predictions) made
+one in the batch's order. The ranks meet after each attempt as in training, except in
+``predict_step`` where the passes need no other rank (every strategy but ``mgpu_fsdp``): Lightning's
+predict sampler gives the ranks different numbers of batches, so there each rank recovers alone.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
@@ -44,7 +51,10 @@ from lightning_mgpu.strategies.microbatch.sizes import MicroBatchSizes
 from lightning_mgpu.strategies.split.batch import combine_outputs, scatter_batch, split_rows, split_sizes
 from lightning_mgpu.strategies.split.logs import LogCapture, replay_logs
 
-__all__ = ["MicroBatchOutOfMemoryError", "MicroBatchRunner"]
+__all__ = ["EVALUATION_STEPS", "MicroBatchOutOfMemoryError", "MicroBatchRunner"]
+
+EVALUATION_STEPS = ("validation_step", "test_step", "predict_step")
+"""The steps that run forward only; ``"training_step"`` is the other one a runner serves."""
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +83,24 @@ def _detached(output: Any) -> Any:
     return apply_to_collection(output, Tensor, lambda t: t.detach())
 
 
+def _where(trainer: Trainer, stage: str) -> str:
+    """The batch being run, for messages: ``"batch 3 of epoch 0"``, ``"validation batch 2 of epoch 1"``."""
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    epoch = f" of epoch {trainer.current_epoch}" if fitting else ""
+    if stage == "training_step":
+        return f"batch {trainer.fit_loop.epoch_loop.batch_idx}{epoch}"
+    if stage == "predict_step":
+        progress, kind = trainer.predict_loop.batch_progress, "predict"
+    elif stage == "test_step":
+        progress, kind = trainer.test_loop.batch_progress, "test"
+    elif fitting:
+        progress = trainer.fit_loop.epoch_loop.val_loop.batch_progress
+        kind = "sanity-check validation" if trainer.sanity_checking else "validation"
+    else:
+        progress, kind = trainer.validate_loop.batch_progress, "validation"
+    return f"{kind} batch {progress.current.ready - 1}{epoch}"
+
+
 def _loss_of(output: Any) -> Tensor | None:
     if isinstance(output, Tensor):
         return output
@@ -83,16 +111,25 @@ def _loss_of(output: Any) -> Tensor | None:
 
 
 class MicroBatchRunner:
-    """Runs training batches of one strategy as micro-batches (see the module docstring).
+    """Runs the batches of one step of one strategy as micro-batches (see the module docstring).
 
     Args:
-        strategy: the host strategy; ``run`` gets its ``training_step`` as ``step``.
-        sizes: this rank's micro-batch size decisions.
+        strategy: the host strategy; ``run`` gets its step (``training_step``, ...) as ``step``.
+        sizes: this rank's micro-batch size decisions for that step.
+        stage: the step: ``"training_step"`` or one of ``EVALUATION_STEPS`` (forward only).
     """
 
-    def __init__(self, strategy: MicroBatchHost, sizes: MicroBatchSizes) -> None:
+    def __init__(
+        self, strategy: MicroBatchHost, sizes: MicroBatchSizes, stage: str = "training_step"
+    ) -> None:
+        if stage != "training_step" and stage not in EVALUATION_STEPS:
+            raise ValueError(
+                f"a micro-batch runner runs training_step or {', '.join(EVALUATION_STEPS)}, got {stage!r}"
+            )
         self.strategy = strategy
         self.sizes = sizes
+        self.stage = stage
+        self.training = stage == "training_step"
         self._metrics = MicroBatchMetrics()
         self._grads: BatchGradients | None = None
         self._phase = "forward"
@@ -107,22 +144,23 @@ class MicroBatchRunner:
         rows = split_rows(args[0], f"micro_batch_size under {self.strategy.strategy_name}")
         if rows is None or (not self.sizes.auto and self.sizes.rows(rows) >= rows):
             return step(*args, **kwargs)  # nothing to split: the step as without micro-batching
-        if self.sizes.auto and not self._estimated:
-            self._estimated = True
+        if self.training and self.sizes.auto and not self._estimated:
+            self._estimated = True  # the estimate counts a training step: evaluation starts whole
             self._start_from_estimate(module, args[0], rows)
         trainer = module.trainer
-        accumulate = trainer.accumulate_grad_batches
-        batch_index = trainer.fit_loop.epoch_loop.batch_idx
-        where = f"batch {batch_index} of epoch {trainer.current_epoch}"
+        accumulate = trainer.accumulate_grad_batches if self.training else 1
+        where = _where(trainer, self.stage)
         model = self.strategy.model
         ddp = isinstance(model, DistributedDataParallel)
         # mgpu_fsdp: passes gather parameters collectively, so every rank runs the same micro-batches
         lockstep = self.strategy.collective_passes
-        averaged = ddp or lockstep is not None  # gradients averaged over the ranks, not summed
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        agreement = Agreement(self._rank(), world, self.strategy.root_device)
+        alone = self.stage == "predict_step" and lockstep is None  # see the module docstring
+        agreement = Agreement(self._rank(), 1 if alone else world, self.strategy.root_device)
         syncing = isinstance(model, DistributedDataParallel) and model.require_backward_grad_sync
-        grads = BatchGradients(module, zeroing=batch_index % accumulate == 0)
+        grads = None
+        if self.training:
+            grads = BatchGradients(module, zeroing=trainer.fit_loop.epoch_loop.batch_idx % accumulate == 0)
         attempts: list[str] = []
         done: _Done | None = None
         while True:
@@ -147,20 +185,22 @@ class MicroBatchRunner:
                 if done is None:
                     self._drop(grads, lockstep)
             verdict = agreement.agree(status, None if done is None else done.local_count())
-            if FATAL in verdict.statuses:
+            if FATAL in verdict.statuses.values():
                 raise self._fatal(verdict.statuses, attempts, where)
-            if all(s == OK for s in verdict.statuses) and done is not None:
+            if all(s == OK for s in verdict.statuses.values()) and done is not None:
                 break
-            others = [rank for rank, s in enumerate(verdict.statuses) if s != OK and rank != self._rank()]
+            others = [rank for rank, s in verdict.statuses.items() if s != OK and rank != self._rank()]
             if others:
                 log.debug("rank(s) %s ran out of memory at %s: waiting for the rerun", others, where)
             if lockstep is not None and done is not None:
                 done = None  # another rank failed after this one's last checkpoint: all run it again
                 self._drop(grads, lockstep)
-        count = verdict.count
-        scale = None if count is None else (world if averaged else 1) / count
-        grads.finish(scale, world if syncing else 1)
-        self._grads = grads
+        # global_mean's value on a rank is its share of the mean over the ranks that took part
+        factor = agreement.world if grads is None or ddp or lockstep is not None else 1
+        scale = None if verdict.count is None else factor / verdict.count
+        if grads is not None:
+            grads.finish(scale, world if syncing else 1)
+            self._grads = grads
         self.sizes.ran(rows, max(done.sizes))
         grown = self.sizes.succeeded()
         if grown is not None:
@@ -222,10 +262,10 @@ class MicroBatchRunner:
                 loss = _loss_of(output)
                 if len(seen.counts) > 1:
                     raise ValueError(
-                        "micro_batch_size: training_step called global_mean more than once; under"
-                        " micro-batching the loss may hold one global_mean term"
+                        f"micro_batch_size: {self.stage} called global_mean more than once; under"
+                        " micro-batching the step may hold one global_mean term"
                     )
-                if loss is not None:
+                if loss is not None and self.training:
                     weight: float | Tensor = seen.counts[0] if seen.counts else chunk_rows / rows
                     scaled = loss * (weight / accumulate)
                     if scaler is not None:
@@ -241,7 +281,7 @@ class MicroBatchRunner:
         if counts and len(counts) != len(sizes):
             raise ValueError(
                 "micro_batch_size: global_mean was called in some micro-batches of the batch but not in"
-                " others; call it once in every training_step"
+                f" others; call it once in every {self.stage}"
             )
         return _Done(outputs, captures, sizes, counts)
 
@@ -263,9 +303,10 @@ class MicroBatchRunner:
     def _rank(self) -> int:
         return self.strategy.global_rank
 
-    def _drop(self, grads: BatchGradients, lockstep: CollectivePasses | None) -> None:
+    def _drop(self, grads: BatchGradients | None, lockstep: CollectivePasses | None) -> None:
         """Free what an abandoned attempt held; under ``mgpu_fsdp`` reset its half-run pass too."""
-        grads.drop_attempt()
+        if grads is not None:
+            grads.drop_attempt()
         self._metrics.forget_attempt()
         model = self.strategy.model
         if isinstance(model, DistributedDataParallel):
@@ -294,13 +335,18 @@ class MicroBatchRunner:
         )
         return RETRY
 
-    def _fatal(self, statuses: list[int], attempts: list[str], where: str) -> MicroBatchOutOfMemoryError:
-        failed = [rank for rank, s in enumerate(statuses) if s == FATAL]
+    def _fatal(self, statuses: dict[int, int], attempts: list[str], where: str) -> MicroBatchOutOfMemoryError:
+        failed = [rank for rank, s in statuses.items() if s == FATAL]
         if self._rank() in failed:
+            held = (
+                "The model, its optimizer state and one sample"
+                if self.training
+                else "The model and one sample"
+            )
             return MicroBatchOutOfMemoryError(
                 f"[rank {self._rank()}] out of memory at {where} even with micro-batches of 1 row."
-                f" Attempts on this rank: {'; '.join(attempts)}. The model, its optimizer state and one"
-                " sample do not fit: free memory (lower precision, a smaller model, activation"
+                f" Attempts on this rank: {'; '.join(attempts)}. {held}"
+                " do not fit: free memory (lower precision, a smaller model, activation"
                 " checkpointing) or shard the model (strategy='mgpu_fsdp')."
             )
         return MicroBatchOutOfMemoryError(

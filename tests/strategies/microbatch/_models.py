@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanSquaredError
 
 import lightning_mgpu
 
@@ -142,12 +143,16 @@ class Hungry(L.LightningModule):
     """A tiny model whose activations take ``ROW_BYTES`` per row (saved for backward, about 4 in backward).
 
     ``forward_extra`` more of them are held for a moment without gradient, so forward needs
-    ``(1 + forward_extra)`` row-sizes per row. From the first batch on, ``limit_rank`` (if set)
-    limits its process's address space to what it holds plus ``budget`` row-sizes, so a large
-    activation fails in the allocator as a real out-of-memory would; from step ``lift_at`` on
-    the limit is lifted again. ``masked`` trains on ``masked_mean`` instead of the mean over rows; the
-    loss is logged as ``train_loss``. A non-persistent buffer, as BatchNorm keeps, makes DDP broadcast
-    buffers at its first forward.
+    ``(1 + forward_extra)`` row-sizes per row (2 without gradient, where nothing is saved). From the
+    first batch on, ``limit_rank`` (if set) limits its process's address space to what it holds plus
+    ``budget`` row-sizes, so a large activation fails in the allocator as a real out-of-memory would;
+    from step ``lift_at`` on the limit is lifted again. With ``limit_in="eval"`` the limit holds
+    during each validation, test and predict run instead, and is lifted at its end. ``masked``
+    trains on ``masked_mean`` instead of the mean over rows; the loss is logged as ``train_loss``.
+
+    Validation and test log ``{val,test}_loss`` (``sync_dist=True``, on step and epoch) and
+    ``{val,test}_mse`` (a torchmetrics metric); ``predict_step`` returns the predictions. A
+    non-persistent buffer, as BatchNorm keeps, makes DDP broadcast buffers at its first forward.
     """
 
     ROW_FLOATS = 2**20  # 4 MiB per row
@@ -159,38 +164,77 @@ class Hungry(L.LightningModule):
         forward_extra: int = 0,
         lift_at: int | None = None,
         masked: bool = False,
+        limit_in: str = "train",
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.lin = nn.Linear(4, 16)
         self.head = nn.Linear(16, 1)
         self.register_buffer("shift", torch.zeros(1), persistent=False)
+        self.mse = MeanSquaredError()
         self.limit_rank = limit_rank
         self.budget = budget
         self.forward_extra = forward_extra
         self.lift_at = lift_at
         self.masked = masked
+        self.limit_in = limit_in
         self.sizes_seen: list[int] = []
+        self.eval_sizes_seen: list[int] = []
         self._limited = False
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+    def _limit(self) -> None:
         import resource
 
-        if self.limit_rank != self.global_rank:
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        with open("/proc/self/status") as status:
+            held = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (held + int(self.budget * self.ROW_FLOATS * 4), hard))
+
+    def _lift(self) -> None:
+        import resource
+
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.limit_rank != self.global_rank or self.limit_in != "train":
             return
-        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
         if not self._limited:
             self._limited = True
-            with open("/proc/self/status") as status:
-                held = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
-            limit = held + int(self.budget * self.ROW_FLOATS * 4)
-            resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+            self._limit()
         elif self.trainer.global_step == self.lift_at:
-            resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+            self._lift()
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        self.sizes_seen.append(len(x))
+    def _limit_evaluation(self) -> None:
+        if self.limit_rank == self.global_rank and self.limit_in == "eval" and not self._limited:
+            self._limited = True
+            self._limit()
+
+    def _lift_evaluation(self) -> None:
+        if self.limit_in == "eval" and self._limited:
+            self._limited = False
+            self._lift()
+
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._limit_evaluation()
+
+    def on_test_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._limit_evaluation()
+
+    def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._limit_evaluation()
+
+    def on_validation_end(self) -> None:
+        self._lift_evaluation()
+
+    def on_test_end(self) -> None:
+        self._lift_evaluation()
+
+    def on_predict_end(self) -> None:
+        self._lift_evaluation()
+
+    def predictions(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's output for ``x``, holding ``ROW_FLOATS`` floats per row on the way."""
         h = torch.tanh(self.lin(x))
         big = h.repeat(1, self.ROW_FLOATS // 16)
         if self.forward_extra:
@@ -198,10 +242,33 @@ class Hungry(L.LightningModule):
                 held = big.repeat(1, self.forward_extra)
             del held
         act = (big * big).mean(1, keepdim=True)
-        out = self.head(h) + act + self.shift
+        return self.head(h) + act + self.shift
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.sizes_seen.append(len(x))
+        out = self.predictions(x)
         loss = masked_mean((out - y) ** 2, x) if self.masked else F.mse_loss(out, y)
         self.log("train_loss", loss)
         return loss
+
+    def _evaluate(self, batch: Any, stage: str) -> None:
+        x, y = batch
+        self.eval_sizes_seen.append(len(x))
+        out = self.predictions(x)
+        self.log(f"{stage}_loss", F.mse_loss(out, y), sync_dist=True, on_step=True, on_epoch=True)
+        self.mse(out, y)
+        self.log(f"{stage}_mse", self.mse)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.eval_sizes_seen.append(len(batch[0]))
+        return self.predictions(batch[0])
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
@@ -231,9 +298,7 @@ class HungryBlocks(Hungry):
         torch.manual_seed(1)
         self.blocks = nn.ModuleList([HungryBlock(), HungryBlock()])
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        self.sizes_seen.append(len(x))
+    def predictions(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.lin(x))
         if self.forward_extra:
             with torch.no_grad():
@@ -241,7 +306,7 @@ class HungryBlocks(Hungry):
             del held
         for block in self.blocks:
             h = block(h)
-        return F.mse_loss(self.head(h), y)
+        return self.head(h)
 
 
 def assert_both_ranks_stopped(result: Any) -> None:

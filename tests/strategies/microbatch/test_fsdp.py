@@ -3,7 +3,8 @@
 One launch runs every fit: ``global_mean`` losses, whole and in fixed micro-batches, against one device,
 a real out-of-memory on rank 1 only in forward, in backward (inside a sharded block, where the
 other rank would otherwise wait in the next gather for good) and in backward while recomputing an
-activation-checkpointed block, and last a batch that
+activation-checkpointed block, a validation batch that runs out of memory inside a block on rank 1
+(its logs equal the unsplit validation's), and last a batch that
 does not fit even in micro-batches of one row on rank 1, which must end both ranks.
 """
 
@@ -78,6 +79,16 @@ for phase, budget, recompute in [("forward", 24, False), ("backward", 32, False)
     sizes[phase] = {"final": strategy.micro_batches.size, "seen": model.sizes_seen}
 with open(f"sizes_rank{trainer.global_rank}.json", "w") as f:
     json.dump(sizes, f)
+# validation: rank 1 fits 4 rows, not 8 (forward only: 2 row-sizes per row), and fails inside a block
+validated = {}
+for micro, limit in ((None, None), ("auto", 1)):
+    model = HungryBlocks(limit_rank=limit, budget=12, limit_in="eval")
+    strategy = MGPUFSDPStrategy(micro_batch_size=micro)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, **QUIET)
+    metrics = trainer.validate(model, loader(regression_data(), 8), verbose=False)[0]
+    validated[str(micro)] = {"metrics": metrics, "seen": model.eval_sizes_seen}
+with open(f"validated_rank{trainer.global_rank}.json", "w") as f:
+    json.dump(validated, f)
 if trainer.is_global_zero:
     torch.save(results, "fsdp.pt")
 
@@ -135,5 +146,18 @@ def test_fsdp_micro_batches_and_out_of_memory_between_gathers(tmp_path: Path) ->
     assert rows == {"cpu:rank0": "4 rows", "cpu:rank1": "4 rows"}, "\n".join(table[:8])
     memory = json.loads((tmp_path / "memory_summary.json").read_text())["devices"]
     assert [(d["device"], d["micro_batch_size"]) for d in memory] == [("cpu:rank0", 4), ("cpu:rank1", 4)]
+
+    # a validation batch that ran out of memory on rank 1: every rank runs it again in halves (FSDP
+    # gathers), and the logged loss and metric are those of the unsplit validation
+    for rank in (0, 1):
+        validated = json.loads((tmp_path / f"validated_rank{rank}.json").read_text())
+        assert validated["None"]["seen"] == [8, 8]
+        assert validated["auto"]["seen"] == [8, 4, 4, 4, 4]
+        assert validated["auto"]["metrics"].keys() == {"val_loss_epoch", "val_mse"}
+        assert validated["auto"]["metrics"] == pytest.approx(validated["None"]["metrics"], abs=ATOL)
+    assert (
+        "[rank 1] out of memory in forward at validation batch 0 with micro-batches of 8 rows"
+        in result.output
+    )
 
     assert_both_ranks_stopped(result)

@@ -1,9 +1,10 @@
 """Micro-batching in one process (``mgpu_dp`` on one device and on two CPU replicas).
 
 The weights after each step equal the unsplit step; logs and metrics combine as over the
-whole batch; under ``"auto"`` a real allocation failure (an address-space limit) in forward or
-backward reruns the batch in halves, growth comes back after clean batches, and a batch that
-never fits stops the run with every attempt named.
+whole batch, in validation, test and predict too; under ``"auto"`` a real allocation failure (an
+address-space limit) in forward or backward, or in a validation forward, reruns the batch in halves,
+growth comes back after clean batches, and a batch that never fits stops the run with every attempt
+named.
 """
 
 from __future__ import annotations
@@ -138,6 +139,58 @@ def test_a_global_mean_loss_is_logged_and_returned_as_over_the_whole_batch(devic
     assert seen[3].returned == pytest.approx(seen[None].returned, abs=ATOL)
 
 
+class Evaluated(Logged):
+    """``Logged`` with validation, test and predict steps: a loss on step and epoch, a metric, summed rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.eval_mse = MeanSquaredError()
+
+    def _evaluate(self, batch: Any, stage: str) -> None:
+        x, y = batch
+        out = self.net(x)
+        self.eval_mse(out, y)
+        self.log(f"{stage}_mse", self.eval_mse)
+        self.log(f"{stage}_loss", F.mse_loss(out, y), on_step=True, on_epoch=True)
+        self.log(f"{stage}_rows", float(len(x)), reduce_fx="sum")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0])
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_evaluation_batches_run_in_micro_batches_over_the_replicas(devices: int) -> None:
+    data, seen = regression_data(20), {}
+    for micro in (None, 3):
+        strategy = MGPUDataParallelStrategy(micro_batch_size=micro)
+        trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, **QUIET)
+        model = Evaluated()
+        trainer.fit(model, loader(data, 8), loader(data, 8))
+        validated = dict(trainer.callback_metrics)
+        tested = trainer.test(model, loader(data, 8), verbose=False)[0]
+        predicted = trainer.predict(model, loader(data, 8))
+        seen[micro] = (validated, tested, predicted, strategy)
+    (validated, tested, predicted, strategy), whole = seen[3], seen[None]
+    assert validated.keys() == whole[0].keys()
+    for name, value in whole[0].items():
+        torch.testing.assert_close(validated[name], value, atol=ATOL, rtol=0, msg=name)
+    assert validated["val_rows"].item() == 20.0  # each batch's rows logged once, as the sum of its parts
+    assert tested == pytest.approx(whole[1], abs=ATOL)
+    assert [len(p) for p in predicted] == [8, 8, 4]  # whole and in order
+    torch.testing.assert_close(torch.cat(predicted), torch.cat(whole[2]), atol=ATOL, rtol=0)
+    # the last predict batch of 4 rows ran as micro-batches of 2, each spread over the replicas
+    assert strategy.last_chunk_sizes == ([2] if devices == 1 else [1, 1])
+    assert {stage: s.last_rows for stage, s in strategy.micro_batches_eval.items()} == dict.fromkeys(
+        ("validation_step", "test_step", "predict_step"), 3
+    )
+
+
 class Manual(TokenModel):
     def __init__(self) -> None:
         super().__init__("mean")
@@ -189,6 +242,12 @@ seen["masked_losses"] = recorder.losses()
 # 16 and 8 rows fail, 4 fit; the limit is lifted at step 1 and after 2 clean batches it grows to 6
 model = fit(Hungry(limit_rank=0, budget=24, lift_at=1), 16, 4, grow_after=2)
 seen["grow"] = model.sizes_seen
+# validation, forward only (2 row-sizes per row), fits 4 rows, not 8
+model = Hungry(limit_rank=0, budget=12, limit_in="eval")
+strategy = MGPUDataParallelStrategy(micro_batch_size="auto")
+trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, **QUIET)
+trainer.validate(model, loader(regression_data(), 8))
+seen["validate"] = model.eval_sizes_seen
 json.dump(seen, open("seen.json", "w"))
 fit(Hungry(limit_rank=0, budget=32, forward_extra=40), 8, 2)  # never fits: the run ends
 """
@@ -218,6 +277,8 @@ def test_auto_recovers_from_real_out_of_memory(tmp_path: Path) -> None:
     assert "grow to 7" not in out
     assert "micro-batches of 16 rows: running the batch again in micro-batches of 8 rows" in out
     assert "micro-batches of 8 rows: running the batch again in micro-batches of 4 rows" in out
+    assert seen["validate"] == [8] + [4] * 8  # the first batch again in halves, the others at 4 rows
+    assert "[rank 0] out of memory in forward at validation batch 0 with micro-batches of 8 rows" in out
     assert result.returncode != 0
     assert (
         "MicroBatchOutOfMemoryError: [rank 0] out of memory at batch 0 of epoch 0 even with micro-batches"
