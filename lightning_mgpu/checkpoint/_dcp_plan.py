@@ -57,6 +57,7 @@ class Record:
     transforms: tuple[str, ...] = ()  # storage extensions (compression), which this reader does not undo
 
 
+_SEQUENCES = (tuple, list, torch.Size)  # what torch writes shapes and offsets as
 # (entry, chunk offsets or None for a saved object) -> its record
 _Records = dict[tuple[str, "tuple[int, ...] | None"], Record]
 
@@ -133,6 +134,7 @@ class _Checker:
 
         self.folder, self.index_path, self.loaded = folder, folder / METADATA, loaded
         self.md, self.storage_info = metadata, filesystem._StorageInfo
+        self._names: set[str] = set()  # file names found plain
 
     def fail(self, key: Any, problem: str) -> ValueError:
         return ValueError(f"{self.index_path} is corrupt: entry {key!r} {problem}; {AGAIN}")
@@ -196,6 +198,8 @@ class _Checker:
         return records
 
     def _file_name(self, key: str, name: Any) -> str:
+        if type(name) is str and name in self._names:  # a few files hold every record
+            return name
         plain = (
             isinstance(name, str)
             and name not in ("", ".", "..")
@@ -208,17 +212,16 @@ class _Checker:
                 f"is not a file of {self.folder} (an index names the folder's own shard files, such as "
                 f"__0_0.distcp), so nothing was read from it; {AGAIN}"
             )
+        self._names.add(str(name))
         return str(name)
 
     def _count(self, key: str, value: Any, what: str) -> int:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        if type(value) is not int or value < 0:  # not a bool either
             raise self.fail(key, f"has a {what} of {value!r}, not a count of bytes")
         return value
 
     def _counts(self, key: str, values: Any, what: str) -> tuple[int, ...]:
-        if not isinstance(values, (tuple, list)) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values
-        ):
+        if type(values) not in _SEQUENCES or [v for v in values if type(v) is not int or v < 0]:
             raise self.fail(key, f"has a {what} of {values!r}, not a list of non-negative whole numbers")
         return tuple(values)
 
