@@ -1,8 +1,8 @@
-"""A resumable checkpoint every N minutes or steps, so that a restart loses little: ``ResumeCheckpoint``.
+"""``checkpoint_every``: a resumable checkpoint every N minutes or steps, so that a restart loses little.
 
 A restart resumes from the newest complete checkpoint, and a run whose only checkpoints come at the
-end of long epochs loses up to an epoch. ``checkpoint_every`` adds Lightning's ``ModelCheckpoint``
-with ``train_time_interval`` (or ``every_n_train_steps``), keeping only its newest checkpoint:
+end of long epochs loses up to an epoch. ``checkpoint_every`` adds a :class:`ResumeCheckpoint`
+(``checkpoint.py``), which keeps only its newest checkpoint:
 
 - ``"auto"`` (the default): every :data:`DEFAULT_PERIOD`, where the run can be restarted (torchrun
   with ``--max-restarts`` above 0, a SLURM job that may be requeued), unless the Trainer has
@@ -10,9 +10,8 @@ with ``train_time_interval`` (or ``every_n_train_steps``), keeping only its newe
 - a ``timedelta``: that often; an ``int``: every that many optimizer steps; ``None``: never.
 
 Its folder is ``<default_root_dir>/resume``; the old checkpoint is removed only once the new one is
-complete, so a kill while saving leaves the previous one to resume from. Lightning decides the time
-on rank 0 and broadcasts it at every training batch (one small collective a step), and each save
-costs what any checkpoint of the run costs; ``benchmarks/resume.py`` measures both.
+complete, so a kill while saving leaves the previous one to resume from. Each save costs what any
+checkpoint of the run costs; ``benchmarks/resume.py`` measures it and the time checks.
 """
 
 from __future__ import annotations
@@ -26,28 +25,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_mgpu.strategies.resume.checkpoint import ResumeCheckpoint
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = [
-    "DEFAULT_PERIOD",
-    "ResumeCheckpoint",
-    "check_checkpoint_every",
-    "install_safety_net",
-    "restartable",
-]
+__all__ = ["DEFAULT_PERIOD", "check_checkpoint_every", "install_safety_net", "restartable"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PERIOD = timedelta(minutes=30)
 """How often ``checkpoint_every="auto"`` saves where the run can be restarted."""
-
-
-class ResumeCheckpoint(ModelCheckpoint):
-    """The safety net's ``ModelCheckpoint``: its newest checkpoint only, in ``<default_root_dir>/resume``."""
 
 
 def check_checkpoint_every(every: object) -> int | timedelta | str | None:
@@ -104,13 +95,7 @@ def install_safety_net(
             return None
         every, why = DEFAULT_PERIOD, f"the run can be restarted ({restarter})"
     folder = Path(trainer.default_root_dir) / "resume"
-    callback = ResumeCheckpoint(
-        dirpath=folder,
-        filename="resume-{epoch}-{step}",
-        save_top_k=1,
-        every_n_train_steps=every if isinstance(every, int) else None,
-        train_time_interval=every if isinstance(every, timedelta) else None,
-    )
+    callback = ResumeCheckpoint(folder, every)  # type: ignore[arg-type]  # "auto" and None are gone
     callbacks.append(callback)
     period = f"{every} steps" if isinstance(every, int) else f"{every.total_seconds() / 60:g} minutes"  # type: ignore[union-attr]
     rank_zero_info(f"{name}: {why}: a resumable checkpoint every {period} in {folder}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MGPUDDPStrategy
-from lightning_mgpu.strategies.resume.safety_net import ResumeCheckpoint, restartable
+from lightning_mgpu.strategies.resume.checkpoint import ResumeCheckpoint, plan_check
+from lightning_mgpu.strategies.resume.safety_net import restartable
 
 
 class _Regression(L.LightningModule):
@@ -78,7 +80,7 @@ def test_auto_is_on_only_where_the_run_can_restart_and_checkpoints(
         for cb in _fit(tmp_path / "restartable").callbacks  # type: ignore[attr-defined]
         if isinstance(cb, ResumeCheckpoint)
     ]
-    assert net._train_time_interval == timedelta(minutes=30)
+    assert net.period == 30 * 60
     assert (
         "mgpu_ddp: the run can be restarted (torchrun --max-restarts=2): a resumable checkpoint every 30"
         f" minutes in {tmp_path}/restartable/resume" in caplog.text
@@ -94,3 +96,42 @@ def test_what_can_restart_a_run() -> None:
 def test_checkpoint_every_says_what_it_accepts(every: object) -> None:
     with pytest.raises(ValueError, match=r"checkpoint_every must be 'auto' .* got "):
         MGPUDDPStrategy(checkpoint_every=every)  # type: ignore[arg-type]
+
+
+def test_rank_0_plans_the_next_check_halfway_to_the_deadline() -> None:
+    assert plan_check(10, now=100.0, last_save=99.0, last_check=None, period=10.0) == (False, 11)
+    # 0.1 s a step, 8 s left: check again after 40 steps
+    assert plan_check(11, now=102.0, last_save=100.0, last_check=(10, 101.9), period=10.0) == (False, 51)
+    # a second left: 5 steps; past the deadline: save, and the next period's first check after 50 steps
+    assert plan_check(51, now=109.0, last_save=100.0, last_check=(50, 108.9), period=10.0) == (False, 56)
+    assert plan_check(56, now=110.1, last_save=100.0, last_check=(51, 109.6), period=10.0) == (True, 106)
+
+
+class _Slow(_Regression):
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        time.sleep(0.01)
+        return super().training_step(batch, batch_idx)
+
+
+def test_by_time_it_checks_far_fewer_times_than_it_steps(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="lightning_mgpu.strategies.resume.checkpoint")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=MGPUDDPStrategy(checkpoint_every=timedelta(seconds=0.5)),
+        max_steps=160,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = TensorDataset(torch.randn(640, 4), torch.randn(640, 1))
+    trainer.fit(_Slow(), DataLoader(data, batch_size=4))
+    checks = [r.getMessage() for r in caplog.records if "next check at step" in r.getMessage()]
+    saves = [line for line in checks if "save True" in line]
+    assert len(saves) >= 2  # 160 steps of at least 10 ms, a save every 0.5 s
+    assert len(checks) < 160 / 4
+    assert len(list((tmp_path / "resume").iterdir())) == 1
