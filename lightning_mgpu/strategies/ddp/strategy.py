@@ -73,6 +73,9 @@ class MGPUDDPStrategy(MicroBatching, ProcessGroupServices, DDPStrategy):
         checkpoint_every: A resumable checkpoint every that many steps (``int``) or that often
             (``timedelta``) in ``<default_root_dir>/resume``; ``"auto"``: every 30 minutes where
             the run can be restarted; ``None``: never.
+        requeue_on_failure: Under SLURM, requeue the job after a failed task (a rank killed, an
+            error), at most this many times in the job's life, and only after an attempt that
+            trained (0: never).
         micro_batch_size: ``None`` (off), a number of rows, or ``"auto"``: each training batch
             runs as micro-batches with one optimizer step (validation, test and predict batches
             too, forward only); under ``"auto"`` an out-of-memory on any rank reruns the batch in
@@ -133,6 +136,7 @@ class MGPUDDPStrategy(MicroBatching, ProcessGroupServices, DDPStrategy):
         micro_batch_size: int | str | None = None,
         resume: bool | None = None,
         checkpoint_every: int | timedelta | str | None = "auto",
+        requeue_on_failure: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -152,6 +156,7 @@ class MGPUDDPStrategy(MicroBatching, ProcessGroupServices, DDPStrategy):
             micro_batch_size=micro_batch_size,
             resume=resume,
             checkpoint_every=checkpoint_every,
+            requeue_on_failure=requeue_on_failure,
             **kwargs,
         )
 

@@ -128,6 +128,7 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
             (see ``MGPUDDPStrategy``); ``None`` turns stall detection off.
         resume: As for ``MGPUDDPStrategy``: a restarted ``fit`` resumes by itself.
         checkpoint_every: As for ``MGPUDDPStrategy``: a resumable checkpoint every N steps or minutes.
+        requeue_on_failure: As for ``MGPUDDPStrategy``: requeue a SLURM job after a failed task.
         micro_batch_size: ``None`` (off), a number of rows, or ``"auto"``: each training batch
             runs as micro-batches with one optimizer step (validation, test and predict batches
             too, forward only), ``"auto"`` running the batch again in
@@ -193,6 +194,7 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
         micro_batch_size: int | str | None = None,
         resume: bool | None = None,
         checkpoint_every: int | timedelta | str | None = "auto",
+        requeue_on_failure: int = 0,
     ) -> None:
         self.block_classes = validate_block_classes(block_classes)
         self.options = ShardingOptions(reshard_after_forward, cpu_offload, activation_checkpointing)
@@ -214,6 +216,7 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
             micro_batch_size=micro_batch_size,
             resume=resume,
             checkpoint_every=checkpoint_every,
+            requeue_on_failure=requeue_on_failure,
         )
         self._sync_points: SyncPoints | None = None
         self.plan: ShardingPlan | None = None

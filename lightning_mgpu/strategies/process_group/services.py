@@ -8,8 +8,7 @@ device and creates a process group::
 
 It overrides these hooks and calls the host's own through ``super()`` in each:
 
-- ``__init__``: takes ``stall_timeout``, ``resume`` and ``checkpoint_every`` (keyword only) and
-  passes everything else on;
+- ``__init__``: takes ``stall_timeout`` and ``resume/``'s options (keyword only), passes the rest on;
 - ``_configure_launcher``: ``checks.check_devices`` before any process starts, then the
   watched subprocess launcher for ``start_method="popen"`` (a host without
   ``_start_method`` counts as popen), the host's own launcher otherwise;
@@ -68,9 +67,7 @@ from lightning_mgpu.strategies.process_group.step_memory import ExplainedStepMem
 from lightning_mgpu.strategies.process_group.summary import format_summary, launcher_name, rank_info
 from lightning_mgpu.strategies.process_group.watchdog.verdicts import RankInfo
 from lightning_mgpu.strategies.process_group.watchdog.watchdog import DEAD_AFTER, INTERVAL, watchdog
-from lightning_mgpu.strategies.resume.auto import AutoResume
-from lightning_mgpu.strategies.resume.position import resumable
-from lightning_mgpu.strategies.resume.safety_net import check_checkpoint_every, install_safety_net
+from lightning_mgpu.strategies.resume.resumption import Resumption
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -109,11 +106,11 @@ class ProcessGroupServices(ExplainedStepMemory):
             checkpoint: ``None`` on a restart only, ``True`` always, ``False`` never.
         checkpoint_every: A resumable checkpoint every that many steps (``int``) or that often
             (``timedelta``); ``"auto"``: 30 minutes where the run can be restarted; ``None``: never.
+        requeue_on_failure: Under SLURM, requeue the job after a failed task, at most this often.
         **kwargs: Keyword arguments of the host strategy.
 
     Raises:
-        ValueError: If ``stall_timeout`` is not a positive number or ``None``, ``resume`` is
-            not a bool or ``None``, or ``checkpoint_every`` is none of those it accepts.
+        ValueError: If ``stall_timeout`` or an option of ``resume/`` is none of those it accepts.
     """
 
     if TYPE_CHECKING:  # what the host (DDPStrategy, ModelParallelStrategy) has beyond ParallelStrategy
@@ -132,6 +129,7 @@ class ProcessGroupServices(ExplainedStepMemory):
         stall_timeout: float | None = 300.0,
         resume: bool | None = None,
         checkpoint_every: int | timedelta | str | None = "auto",
+        requeue_on_failure: int = 0,
         **kwargs: Any,
     ) -> None:
         number = isinstance(stall_timeout, (int, float)) and not isinstance(stall_timeout, bool)
@@ -147,8 +145,7 @@ class ProcessGroupServices(ExplainedStepMemory):
         self._summary_printed = False
         self._batch_size: int | None = None
         self._requeue = DeferredRequeue()
-        self._auto_resume = AutoResume(self, resume)
-        self.checkpoint_every = check_checkpoint_every(checkpoint_every)
+        self._resumption = Resumption(self, resume, checkpoint_every, requeue_on_failure)
 
     # ------------------------------------------------------------ set-up
     @override
@@ -192,8 +189,7 @@ class ProcessGroupServices(ExplainedStepMemory):
             self._attach_watchdog()
         trainer = self._trainer()
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            install_safety_net(trainer, self.checkpoint_every, self.strategy_name, self.cluster_environment)
-            self._auto_resume.install(trainer)
+            self._resumption.setup_fit(trainer, self.cluster_environment)
 
     def _attach_watchdog(self) -> None:
         restart = attempt.current_token() or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -249,7 +245,7 @@ class ProcessGroupServices(ExplainedStepMemory):
                 shuffle = _is_dataloader_shuffled(dataloader)
             prepared = original(connector, dataloader, shuffle=shuffle, mode=mode)
             if mode == RunningStage.TRAINING:  # its place in the epoch goes into every checkpoint
-                prepared = resumable(prepared, trainer, self.strategy_name)
+                prepared = self._resumption.training_loader(prepared, trainer)
             return prepared
 
         connector._prepare_dataloader = prepare  # type: ignore[method-assign]
@@ -292,6 +288,7 @@ class ProcessGroupServices(ExplainedStepMemory):
         trainer = self._trainer()
         if trainer is not None:  # Lightning has set its signal handlers by now
             self._requeue.install(trainer)
+            self._resumption.on_train_start(trainer)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -357,8 +354,14 @@ class ProcessGroupServices(ExplainedStepMemory):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        if not self._watching:
-            return
+        if self._watching:
+            self._explain_failure(exception)
+        verdict = watchdog().verdict if self._watching else None
+        # a rank gone, stuck or failed by itself; not a signal (a cancel, Ctrl-C, the end of a time limit)
+        if verdict is not None and (verdict.dead or verdict.stuck or verdict.origin >= 0):
+            self._resumption.after_failure(self.world_size, verdict.dead)
+
+    def _explain_failure(self, exception: BaseException) -> None:
         dog = watchdog()
         dog.quiet_sigterm()
         rank = self.global_rank

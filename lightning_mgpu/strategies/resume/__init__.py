@@ -6,12 +6,16 @@
 - ``position.py``: the training loader's place in its epoch, in every checkpoint, so that a run
   resumed mid-epoch sees every sample once, in the uncut order;
 - ``safety_net.py``: ``checkpoint_every``, a resumable checkpoint every N steps or minutes, on by
-  itself where the run can be restarted.
+  itself where the run can be restarted; ``checkpoint.py``: ``ResumeCheckpoint``, which saves them;
+- ``requeue_failed.py``: ``requeue_on_failure``, a SLURM job whose task failed requeued, bounded;
+- ``resumption.py``: ``Resumption``, the three options and the strategy hooks that call them.
 
 The strategies use it through ``process_group/services.py``; nothing here imports another room.
 """
 
 from lightning_mgpu.strategies.resume.auto import AutoResume
+from lightning_mgpu.strategies.resume.checkpoint import ResumeCheckpoint
 from lightning_mgpu.strategies.resume.restart import Restart, restart_of
+from lightning_mgpu.strategies.resume.resumption import Resumption
 
-__all__ = ["AutoResume", "Restart", "restart_of"]
+__all__ = ["AutoResume", "Restart", "ResumeCheckpoint", "Resumption", "restart_of"]

@@ -1,16 +1,18 @@
-"""The training script the resume tests run under torchrun, cut and uncut.
+"""The training script the resume tests run under torchrun and SLURM, cut and uncut.
 
-``python fit.py STRATEGY FAULT OUT``: 16 samples of 4 features, batches of 2 per rank on 2 ranks
-(4 steps an epoch), 3 epochs, shuffled; a ``ModelCheckpoint`` every 3 steps, as a user writes it.
-``FAULT`` is what the first attempt (``TORCHELASTIC_RESTART_COUNT=0``) suffers, rank 1 or the
-saving rank SIGKILLed:
+``python fit.py STRATEGY FAULT OUT [REQUEUE_ON_FAILURE]``: 16 samples of 4 features, batches of 2
+per rank on 2 ranks (4 steps an epoch), 3 epochs, shuffled; a ``ModelCheckpoint`` every 3 steps, as
+a user writes it.
+``FAULT`` is what the first attempt (torchrun's and SLURM's restart counts 0) suffers, rank 1 or
+the saving rank SIGKILLed:
 
 - ``none``: nothing, the uncut reference;
 - ``step``: rank 1 at global step 5, in the middle of the second epoch (the step-3 checkpoint is
   the newest, from the middle of the first);
 - ``save``: rank 0 in the middle of writing the step-6 checkpoint (half its bytes written in place,
   as on a file system without atomic rename) under ``mgpu_ddp``; rank 1 before writing its shard
-  of the step-6 checkpoint under ``mgpu_fsdp`` (rank 0's shard written, no index).
+  of the step-6 checkpoint under ``mgpu_fsdp`` (rank 0's shard written, no index);
+- ``always``: rank 1 at global step 5 in every attempt.
 
 Rank 0 writes ``OUT``: the final weights and, from a callback whose state is saved in every
 checkpoint, how many times each sample went through a training step that the final weights
@@ -28,7 +30,12 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 strategy_name, fault, out = sys.argv[1], sys.argv[2], sys.argv[3]
-first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+restarts = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+first_attempt = all(os.environ.get(name, "0") == "0" for name in restarts)
+strategy = strategy_name
+if len(sys.argv) > 4:
+    classes = {"mgpu_ddp": lightning_mgpu.MGPUDDPStrategy, "mgpu_fsdp": lightning_mgpu.MGPUFSDPStrategy}
+    strategy = classes[strategy_name](requeue_on_failure=int(sys.argv[4]))
 
 
 def die():
@@ -54,7 +61,8 @@ class Regression(L.LightningModule):
         self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
 
     def training_step(self, batch, batch_idx):
-        if fault == "step" and first_attempt and self.global_step == 5 and self.global_rank == 1:
+        killed = fault == "always" or (fault == "step" and first_attempt)
+        if killed and self.global_step == 5 and self.global_rank == 1:
             die()
         _, x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
@@ -112,7 +120,7 @@ if fault == "save" and strategy_name == "mgpu_fsdp" and first_attempt:
 plugins = [HalfWrite()] if fault == "save" and strategy_name == "mgpu_ddp" else []
 visits = Visits()
 trainer = L.Trainer(
-    accelerator="cpu", devices=2, strategy=strategy_name, max_epochs=3, logger=False, plugins=plugins,
+    accelerator="cpu", devices=2, strategy=strategy, max_epochs=3, logger=False, plugins=plugins,
     callbacks=[visits, ModelCheckpoint(dirpath="ckpts", every_n_train_steps=3)],
     enable_progress_bar=False, enable_model_summary=False,
 )

@@ -1,0 +1,96 @@
+"""``Resumption``: what a process-group strategy does so that a run cut anywhere goes on, in one object.
+
+It holds the three options and is called from the strategy's hooks (``process_group/services.py``):
+
+- ``resume`` (``auto.py``) and ``checkpoint_every`` (``safety_net.py``): when a ``fit`` sets up;
+- the training loader's place in its epoch (``position.py``): when Lightning prepares the loader;
+- ``requeue_on_failure`` (``requeue_failed.py``): when the run fails, on the one rank that asks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from lightning_mgpu.strategies.resume.auto import AutoResume, ResumeHost
+from lightning_mgpu.strategies.resume.position import resumable
+from lightning_mgpu.strategies.resume.requeue_failed import (
+    check_requeue_on_failure,
+    requeue_decision,
+    requeue_job,
+)
+from lightning_mgpu.strategies.resume.safety_net import check_checkpoint_every, install_safety_net
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["Resumption"]
+
+log = logging.getLogger(__name__)
+
+
+class Resumption:
+    """A strategy's ``resume``, ``checkpoint_every`` and ``requeue_on_failure``, and what they do.
+
+    Args:
+        host: The strategy.
+        resume: See ``AutoResume``.
+        checkpoint_every: See ``safety_net.install_safety_net``.
+        requeue_on_failure: How many times a SLURM job may be requeued after a failed task.
+
+    Raises:
+        ValueError: An option that is none of those it accepts; the message names it.
+    """
+
+    def __init__(
+        self,
+        host: ResumeHost,
+        resume: bool | None,
+        checkpoint_every: int | timedelta | str | None,
+        requeue_on_failure: int,
+    ) -> None:
+        self.host = host
+        self.auto = AutoResume(host, resume)
+        self.checkpoint_every = check_checkpoint_every(checkpoint_every)
+        self.requeue_on_failure = check_requeue_on_failure(requeue_on_failure)
+        self._first_step: int | None = None
+        self._trainer: pl.Trainer | None = None
+
+    def setup_fit(self, trainer: pl.Trainer, cluster_environment: Any) -> None:
+        """Before a ``fit`` loads its checkpoint: the safety net, and the choice of the checkpoint."""
+        install_safety_net(trainer, self.checkpoint_every, self.host.strategy_name, cluster_environment)
+        self.auto.install(trainer)
+        self._trainer, self._first_step = trainer, None
+
+    def training_loader(self, loader: object, trainer: pl.Trainer) -> object:
+        """The training loader, with its place in the epoch saved in every checkpoint."""
+        return resumable(loader, trainer, self.host.strategy_name)
+
+    def on_train_start(self, trainer: pl.Trainer) -> None:
+        self._first_step = trainer.global_step
+
+    def after_failure(self, world_size: int, dead: Iterable[int]) -> None:
+        """The run failed: the lowest rank not known dead asks SLURM for a requeue, where allowed."""
+        if self.requeue_on_failure <= 0:
+            return
+        alive = sorted(set(range(world_size)) - set(dead))
+        if not alive or alive[0] != self.host.global_rank:
+            return
+        trainer = self._trainer
+        steps = trainer.global_step - self._first_step if trainer and self._first_step is not None else 0
+        requeue, reason = requeue_decision(self.requeue_on_failure, os.environ, steps)
+        job = os.environ.get("SLURM_JOB_ID", "")
+        name, rank = self.host.strategy_name, self.host.global_rank
+        if requeue:
+            problem = requeue_job(job)
+            reason = f"requeued ({reason})" if problem is None else f"scontrol requeue failed: {problem}"
+        # one rank, maybe not rank 0, and at the end of a failed run: straight to stderr
+        print(
+            f"[rank {rank}] {name}: SLURM job {job} after the failed task: {reason}",
+            file=sys.stderr,
+            flush=True,
+        )

@@ -1,0 +1,68 @@
+"""A SLURM job whose task is SIGKILLed is requeued (``requeue_on_failure``) and resumes exactly, once only.
+
+The job runs ``tests/strategies/resume/scripts.SCRIPT`` under ``srun`` on two tasks with
+``MGPUDDPStrategy(requeue_on_failure=1)``. Rank 1 is SIGKILLed at step 5, after the step-3
+checkpoint; rank 0 asks SLURM to requeue the job, and the requeued attempt
+(``SLURM_RESTART_COUNT=1``) resumes from that checkpoint by itself.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import run_command, script_env
+from tests.slurm.cluster import SlurmCluster
+from tests.strategies.resume.scripts import SCRIPT
+
+pytestmark = pytest.mark.slurm
+
+
+def _submit(slurm: SlurmCluster, folder: Path, fault: str) -> tuple[str, str, str]:
+    """Run the job to its end: (its id, its final state, its output)."""
+    (folder / "fit.py").write_text(SCRIPT)
+    lines = ["#!/bin/bash", "#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=2", "#SBATCH --output=job.out"]
+    lines += ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
+    lines.append(f"srun {sys.executable} fit.py mgpu_ddp {fault} out.pt 1")
+    script = folder / "job.sbatch"
+    script.write_text("\n".join(lines) + "\n")
+    job = slurm.sbatch(script, f"--job-name={fault}")
+    state = slurm.wait_job(job, timeout=300)
+    return job, state, (folder / "job.out").read_text()
+
+
+def test_a_killed_task_requeues_the_job_which_finishes_as_if_uncut(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """About 90 s: the uncut run outside SLURM, then the job's two attempts."""
+    (tmp_path / "uncut").mkdir()
+    (tmp_path / "uncut" / "fit.py").write_text(SCRIPT)
+    uncut = run_command(
+        [sys.executable, "fit.py", "mgpu_ddp", "none", "out.pt"], cwd=tmp_path / "uncut", env=script_env()
+    )
+    assert uncut.returncode == 0, uncut.output[-3000:]
+    job, state, output = _submit(slurm, tmp_path, "step")
+    assert state == "COMPLETED", output
+    assert slurm.job(job)["Restarts"] == "1", output
+    assert f"mgpu_ddp: SLURM job {job} after the failed task: requeued (requeue 1 of at most 1)" in output
+    assert (
+        "mgpu_ddp: attempt 2 of this job (restarted by SLURM): resuming from"
+        f" {tmp_path}/ckpts/epoch=0-step=3.ckpt, saved at global step 3 (epoch 0)" in output
+    )
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    reference = torch.load(tmp_path / "uncut" / "out.pt", weights_only=True)
+    assert out["visits"] == {epoch: [1] * 16 for epoch in range(3)}
+    for name, tensor in reference["weights"].items():
+        torch.testing.assert_close(out["weights"][name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_job_that_fails_again_is_requeued_once_only(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """About 60 s: rank 1 is killed at step 5 in every attempt."""
+    job, state, output = _submit(slurm, tmp_path, "always")
+    assert state == "FAILED", output
+    assert slurm.job(job)["Restarts"] == "1", output
+    assert "requeued (requeue 1 of at most 1)" in output
+    assert "not requeued: requeued 1 time(s) already, requeue_on_failure=1" in output
