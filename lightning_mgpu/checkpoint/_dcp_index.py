@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import io
+import pathlib
 import pickle
 from pathlib import Path
 from typing import Any
@@ -32,9 +33,16 @@ class _MetadataUnpickler(pickle.Unpickler):
     """
 
     def find_class(self, module: str, name: str) -> Any:
+        # Python 3.13 pickles the path classes as pathlib._local's; the same classes are in pathlib anywhere
+        if module in ("pathlib", "pathlib._local") and name in _PATHS:
+            return getattr(pathlib, name)
         if (module, name) in _allowed_globals():
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a torch.distributed.checkpoint index")
+
+
+# the paths StorageMeta records
+_PATHS = frozenset({"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"})
 
 
 @functools.cache
@@ -43,14 +51,10 @@ def _allowed_globals() -> frozenset[tuple[str, str]]:
 
     records = [(metadata.__name__, name) for name in (*metadata.__all__, "_MEM_FORMAT_ENCODING")]
     dtypes = [("torch", name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)]
-    paths = [
-        ("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
-    ]
     return frozenset(
         {
             *records,
             *dtypes,
-            *paths,
             ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
             ("torch", "Size"),
             ("torch.serialization", "_get_layout"),

@@ -181,6 +181,22 @@ def test_metadata_is_never_unpickled_unrestricted(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+def test_an_index_pickled_by_python_3_13_is_read(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    dcp.save({"w": torch.arange(4.0)}, checkpoint_id=folder)
+    index = folder / ".metadata"
+    # Python 3.13 pickles the paths the index records as pathlib._local's classes
+    metadata = pickle.loads(index.read_bytes())  # the test's own file
+    as_313 = pickle.dumps(metadata, protocol=2).replace(
+        b"cpathlib\nPosixPath\n", b"cpathlib._local\nPosixPath\n"
+    )
+    assert b"cpathlib._local\nPosixPath\n" in as_313
+    index.write_bytes(as_313)
+    export_state_dict(folder, tmp_path / "out.safetensors")
+    written = safetensors.torch.load_file(tmp_path / "out.safetensors")
+    torch.testing.assert_close(written, {"w": torch.arange(4.0)})
+
+
 def test_a_folder_that_is_no_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(IsADirectoryError, match="no .metadata and no .distcp shard files"):
