@@ -94,15 +94,17 @@ class AutoResume:
         weights_only: bool | None = None,
     ) -> None:
         connector = trainer._checkpoint_connector
+        # weights_only came with Lightning 2.6; older releases call and take the path alone
+        start = original if weights_only is None else functools.partial(original, weights_only=weights_only)
         # Lightning's own choice under SLURM is the newest hpc_ckpt, complete or not: ours to make
         chosen_by_lightning = checkpoint_path is not None and str(checkpoint_path) == str(
             connector._hpc_resume_path
         )
         if trainer.state.fn != TrainerFn.FITTING or (checkpoint_path is not None and not chosen_by_lightning):
-            return original(checkpoint_path, weights_only)
+            return start(checkpoint_path)
         restart = self._agreed_restart()
         if not (self.resume or restart.is_restart):
-            return original(checkpoint_path, weights_only)
+            return start(checkpoint_path)
         choice = self.host.broadcast(self._choose(trainer) if self.host.global_rank == 0 else None)
         name = self.host.strategy_name
         for skipped in choice.skipped:
@@ -113,8 +115,8 @@ class AutoResume:
             rank_zero_info(
                 f"{name}: {why}: no complete checkpoint in {folders}; training starts from scratch"
             )
-            return original(None, weights_only)
-        original(choice.path, weights_only)
+            return start(None)
+        start(choice.path)
         loaded = connector._loaded_checkpoint
         rank_zero_info(
             f"{name}: {why}: resuming from {choice.path}, saved at global step"
