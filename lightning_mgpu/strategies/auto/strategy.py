@@ -45,6 +45,16 @@ __all__ = ["MGPUAutoStrategy", "choose_strategy"]
 log = logging.getLogger(__name__)
 
 
+def _accelerator_name(accelerator_cls: type[Accelerator]) -> str:
+    """The accelerator's registered name ("cpu", "cuda", ...); ``Accelerator.name()`` is in Lightning 2.6+."""
+    if hasattr(accelerator_cls, "name"):
+        return str(accelerator_cls.name())
+    for name in AcceleratorRegistry.available_accelerators():
+        if AcceleratorRegistry[name]["accelerator"] is accelerator_cls:
+            return name
+    return accelerator_cls.__name__
+
+
 def _resolve_devices(
     devices: int | str | list[int], accelerator: str | Accelerator, facts: EnvironmentFacts
 ) -> tuple[int, str]:
@@ -65,12 +75,12 @@ def _resolve_devices(
     if devices == "auto":
         count = accelerator_cls.auto_device_count()
         # Lightning itself uses one GPU for devices="auto" in an interactive session
-        devices = 1 if facts.interactive and accelerator_cls.name() == "cuda" else count
+        devices = 1 if facts.interactive and _accelerator_name(accelerator_cls) == "cuda" else count
     try:
         parsed = accelerator_cls.parse_devices(devices)
     except (TypeError, MisconfigurationException) as err:  # Lightning's words for a value it refuses
         raise ValueError(f"devices={devices!r}: {err}") from err
-    return len(accelerator_cls.get_parallel_devices(parsed)), accelerator_cls.name()
+    return len(accelerator_cls.get_parallel_devices(parsed)), _accelerator_name(accelerator_cls)
 
 
 def choose_strategy(
