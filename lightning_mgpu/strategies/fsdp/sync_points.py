@@ -18,7 +18,8 @@ rank then resets FSDP's per-pass state (``FSDPModule.reset_iter_state``) and the
 An out-of-memory allocating FSDP's buffers is recovered so too. One inside a collective (gloo's own
 temporaries) is not: the other ranks are in it; it stops every rank within seconds, named
 (``buffers.CollectiveOutOfMemoryError``), as does one in FSDP's buffers on a torch that cannot take
-custom collectives.
+custom collectives. ``FSDPModule.reset_iter_state`` is in torch from 2.13: on an older torch
+``micro_batch_size="auto"`` under ``mgpu_fsdp`` is refused at the first step, naming the version.
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ from lightning_mgpu.strategies.microbatch.agreement import Agreement
 __all__ = ["SyncPoints"]
 
 log = logging.getLogger(__name__)
+
+# FSDPModule.reset_iter_state, which resets a pass abandoned after an out-of-memory, is in torch from 2.13
+_NO_RESET = (
+    "micro_batch_size='auto' under mgpu_fsdp needs torch>=2.13 (FSDPModule.reset_iter_state), and this is"
+    f" torch {torch.__version__}: upgrade torch, or use a fixed micro_batch_size"
+)
 
 
 def _nothing() -> None:
@@ -97,6 +104,8 @@ class SyncPoints:
                 " configure_model shards only parts of it: end configure_model with fully_shard(self), or"
                 " use a fixed micro_batch_size"
             )
+        if not hasattr(FSDPModule, "reset_iter_state"):
+            raise RuntimeError(_NO_RESET)  # refused at the first step, not after the first out-of-memory
         if self._buffers_unwatched:
             self._buffers_unwatched = False
             rank_zero_warn(
@@ -115,10 +124,7 @@ class SyncPoints:
         """FSDP's per-pass state reset after a pass was abandoned (``FSDPModule.reset_iter_state``)."""
         reset = getattr(self.root, "reset_iter_state", None) if isinstance(self.root, FSDPModule) else None
         if reset is None:
-            raise RuntimeError(
-                "micro_batch_size='auto' under mgpu_fsdp needs FSDPModule.reset_iter_state, which this"
-                f" torch ({torch.__version__}) lacks: upgrade torch, or use a fixed micro_batch_size"
-            )
+            raise RuntimeError(_NO_RESET)
         reset()
         # reset_iter_state leaves the gradients autograd already wrote to the gathered parameters:
         # they would be added to the next attempt's, so they are dropped here
