@@ -2,11 +2,14 @@
 # make test  -- build .venv with the test extras, lint, run the whole suite
 # make test-slurm -- the SLURM tests: a one-node cluster started for them (root; apt installs slurm-wlm)
 # make docs  -- install the docs extra into .venv, build the site in docs/ into site/ (mkdocs build --strict)
+# make test-compat -- a subset of the tests in fresh venvs at the declared floor (oldest Python, torch,
+#                     Lightning, ...) and at the newest releases; see tests/compat/run.sh (downloads torch's
+#                     CUDA wheels once into ~/.cache/uv: about 3 GB per torch version)
 #
 # Torch: a CPU machine gets torch $(TORCH_VERSION) (the CPU build). A machine
 # with an NVIDIA driver keeps whatever CUDA torch the venv can already import:
 #   make venv SYSTEM_SITE_PACKAGES=1   # reuse the system's CUDA torch
-#   make venv TORCH_SPEC="torch==2.5.1" TORCH_INDEX=https://download.pytorch.org/whl/cu124
+#   make venv TORCH_SPEC="torch==2.9.1" TORCH_INDEX=https://download.pytorch.org/whl/cu128
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
@@ -19,7 +22,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: venv test-venv demo test test-slurm lint format clean
+.PHONY: venv test-venv demo test test-slurm test-compat lint format clean
 
 venv: $(VENV)/.stamp-base
 
@@ -62,6 +65,11 @@ test: lint
 test-slurm: test-venv
 	$(BIN)/python -m pytest -m slurm tests/slurm $(PYTEST_ARGS)
 
+# COMPAT="floor" or "newest" runs one combination
+COMPAT ?= floor newest
+test-compat:
+	bash tests/compat/run.sh $(COMPAT)
+
 # --strict: a broken link or anchor, a page left out of the nav or an unresolved API reference fails
 .PHONY: docs
 docs: $(VENV)/.stamp-docs
@@ -72,4 +80,4 @@ $(VENV)/.stamp-docs: $(VENV)/.stamp-base
 	@touch $@
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .compat .pytest_cache .mypy_cache .ruff_cache
