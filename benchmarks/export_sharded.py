@@ -4,6 +4,7 @@ Usage::
 
     python benchmarks/export_sharded.py                 # 512 MiB of weights (+ 2x Adam state), 2 ranks
     python benchmarks/export_sharded.py --size-mib 128 --dir /scratch --repeat 3
+    git worktree add /tmp/before HEAD~1 && python benchmarks/export_sharded.py --compare-with /tmp/before
 
 The folder is what Lightning's ``ModelParallelStrategy`` saves: ``torch.distributed.checkpoint``
 written by 2 gloo processes, each tensor split in two (``Shard(0)``), the weights under
@@ -15,10 +16,16 @@ folder is 3x the weights. Each method runs in its own process:
 - ``dcp_to_torch_save``: torch's converter, which loads the whole folder into memory, optimizer
   state included, and ``torch.save``s it.
 
-Printed per method: wall time; "work" time (the call alone, without start-up and ``import torch``);
+- ``--compare-with DIR``: ``export_state_dict`` of another copy of the package (the folder that
+  holds ``lightning_mgpu``, a worktree of an earlier commit), in the same runs, so a change is
+  measured against what came before on the same machine at the same time.
+
+Printed per method: wall time; "work" time (the call alone, without start-up and ``import torch``)
+and the CPU time of the call, every thread's (less disturbed than wall time on a busy machine);
 peak RSS of the whole process (``os.wait4``'s ``ru_maxrss``); and the peak growth during the call
 (``VmHWM`` after the call minus ``VmRSS`` before it, the peak reset with ``/proc/self/clear_refs``),
-each as a ratio of the folder's size. Target: peak RSS <= 0.3x the folder.
+each as a ratio of the folder's size. The methods take turns, ``--repeat`` rounds, the fastest time
+of each counting. Target: peak RSS <= 0.3x the folder.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.export import measure  # noqa: E402 - the same per-process timing and RSS
+from benchmarks.export import measure_once  # noqa: E402 - the same per-process timing and RSS
 
 _BUILD = """
 import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
@@ -60,19 +67,23 @@ if __name__ == "__main__":
 """
 
 _TIMED = """
-import json, sys, time
+import json, resource, sys, time
 t0 = time.perf_counter()
 {imports}
 def status(field):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+def cpu():
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread's
+    return usage.ru_utime + usage.ru_stime
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # VmHWM starts again from the RSS after imports
 before = status("VmRSS")
-t1 = time.perf_counter()
+t1, c1 = time.perf_counter(), cpu()
 {work}
-work_s = time.perf_counter() - t1
-print(json.dumps({{"import_s": t1 - t0, "work_s": work_s, "growth_mib": (status("VmHWM") - before) / 2**20}}))
+work_s, cpu_s = time.perf_counter() - t1, cpu() - c1
+growth = (status("VmHWM") - before) / 2**20
+print(json.dumps({{"import_s": t1 - t0, "work_s": work_s, "cpu_s": cpu_s, "growth_mib": growth}}))
 """
 
 METHODS = {
@@ -104,6 +115,12 @@ def main() -> None:
     parser.add_argument(
         "--repeat", type=int, default=1, help="runs per method; fastest time counts (default: 1)"
     )
+    parser.add_argument(
+        "--compare-with",
+        metavar="DIR",
+        default=None,
+        help="a folder holding another lightning_mgpu (an earlier commit's worktree) to measure beside",
+    )
     args = parser.parse_args()
 
     env = dict(os.environ)
@@ -120,20 +137,27 @@ def main() -> None:
             f"built in {time.perf_counter() - started:.1f} s\n"
         )
         out = Path(tmp, "out")
-        results = {}
-        for name, (imports, work) in METHODS.items():
-            code = _TIMED.format(imports=imports, work=work)
-            results[name] = measure(
-                [sys.executable, "-c", code, str(folder), str(out)], env, args.repeat, out
-            )
+        methods = dict(METHODS)
+        if args.compare_with:  # first on the path: before the working folder, where -c looks first
+            imports, work = METHODS["lightning_mgpu export"]
+            first = f"sys.path.insert(0, {str(Path(args.compare_with).resolve())!r})\n"
+            methods[COMPARED] = (first + imports, work)
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in methods}
+        for _ in range(args.repeat):  # the methods take turns, so a slower moment slows each alike
+            for name, (imports, work) in methods.items():
+                code = _TIMED.format(imports=imports, work=work)
+                runs[name].append(measure_once([sys.executable, "-c", code, str(folder), str(out)], env))
+                for path in out.parent.glob(out.name + "*"):
+                    path.unlink()
+        results = {name: _best(r) for name, r in runs.items()}
 
         print(
-            f"{'method':<26}{'wall s':>8}{'work s':>8}{'peak RSS MiB':>14}"
+            f"{'method':<32}{'wall s':>8}{'work s':>8}{'cpu s':>8}{'peak RSS MiB':>14}"
             f"{'RSS/folder':>12}{'growth MiB':>12}"
         )
         for name, r in results.items():
             print(
-                f"{name:<26}{r['wall_s']:>8.2f}{r['work_s']:>8.2f}{r['rss_mib']:>14.0f}"
+                f"{name:<32}{r['wall_s']:>8.2f}{r['work_s']:>8.2f}{r['cpu_s']:>8.2f}{r['rss_mib']:>14.0f}"
                 f"{r['rss_mib'] / size:>12.2f}{r['growth_mib']:>12.0f}"
             )
         ours, torch_ = results["lightning_mgpu export"], results["torch dcp_to_torch_save"]
@@ -146,6 +170,27 @@ def main() -> None:
             f"\n  work time / dcp_to_torch_save's       = {ours['work_s'] / torch_['work_s']:.2f}"
             f"  (it writes the weights only, {args.size_mib} MiB; torch writes all {size:.0f} MiB)"
         )
+        if COMPARED in results:
+            before = results[COMPARED]
+            spread = {name: max(r["work_s"] for r in runs[name]) / results[name]["work_s"] for name in runs}
+            print(
+                f"\nagainst {args.compare_with} (fastest of {args.repeat} runs each):"
+                f"\n  work time / before's  = {ours['work_s'] / before['work_s']:.3f}"
+                f"\n  CPU time / before's   = {ours['cpu_s'] / before['cpu_s']:.3f}"
+                f"\n  peak RSS / before's   = {ours['rss_mib'] / before['rss_mib']:.3f}"
+                f"\n  slowest / fastest run = {spread['lightning_mgpu export']:.2f} here, "
+                f"{spread[COMPARED]:.2f} before (the noise)"
+            )
+
+
+COMPARED = "lightning_mgpu export (before)"
+
+
+def _best(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The fastest times and the largest peak RSS of several runs."""
+    best = {key: min(r[key] for r in runs) for key in runs[0]}
+    best["rss_mib"] = max(r["rss_mib"] for r in runs)
+    return best
 
 
 if __name__ == "__main__":
