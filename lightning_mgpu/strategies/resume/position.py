@@ -2,16 +2,16 @@
 
 Lightning restores a run's step and batch counters, but a plain ``DataLoader`` starts its epoch
 again from the first batch: after a cut in the middle of an epoch, its first batches are seen twice
-and its last ones never. Lightning saves and restores the state of a loader that has ``state_dict``
-and ``load_state_dict`` (in the fit loop's ``combined_loader`` entry); :func:`resumable` gives the
-training loader the strategy set up (a ``DistributedSampler``, shuffled or not, inside a plain
-``BatchSampler``) those two methods:
+and its last ones never. :class:`LoaderPosition`, a callback the strategy adds, wraps the training
+loader's sampler (a ``DistributedSampler``, shuffled or not, inside a plain ``BatchSampler``) in a
+:class:`ResumableSampler`, and keeps with every checkpoint (as its callback state, which any other
+strategy resuming the checkpoint ignores):
 
-- ``state_dict``: the sampler's epoch, seed and shuffle, the batches this epoch's training steps
-  consumed (Lightning's own count of processed batches, which is where it resumes), the batch size,
-  the number of processes and of samples;
-- ``load_state_dict``: the sampler gets the saved seed and epoch back, and its next pass over that
-  epoch starts after the consumed samples (:class:`ResumableSampler`).
+- the sampler's epoch, seed and shuffle, the batches this epoch's training steps consumed
+  (Lightning's own count of processed batches, which is where it resumes), the batch size, the
+  number of processes and of samples;
+- restored, the sampler gets the saved seed and epoch back, and its next pass over that epoch
+  starts after the consumed samples, before Lightning's first ``iter()`` of the loader.
 
 A ``DistributedSampler``'s epoch is one permutation of the dataset (from the seed and the epoch)
 dealt to the ranks in turn, so the global batches are the same runs of that permutation whatever
@@ -26,23 +26,29 @@ from __future__ import annotations
 
 import itertools
 import logging
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
+from typing_extensions import override
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["LoaderPosition", "ResumableSampler", "resumable"]
+__all__ = ["LoaderPosition", "ResumableSampler"]
 
 log = logging.getLogger(__name__)
 
 _VERSION = 1
+_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
+"""How Lightning's warning about a loader it cannot resume starts."""
 
 
 class ResumableSampler(Sampler[int]):
@@ -75,26 +81,58 @@ class ResumableSampler(Sampler[int]):
         return len(self.inner)
 
 
-class LoaderPosition:
-    """``state_dict`` / ``load_state_dict`` of the training loader, for Lightning's fit loop.
+class LoaderPosition(Callback):
+    """Saves the training loader's place in its epoch in every checkpoint and puts it back on resume.
+
+    The strategy adds it to the Trainer and gives it the training loader to wrap (:meth:`wrap`).
 
     Args:
-        sampler: The loader's :class:`ResumableSampler`.
-        batch_size: The loader's batch size (per process).
-        trainer: Whose fit loop counts the batches consumed and resumes its counters.
         name: The strategy's name, for messages.
     """
 
-    def __init__(self, sampler: ResumableSampler, batch_size: int, trainer: pl.Trainer, name: str) -> None:
-        self.sampler, self.batch_size, self.trainer, self.name = sampler, batch_size, trainer, name
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.sampler: ResumableSampler | None = None
+        self.batch_size = 0
+        self._trainer: pl.Trainer | None = None
+        self._pending: dict[str, Any] | None = None
+
+    def wrap(self, loader: object, trainer: pl.Trainer) -> object:
+        """``loader`` with a :class:`ResumableSampler`, at the saved place if a checkpoint was loaded.
+
+        - a ``DataLoader`` with a ``state_dict`` of its own, or another sampler than a
+          ``DistributedSampler`` in a plain ``BatchSampler``: ``loader`` itself;
+        - otherwise a new ``DataLoader`` made as Lightning makes one with a new sampler.
+        """
+        if not isinstance(loader, DataLoader) or isinstance(loader, _Stateful):
+            return loader
+        sampler, batch_sampler = loader.sampler, loader.batch_sampler
+        if type(sampler) is not DistributedSampler or type(batch_sampler) is not BatchSampler:
+            log.debug("%s: the training loader's sampler %s is left alone", self.name, type(sampler).__name__)
+            return loader
+        self.sampler, self.batch_size, self._trainer = (
+            ResumableSampler(sampler),
+            batch_sampler.batch_size,
+            trainer,
+        )
+        wrapped = _update_dataloader(loader, self.sampler, mode=RunningStage.TRAINING)
+        # before Lightning's first iter(): its workers may take the first indices at once
+        if self._pending is not None:
+            state, self._pending = self._pending, None
+            self._restore(state)
+        return wrapped
 
     def _progress(self) -> Any:
-        return self.trainer.fit_loop.epoch_loop.batch_progress
+        assert self._trainer is not None
+        return self._trainer.fit_loop.epoch_loop.batch_progress
 
+    @override
     def state_dict(self) -> dict[str, Any]:
+        if self.sampler is None or self._trainer is None:
+            return {}
         inner = self.sampler.inner
         return {
-            "lightning_mgpu_position": _VERSION,
+            "version": _VERSION,
             "epoch": inner.epoch,
             "seed": inner.seed,
             "shuffle": inner.shuffle,
@@ -104,10 +142,17 @@ class LoaderPosition:
             "samples": len(inner.dataset),  # type: ignore[arg-type]
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("lightning_mgpu_position") != _VERSION:
-            rank_zero_warn(f"{self.name}: the checkpoint holds no loader position of this version: {state!r}")
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("version") != _VERSION:
+            rank_zero_warn(
+                f"{self.name}: the checkpoint holds no loader position of this version: {state_dict}"
+            )
             return
+        self._pending = state_dict
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        assert self.sampler is not None
         inner = self.sampler.inner
         inner.seed = state["seed"]
         inner.set_epoch(state["epoch"])
@@ -122,6 +167,8 @@ class LoaderPosition:
                 f"{self.name}: the training loader changed since the checkpoint ({'; '.join(changed)}): epoch"
                 f" {state['epoch']} goes on after {state['batches']} batches of a different order"
             )
+        # Lightning cannot see that this loader goes on where it stopped, and would say otherwise
+        warnings.filterwarnings("ignore", message=_NOT_RESUMABLE, category=PossibleUserWarning)
         consumed = state["batches"] * state["batch_size"] * state["processes"]  # every rank's
         old_global = state["batch_size"] * state["processes"]
         new_global = self.batch_size * inner.num_replicas
@@ -146,25 +193,3 @@ class LoaderPosition:
         for counts in (progress.current, progress.total):
             for field in ("ready", "started", "processed", "completed"):
                 setattr(counts, field, getattr(counts, field) + delta)
-
-
-def resumable(loader: object, trainer: pl.Trainer, name: str) -> object:
-    """``loader`` with a :class:`ResumableSampler` and a :class:`LoaderPosition`, where it can have them.
-
-    - a ``DataLoader`` with a ``state_dict`` of its own, or another sampler than a
-      ``DistributedSampler`` in a plain ``BatchSampler``: ``loader`` itself;
-    - otherwise a new ``DataLoader`` made as Lightning makes one with a new sampler.
-    """
-    if not isinstance(loader, DataLoader) or isinstance(loader, _Stateful):
-        return loader
-    sampler, batch_sampler = loader.sampler, loader.batch_sampler
-    if type(sampler) is not DistributedSampler or type(batch_sampler) is not BatchSampler:
-        log.debug("%s: the training loader's sampler %s is left alone", name, type(sampler).__name__)
-        return loader
-    wrapped = ResumableSampler(sampler)
-    new = _update_dataloader(loader, wrapped, mode=RunningStage.TRAINING)
-    position = LoaderPosition(wrapped, batch_sampler.batch_size, trainer, name)
-    # Lightning saves and restores the state of a loader that has these two (its `_Stateful`)
-    new.state_dict = position.state_dict
-    new.load_state_dict = position.load_state_dict
-    return new

@@ -3,7 +3,8 @@
 It holds the three options and is called from the strategy's hooks (``process_group/services.py``):
 
 - ``resume`` (``auto.py``) and ``checkpoint_every`` (``safety_net.py``): when a ``fit`` sets up;
-- the training loader's place in its epoch (``position.py``): when Lightning prepares the loader;
+- the training loader's place in its epoch (``position.py``): a callback added when a ``fit`` sets
+  up, which wraps the loader when Lightning prepares it;
 - ``requeue_on_failure`` (``requeue_failed.py``): when the run fails, on the one rank that asks.
 """
 
@@ -16,8 +17,10 @@ from collections.abc import Iterable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from lightning.pytorch.callbacks import Callback
+
 from lightning_mgpu.strategies.resume.auto import AutoResume, ResumeHost
-from lightning_mgpu.strategies.resume.position import resumable
+from lightning_mgpu.strategies.resume.position import LoaderPosition
 from lightning_mgpu.strategies.resume.requeue_failed import (
     check_requeue_on_failure,
     requeue_decision,
@@ -57,18 +60,26 @@ class Resumption:
         self.auto = AutoResume(host, resume)
         self.checkpoint_every = check_checkpoint_every(checkpoint_every)
         self.requeue_on_failure = check_requeue_on_failure(requeue_on_failure)
+        self.position = LoaderPosition(host.strategy_name)
         self._first_step: int | None = None
         self._trainer: pl.Trainer | None = None
 
     def setup_fit(self, trainer: pl.Trainer, cluster_environment: Any) -> None:
-        """Before a ``fit`` loads its checkpoint: the safety net, and the choice of the checkpoint."""
+        """Before a ``fit`` loads its checkpoint: the loader's position, the safety net, and the choice
+        of the checkpoint."""
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning
+        positions = [cb for cb in callbacks if isinstance(cb, LoaderPosition)]
+        if positions:
+            self.position = positions[0]
+        else:
+            callbacks.append(self.position)
         install_safety_net(trainer, self.checkpoint_every, self.host.strategy_name, cluster_environment)
         self.auto.install(trainer)
         self._trainer, self._first_step = trainer, None
 
     def training_loader(self, loader: object, trainer: pl.Trainer) -> object:
         """The training loader, with its place in the epoch saved in every checkpoint."""
-        return resumable(loader, trainer, self.host.strategy_name)
+        return self.position.wrap(loader, trainer)
 
     def on_train_start(self, trainer: pl.Trainer) -> None:
         self._first_step = trainer.global_step

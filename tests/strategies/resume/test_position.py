@@ -111,6 +111,22 @@ def test_another_global_batch_size_goes_on_after_the_samples_seen_and_says_how(
     assert trainer.global_step == 3 + 2 + 3
 
 
+def test_another_strategy_resumes_the_checkpoint_without_the_position(tmp_path: Path) -> None:
+    """The position is a callback's state: a strategy without it ignores it (Lightning warns)."""
+    _fit(tmp_path, batch_size=4, max_steps=3)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match=r"Please add the following callbacks: \['LoaderPosition', "):
+        trainer.fit(
+            _Regression(),
+            DataLoader(_Indexed(), batch_size=4, shuffle=True),
+            ckpt_path=str(tmp_path / "ckpts" / "epoch=0-step=3.ckpt"),
+        )
+    assert trainer.global_step == SAMPLES // 4
+
+
 def test_the_sampler_leaves_out_the_consumed_samples_of_that_epoch_only() -> None:
     inner = DistributedSampler(range(10), num_replicas=2, rank=1, shuffle=True, seed=3)
     sampler = ResumableSampler(inner)
