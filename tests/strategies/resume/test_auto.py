@@ -13,22 +13,10 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MGPUDDPStrategy
-
-
-class _Regression(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Linear(4, 1)
-
-    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+from tests.strategies.resume._models import Regression
 
 
 def _fit(folder: Path, max_steps: int, resume: bool | None = None, ckpt_path: str | None = None) -> L.Trainer:
@@ -44,7 +32,7 @@ def _fit(folder: Path, max_steps: int, resume: bool | None = None, ckpt_path: st
         enable_model_summary=False,
     )
     data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
-    trainer.fit(_Regression(), DataLoader(data, batch_size=4), ckpt_path=ckpt_path)
+    trainer.fit(Regression(), DataLoader(data, batch_size=4), ckpt_path=ckpt_path)
     return trainer
 
 

@@ -11,24 +11,12 @@ import lightning as L
 import pytest
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MGPUDDPStrategy
 from lightning_mgpu.strategies.resume.checkpoint import ResumeCheckpoint, plan_check
 from lightning_mgpu.strategies.resume.safety_net import restartable
-
-
-class _Regression(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Linear(4, 1)
-
-    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+from tests.strategies.resume._models import Regression
 
 
 def _fit(folder: Path, every: object = "auto", checkpointing: bool = True, **strategy: object) -> L.Trainer:
@@ -44,7 +32,7 @@ def _fit(folder: Path, every: object = "auto", checkpointing: bool = True, **str
         enable_model_summary=False,
     )
     data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
-    trainer.fit(_Regression(), DataLoader(data, batch_size=4))
+    trainer.fit(Regression(), DataLoader(data, batch_size=4))
     return trainer
 
 
@@ -107,7 +95,7 @@ def test_rank_0_plans_the_next_check_halfway_to_the_deadline() -> None:
     assert plan_check(56, now=110.1, last_save=100.0, last_check=(51, 109.6), period=10.0) == (True, 106)
 
 
-class _Slow(_Regression):
+class _Slow(Regression):
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         time.sleep(0.01)
         return super().training_step(batch, batch_idx)

@@ -1,0 +1,21 @@
+"""The tiny module the one-process resume tests train."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch import nn
+
+
+class Regression(L.LightningModule):
+    """One linear layer, mean squared error, plain SGD."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
