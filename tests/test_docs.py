@@ -15,6 +15,7 @@ import pytest
 import lightning_mgpu
 from tests.docs_examples import check_page, python_blocks
 from tests.helpers import REPO
+from tests.test_readme import declared_floors, floor_rows
 
 DOCS = REPO / "docs"
 PAGES = sorted(DOCS.rglob("*.md"))
@@ -59,6 +60,12 @@ def test_readme_quick_start_is_the_front_page_one() -> None:
     front = [b for b in python_blocks(DOCS / "index.md") if b.as_script]
     assert front
     assert all(b.code in README_SCRIPTS for b in front)
+
+
+def test_install_page_states_the_declared_floors() -> None:
+    text = (DOCS / "install.md").read_text()
+    for row in floor_rows(declared_floors()):
+        assert row in text, f"docs/install.md's versions table should say {row!r}, as pyproject.toml does"
 
 
 @pytest.mark.slow

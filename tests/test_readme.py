@@ -14,6 +14,18 @@ README = REPO / "README.md"
 # read in five minutes; whatever does not fit goes to a page under docs/
 MAX_LINES = 250
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+# "torch>=2.4", in pyproject.toml's dependencies
+FLOOR = re.compile(r'^\s*"(torch|lightning)>=([\d.]+)', flags=re.M)
+
+
+def declared_floors() -> dict[str, str]:
+    """The oldest torch and Lightning pyproject.toml accepts, and its oldest Python."""
+    text = (REPO / "pyproject.toml").read_text()
+    floors = dict(FLOOR.findall(text))
+    python = re.search(r'^requires-python = ">=([\d.]+)"', text, flags=re.M)
+    assert python, "pyproject.toml has no requires-python floor"
+    assert set(floors) == {"torch", "lightning"}, "pyproject.toml's floors moved: update this test"
+    return floors | {"python": python.group(1)}
 
 
 def test_readme_has_python_blocks() -> None:
@@ -32,6 +44,23 @@ def test_readme_links_point_to_files() -> None:
     assert targets
     missing = [t for t in targets if not (REPO / t).exists()]
     assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
+def floor_rows(floors: dict[str, str]) -> list[str]:
+    """The versions table's rows that state the floors, as the README and docs/install.md write them."""
+    return [
+        f"| Python | {floors['python']}+ |",
+        f"| torch | ≥ {floors['torch']} |",
+        f"| Lightning | ≥ {floors['lightning']}, < 3 |",
+    ]
+
+
+def test_readme_states_the_declared_floors() -> None:
+    """What the install section and the versions table say is what pip will accept."""
+    floors, text = declared_floors(), README.read_text()
+    wanted = [f"torch ≥ {floors['torch']} and Lightning ≥ {floors['lightning']}", *floor_rows(floors)]
+    for said in wanted:
+        assert said in text, f"README.md should say {said!r}, as pyproject.toml does"
 
 
 @pytest.mark.slow
