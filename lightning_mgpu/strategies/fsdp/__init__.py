@@ -2,6 +2,8 @@
 
 - ``strategy.py``: ``MGPUFSDPStrategy``, on Lightning's ``ModelParallelStrategy`` (launcher,
   device mesh, sharded checkpoints) and ``process_group``'s ``ProcessGroupServices``;
+- ``base.py``: ``ShardingModelParallel``, Lightning's ``ModelParallelStrategy`` whose ``setup`` shards
+  the model itself (no ``configure_model`` needed);
 - ``lightning_mgpu.estimate.shard_plan``: which submodules become units (shared with the estimate);
 - ``sharding.py``: the options, the Trainer precision's dtypes, and the ``fully_shard`` calls;
 - ``lightning_mgpu.estimate.sharded``: the least memory a device needs under a plan, checked on GPUs;

@@ -12,10 +12,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -26,7 +22,7 @@ from lightning_mgpu.estimate.model_state import measure_model_state
 from lightning_mgpu.estimate.shard_plan import ShardingPlan, plan_sharding, validate_block_classes
 from lightning_mgpu.estimate.sharded import check_fits, sharded_need
 from lightning_mgpu.precision import FSDP_PRECISIONS
-from lightning_mgpu.strategies.fsdp.buffers import watch_buffers
+from lightning_mgpu.strategies.fsdp.base import ShardingModelParallel
 from lightning_mgpu.strategies.fsdp.saving import ResavingOwnCheckpoints
 from lightning_mgpu.strategies.fsdp.sharding import (
     ShardingOptions,
@@ -56,35 +52,7 @@ def _user_class(module: nn.Module) -> str:
     return cls.__name__
 
 
-class _ShardingModelParallel(ModelParallelStrategy):
-    """Lightning's ``ModelParallelStrategy`` whose ``setup`` shards the model (``_shard_model``) itself.
-
-    Lightning's ``setup`` refuses a LightningModule without ``configure_model``; this one runs
-    the same steps, with Lightning's own helpers, after ``_shard_model``.
-    """
-
-    def _shard_model(self, trainer: pl.Trainer) -> None:
-        raise NotImplementedError
-
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        assert self.model is not None
-        assert self.accelerator is not None
-        self.accelerator.setup(trainer)
-        self._shard_model(trainer)
-        watch_buffers(self.model)  # FSDP's own buffers say which one ran out (fsdp/buffers.py)
-        _materialize_distributed_module(self.model, self.root_device)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
-
-
-class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoints, _ShardingModelParallel):
+class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoints, ShardingModelParallel):
     """Fully sharded data parallel training (torch's FSDP2): each process keeps 1/N of the model state.
 
     Each process holds a shard of every parameter, of its gradient and of the optimizer

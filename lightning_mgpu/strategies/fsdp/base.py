@@ -1,0 +1,50 @@
+"""``ShardingModelParallel``: Lightning's ``ModelParallelStrategy`` whose ``setup`` shards the model itself.
+
+The base of ``mgpu_fsdp``: Lightning's ``setup`` refuses a LightningModule without ``configure_model``;
+this one runs Lightning's own steps, with Lightning's own helpers, after the subclass's ``_shard_model``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_mgpu.strategies.fsdp.buffers import watch_buffers
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["ShardingModelParallel"]
+
+
+class ShardingModelParallel(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` whose ``setup`` shards the model (``_shard_model``) itself.
+
+    Lightning's ``setup`` refuses a LightningModule without ``configure_model``; this one runs
+    the same steps, with Lightning's own helpers, after ``_shard_model``.
+    """
+
+    def _shard_model(self, trainer: pl.Trainer) -> None:
+        raise NotImplementedError
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self._shard_model(trainer)
+        watch_buffers(self.model)  # FSDP's own buffers say which one ran out (fsdp/buffers.py)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
