@@ -27,7 +27,7 @@ ALLOWED = {
     "ddp": {"mixin", "process_group", "microbatch"},
     "fsdp": {"mixin", "process_group", "microbatch"},
     "dp": {"mixin", "microbatch", "split"},
-    "auto": {"ddp", "fsdp", "dp", "microbatch", "mixin"},
+    "auto": {"ddp", "fsdp", "dp", "microbatch", "mixin", "resume"},
 }
 
 

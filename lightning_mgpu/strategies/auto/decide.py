@@ -43,9 +43,12 @@ from lightning_mgpu.strategies.auto.model_memory import (
     shortfall_reason,
 )
 
-__all__ = ["StrategyChoice", "decide", "with_micro_batching"]
+__all__ = ["RESUMING_STRATEGIES", "StrategyChoice", "decide", "with_micro_batching", "with_resumption"]
 
 log = logging.getLogger(__name__)
+
+RESUMING_STRATEGIES = ("mgpu_ddp", "mgpu_fsdp")
+"""The choices that take ``resume``, ``checkpoint_every`` and ``requeue_on_failure``."""
 
 
 @dataclass(frozen=True)
@@ -163,3 +166,11 @@ def with_micro_batching(choice: StrategyChoice, micro_batch_size: int | str | No
     was = "a single device" if choice.strategy == "single_device" else "Lightning's ddp_notebook"
     reason = f"{choice.reason}; micro_batch_size={micro_batch_size!r}, which {was} cannot run, so mgpu_dp"
     return dataclasses.replace(choice, strategy="mgpu_dp", reason=reason, options=options)
+
+
+def with_resumption(choice: StrategyChoice, options: dict[str, Any]) -> StrategyChoice:
+    """``choice`` with ``options`` (``resume``, ``checkpoint_every``, ``requeue_on_failure``) among its
+    options, where the strategy takes them (:data:`RESUMING_STRATEGIES`); ``choice`` itself elsewhere."""
+    if choice.strategy not in RESUMING_STRATEGIES or not options:
+        return choice
+    return dataclasses.replace(choice, options={**choice.options, **options})

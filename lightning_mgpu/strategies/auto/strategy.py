@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -30,15 +31,22 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_mgpu.devices import format_bytes, parse_bytes
 from lightning_mgpu.strategies.auto.become import PendingChoice, PendingDDPStrategy, become
-from lightning_mgpu.strategies.auto.decide import StrategyChoice, decide, with_micro_batching
+from lightning_mgpu.strategies.auto.decide import (
+    RESUMING_STRATEGIES,
+    StrategyChoice,
+    decide,
+    with_micro_batching,
+    with_resumption,
+)
 from lightning_mgpu.strategies.auto.facts import EnvironmentFacts
 from lightning_mgpu.strategies.auto.model_memory import device_memory_of, model_memory
 from lightning_mgpu.strategies.microbatch.mixin import check_micro_batch_size
+from lightning_mgpu.strategies.resume import DEFAULTS, check_options
 
 __all__ = ["MGPUAutoStrategy", "choose_strategy"]
 
@@ -147,10 +155,16 @@ class MGPUAutoStrategy(ParallelStrategy):
         micro_batch_size: ``None`` (off), a number of rows or ``"auto"``: passed on to the chosen
             strategy (see ``MGPUDDPStrategy``); one device and ``ddp_notebook`` give way to
             ``mgpu_dp``, which micro-batches.
+        resume: As for ``MGPUDDPStrategy``: a restarted ``fit`` resumes by itself.
+        checkpoint_every: As for ``MGPUDDPStrategy``: a resumable checkpoint every N steps or minutes.
+        requeue_on_failure: As for ``MGPUDDPStrategy``: requeue a SLURM job after a failed task.
+            The three are passed on to ``mgpu_ddp`` and ``mgpu_fsdp``; the other choices (one device,
+            ``mgpu_dp``, ``ddp_notebook``) run in one process, and a warning names those set.
 
     Raises:
         ValueError: a ``device_memory`` that is not a size, a ``micro_batch_size`` that is not a
-            positive int, ``"auto"`` or ``None``.
+            positive int, ``"auto"`` or ``None``, or a ``resume``, ``checkpoint_every`` or
+            ``requeue_on_failure`` that is none of those ``MGPUDDPStrategy`` accepts.
 
     Example::
 
@@ -170,11 +184,15 @@ class MGPUAutoStrategy(ParallelStrategy):
         *,
         device_memory: int | str | None = None,
         micro_batch_size: int | str | None = None,
+        resume: bool | None = DEFAULTS["resume"],
+        checkpoint_every: int | timedelta | str | None = DEFAULTS["checkpoint_every"],
+        requeue_on_failure: int = DEFAULTS["requeue_on_failure"],
     ) -> None:
         super().__init__()
         self.facts = facts
         self.device_memory = None if device_memory is None else parse_bytes(device_memory)
         self.micro_batch_size = check_micro_batch_size(micro_batch_size)
+        self.resumption = check_options(resume, checkpoint_every, requeue_on_failure)
         self.num_nodes = 1
         self.choice: StrategyChoice | None = None
 
@@ -187,6 +205,8 @@ class MGPUAutoStrategy(ParallelStrategy):
         choice = with_micro_batching(
             decide(len(devices), self.num_nodes, device_type, facts), self.micro_batch_size
         )
+        self._warn_unused_resumption(choice)
+        choice = with_resumption(choice, self.resumption)
         memory = device_memory_of(self.device_memory, device_type) if choice.strategy == "mgpu_ddp" else None
         if memory is None:
             rank_zero_info(f"mgpu_auto chose {choice.strategy}: {choice.reason}")
@@ -199,9 +219,22 @@ class MGPUAutoStrategy(ParallelStrategy):
                 " model is known"
             )
             redecide = functools.partial(decide, len(devices), self.num_nodes, device_type, facts)
-            pending = PendingChoice(redecide, memory, len(devices) * self.num_nodes, self.micro_batch_size)
+            pending = PendingChoice(
+                redecide, memory, len(devices) * self.num_nodes, self.micro_batch_size, self.resumption
+            )
             become(self, choice, devices, strategy_class=PendingDDPStrategy)
             self.pending = pending  # self is a PendingDDPStrategy now
+
+    def _warn_unused_resumption(self, choice: StrategyChoice) -> None:
+        if choice.strategy in RESUMING_STRATEGIES:
+            return
+        given = [f"{name}={value!r}" for name, value in self.resumption.items() if value != DEFAULTS[name]]
+        if given:
+            rank_zero_warn(
+                f"mgpu_auto chose {choice.strategy}, which runs in one process and does not take"
+                f" {', '.join(given)}: they apply to mgpu_ddp and mgpu_fsdp. Pass `ckpt_path` to"
+                " `Trainer.fit` to resume this run."
+            )
 
     def _undecided(self) -> RuntimeError:
         return RuntimeError(

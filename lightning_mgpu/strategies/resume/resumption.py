@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import Callback
 
-from lightning_mgpu.strategies.resume.auto import AutoResume, ResumeHost
+from lightning_mgpu.strategies.resume.auto import AutoResume, ResumeHost, check_resume
 from lightning_mgpu.strategies.resume.position import LoaderPosition
 from lightning_mgpu.strategies.resume.requeue_failed import (
     check_requeue_on_failure,
@@ -31,9 +31,21 @@ from lightning_mgpu.strategies.resume.safety_net import check_checkpoint_every, 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["Resumption"]
+__all__ = ["DEFAULTS", "Resumption", "check_options"]
 
 log = logging.getLogger(__name__)
+
+DEFAULTS: dict[str, Any] = {"resume": None, "checkpoint_every": "auto", "requeue_on_failure": 0}
+"""The three options' defaults, the same in every strategy that takes them."""
+
+
+def check_options(resume: object, checkpoint_every: object, requeue_on_failure: object) -> dict[str, Any]:
+    """The three options by name, checked: ``ValueError`` naming the one that is none of those it accepts."""
+    return {
+        "resume": check_resume(resume),
+        "checkpoint_every": check_checkpoint_every(checkpoint_every),
+        "requeue_on_failure": check_requeue_on_failure(requeue_on_failure),
+    }
 
 
 class Resumption:
@@ -57,9 +69,10 @@ class Resumption:
         requeue_on_failure: int,
     ) -> None:
         self.host = host
-        self.auto = AutoResume(host, resume)
-        self.checkpoint_every = check_checkpoint_every(checkpoint_every)
-        self.requeue_on_failure = check_requeue_on_failure(requeue_on_failure)
+        options = check_options(resume, checkpoint_every, requeue_on_failure)
+        self.auto = AutoResume(host, options["resume"])
+        self.checkpoint_every = options["checkpoint_every"]
+        self.requeue_on_failure: int = options["requeue_on_failure"]
         self.position = LoaderPosition(host.strategy_name)
         self._first_step: int | None = None
         self._trainer: pl.Trainer | None = None

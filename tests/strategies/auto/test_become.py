@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -17,6 +18,7 @@ import pytest
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_mgpu.strategies.auto import EnvironmentFacts, MGPUAutoStrategy
@@ -247,3 +249,48 @@ def test_a_small_gpt2_whose_adamw_state_fits_only_sharded_becomes_mgpu_fsdp_befo
         " DDP's gradient buckets, more than the 2.50 MiB of a device, but sharded they need 1.85 MiB per"
         " device with the largest unit gathered (activations come on top)"
     )
+
+
+def test_the_resume_options_reach_mgpu_ddp_and_mgpu_fsdp_and_a_one_process_choice_warns() -> None:
+    options = {"resume": True, "checkpoint_every": 5, "requeue_on_failure": 2}
+    pending = _trainer(device_memory=FITS_SHARDED, **options).strategy
+    pending.connect(Regressor())
+    assert type(pending) is MGPUFSDPStrategy
+    resumption = pending._resumption  # type: ignore[attr-defined]
+    got = (resumption.auto.resume, resumption.checkpoint_every, resumption.requeue_on_failure)
+    assert got == (True, 5, 2)
+    with pytest.warns(UserWarning, match=r"mgpu_auto chose single_device, .* does not take resume=True"):
+        assert type(_trainer(devices=1, resume=True).strategy) is not MGPUDDPStrategy
+    with pytest.raises(ValueError, match="checkpoint_every must be 'auto'.*got 0"):
+        MGPUAutoStrategy(checkpoint_every=0)
+
+
+def test_a_fit_under_mgpu_auto_with_resume_goes_on_from_the_run_s_newest_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One process started 'by torchrun' decides mgpu_ddp, and resumes as mgpu_ddp itself does."""
+    torchrun = EnvironmentFacts.detect(launcher="torchrun")
+
+    def run(max_steps: int, resume: bool | None) -> L.Trainer:
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=MGPUAutoStrategy(facts=torchrun, resume=resume),
+            max_epochs=1,
+            max_steps=max_steps,
+            logger=False,
+            callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2)],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(Regressor(), loader(regression_data(rows=12), 2))
+        return trainer
+
+    assert run(max_steps=3, resume=None).global_step == 3  # the newest checkpoint: step 2
+    caplog.set_level(logging.INFO)
+    trainer = run(max_steps=-1, resume=True)
+    assert type(trainer.strategy) is MGPUDDPStrategy
+    assert f"mgpu_ddp: resume=True: resuming from {tmp_path}/epoch=0-step=2.ckpt, saved at global step 2" in (
+        caplog.text
+    )
+    assert trainer.global_step == 6
