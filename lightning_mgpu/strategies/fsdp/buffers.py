@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.oom import is_out_of_memory
 from lightning_mgpu.strategies.process_group.errors import add_to_message
 
-__all__ = ["CollectiveOutOfMemoryError", "watch_buffers"]
+__all__ = ["CollectiveOutOfMemoryError", "Watched", "watch_buffers"]
 
 log = logging.getLogger(__name__)
 
@@ -96,14 +96,22 @@ def _unit_name(name: str) -> str:
     return f"unit {name!r}" if name else "the root unit"  # named_modules' name of the root is ""
 
 
-def watch_buffers(root: nn.Module, check: Callable[[], None] | None = None) -> int:
+class Watched(NamedTuple):
+    """What ``watch_buffers`` did: the units whose collectives it watches, and those it cannot watch."""
+
+    watched: int
+    unwatched: int
+    """Units that gather parameters but whose collectives torch does not let a strategy give (an older
+    torch, a unit with several parameter groups)."""
+
+
+def watch_buffers(root: nn.Module, check: Callable[[], None] | None = None) -> Watched:
     """Give every FSDP unit of ``root`` FSDP's own collectives, watched; ``check`` runs before each one.
 
     Called again, it keeps the units' watched collectives; a ``check`` replaces theirs (``None`` keeps
-    it: none at first). ``SyncPoints`` gives its checkpoint while it exists. Returns the number of units
-    watched: 0 on a torch that cannot take custom collectives.
+    it: none at first). ``SyncPoints`` gives its checkpoint while it exists.
     """
-    watched = 0
+    watched = unwatched = 0
     for name, unit in root.named_modules():
         if not isinstance(unit, FSDPModule):
             continue
@@ -111,11 +119,13 @@ def watch_buffers(root: nn.Module, check: Callable[[], None] | None = None) -> i
         set_reduce = getattr(unit, "set_custom_reduce_scatter", None)
         get_state = getattr(unit, "_get_fsdp_state", None)
         if set_gather is None or set_reduce is None or get_state is None:
-            return 0
+            unwatched += 1
+            continue
         # FSDP's own collectives are read from its parameter group (no public getter), to be wrapped
         groups = getattr(get_state(), "_fsdp_param_groups", None) or []
         if len(groups) != 1:
-            continue  # nothing to gather, or a grouping set_custom_* refuses
+            unwatched += len(groups) > 1  # none: nothing to gather; several: a grouping set_custom_* refuses
+            continue
         group = groups[0]
         for attribute, setter, what in (
             ("_all_gather_comm", set_gather, f"all-gather of the parameters of {_unit_name(name)}"),
@@ -123,6 +133,7 @@ def watch_buffers(root: nn.Module, check: Callable[[], None] | None = None) -> i
         ):
             comm = getattr(group, attribute, None)
             if comm is None:
+                unwatched += 1
                 break
             if isinstance(comm, _WatchedCollective):
                 comm.check = check or comm.check
@@ -130,5 +141,5 @@ def watch_buffers(root: nn.Module, check: Callable[[], None] | None = None) -> i
                 setter(_WatchedCollective(comm, what, check or _nothing))
         else:
             watched += 1
-    log.debug("FSDP's collectives watched on %d unit(s)", watched)
-    return watched
+    log.debug("FSDP's collectives watched on %d unit(s), not on %d", watched, unwatched)
+    return Watched(watched, unwatched)

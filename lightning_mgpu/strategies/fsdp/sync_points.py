@@ -4,14 +4,16 @@ Under ``mgpu_fsdp`` every unit gathers its parameters in its forward and again i
 and reduce-scatters its gradients after its backward: collectives every rank must call in the
 same order. A rank that runs out of memory while computing a unit stops calling them, and the
 others would wait in the next one for good. With ``micro_batch_size="auto"``, ``SyncPoints``
-puts a checkpoint (``Agreement.checkpoint``, one small all-reduce) before each collective step:
+puts a checkpoint (``Agreement.checkpoint``, one small all-reduce) right before each of FSDP's
+collectives, after FSDP allocated its buffers (``buffers.py``, where torch lets a strategy give FSDP
+its collectives): one per collective, nothing between them. Where a unit's collectives cannot be
+given (a torch without ``set_custom_all_gather``, a unit with several parameter groups), hooks on
+every unit put them where the passes reach those collectives:
 
 - before each unit's forward (before its parameters are gathered);
 - in backward, where the gradient reaches a unit's output (before FSDP gathers it again) and
   where it leaves the unit's input (before the unit's gradients are reduce-scattered);
-- at the end of the backward, before the root unit's gradients are reduce-scattered;
-- right before each of FSDP's own collectives, after it allocated their buffers (``buffers.py``, where
-  torch lets a strategy give FSDP its collectives).
+- at the end of the backward, before the root unit's gradients are reduce-scattered.
 
 The rank that failed meets the others at their next checkpoint, where they abandon the pass; every
 rank then resets FSDP's per-pass state (``FSDPModule.reset_iter_state``) and the batch runs again.
@@ -81,6 +83,13 @@ class SyncPoints:
         self._agreement: Agreement | None = None
         self._handles: list[RemovableHandle] = []
         units = [m for m in root.modules() if isinstance(m, FSDPModule)]
+        watched = watch_buffers(root, self.check)
+        # no unit watched: this torch cannot take custom collectives (said once, under "auto")
+        self._buffers_unwatched = watched.watched == 0 and watched.unwatched > 0
+        if watched.unwatched == 0:
+            # a checkpoint right before each of FSDP's collectives is all it takes: none on the units
+            log.debug("checkpoints before the collectives of %d FSDP units", watched.watched)
+            return
         for unit in units:
             self._handles += [
                 # before FSDP's own pre-forward (its gather): prepend
@@ -90,9 +99,7 @@ class SyncPoints:
                 # after FSDP's post-forward: the outputs it hooked for its backward gather
                 unit.register_forward_hook(self._wrap_outputs),
             ]
-        # no unit watched: this torch cannot take custom collectives (said once, under "auto")
-        self._buffers_unwatched = bool(units) and watch_buffers(root, self.check) == 0
-        log.debug("checkpoints around %d FSDP units", len(units))
+        log.debug("checkpoints around %d FSDP units: %s", len(units), watched)
 
     @contextmanager
     def watching(self, agreement: Agreement) -> Iterator[None]:
