@@ -5,7 +5,8 @@ Lightning resumes only from the ``ckpt_path`` given to ``fit`` (under SLURM, fro
 choice when ``fit`` got no ``ckpt_path``:
 
 - on by default only when the run is a restart (torchrun's or SLURM's count above 0 on any
-  rank), always with ``resume=True``, never with ``resume=False``;
+  rank, or the record of an unfinished earlier attempt of the same run in its checkpoint folder,
+  ``attempts.py``), always with ``resume=True``, never with ``resume=False``;
 - rank 0 lists the checkpoints (``candidates.py``), newest first, skips those a kill cut short
   with a line each saying why, and every rank loads the one rank 0 chose;
 - one line says which attempt this is, which file it resumes from and at which step, or that
@@ -21,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -28,6 +30,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_mgpu.strategies.resume.attempts import AttemptRecord, fingerprint
 from lightning_mgpu.strategies.resume.candidates import Choice, find_checkpoints, newest_complete
 from lightning_mgpu.strategies.resume.restart import Restart, restart_of
 
@@ -77,12 +80,16 @@ class AutoResume:
     def __init__(self, host: ResumeHost, resume: bool | None) -> None:
         self.host = host
         self.resume = check_resume(resume)
+        self.record = AttemptRecord()
 
     def install(self, trainer: pl.Trainer) -> None:
         """Take part in this trainer's choice of the checkpoint (once per trainer)."""
         connector = trainer._checkpoint_connector
         if self.resume is False or "resume_start" in vars(connector):
             return
+        callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning
+        if self.record not in callbacks:
+            callbacks.append(self.record)
         original = connector.resume_start
         connector.resume_start = functools.partial(self._resume_start, trainer, original)  # type: ignore[method-assign]
 
@@ -102,7 +109,7 @@ class AutoResume:
         )
         if trainer.state.fn != TrainerFn.FITTING or (checkpoint_path is not None and not chosen_by_lightning):
             return start(checkpoint_path)
-        restart = self._agreed_restart()
+        restart = self._agreed_restart(trainer)
         if not (self.resume or restart.is_restart):
             return start(checkpoint_path)
         choice = self.host.broadcast(self._choose(trainer) if self.host.global_rank == 0 else None)
@@ -123,11 +130,22 @@ class AutoResume:
             f" {loaded.get('global_step', '?')} (epoch {loaded.get('epoch', '?')})"
         )
 
-    def _agreed_restart(self) -> Restart:
-        """This run's :class:`Restart`, with the largest count of any rank (torchrun counts per node)."""
+    def _agreed_restart(self, trainer: pl.Trainer) -> Restart:
+        """This run's :class:`Restart`: the largest count of any rank (torchrun counts per node), or rank
+        0's record of an unfinished earlier attempt of this run (which rank 0 then records as running)."""
         own = restart_of(os.environ)
+        folder = AttemptRecord.folder_of(trainer) if self.host.global_rank == 0 else None
+        if folder is not None:
+            run = fingerprint(sys.argv, trainer.lightning_module)
+            earlier = self.record.earlier_attempts(folder, run)
+            if earlier > own.count:
+                own = Restart(earlier, own.by, found_in=str(folder))
+            self.record.start(run, attempt=own.count)
         count = torch.tensor(float(own.count), device=self.host.root_device)
         largest = int(self.host.reduce(count, reduce_op="max").item())
+        first: Restart = self.host.broadcast(own)  # rank 0's words, when its count is the largest
+        if first.count == largest:
+            return first
         return Restart(largest, own.by or "torchrun") if largest != own.count else own
 
     def _choose(self, trainer: pl.Trainer) -> Choice:

@@ -24,7 +24,10 @@ class Restart:
     count: int
     """0 on a job's first attempt."""
     by: str
-    """``"torchrun"``, ``"SLURM"`` or ``""`` (a first attempt)."""
+    """``"torchrun"``, ``"SLURM"`` or ``""`` (a first attempt, or one started again by hand)."""
+    found_in: str = ""
+    """The checkpoint folder whose record shows an unfinished earlier attempt (``attempts.py``), if that
+    is what made this run a restart."""
 
     @property
     def is_restart(self) -> bool:
@@ -34,6 +37,10 @@ class Restart:
         """``"attempt 2 of this job (restarted by torchrun)"``."""
         if not self.is_restart:
             return "the first attempt of this job"
+        if self.found_in:
+            return (
+                f"attempt {self.count + 1} of this run (the one before, in {self.found_in}, did not finish)"
+            )
         return f"attempt {self.count + 1} of this job (restarted by {self.by})"
 
 

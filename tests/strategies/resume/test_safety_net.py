@@ -14,6 +14,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MGPUDDPStrategy
+from lightning_mgpu.strategies.resume.attempts import RECORD_NAME
 from lightning_mgpu.strategies.resume.checkpoint import ResumeCheckpoint, plan_check
 from lightning_mgpu.strategies.resume.safety_net import restartable
 from tests.strategies.resume._models import Regression
@@ -42,7 +43,8 @@ def test_every_n_steps_keeps_the_newest_and_a_restart_resumes_from_it(
     caplog.set_level(logging.INFO)
     _fit(tmp_path, every=3, checkpointing=False)  # the safety net's checkpoints only
     assert "mgpu_ddp: checkpoint_every: a resumable checkpoint every 3 steps in" in caplog.text
-    assert sorted(p.name for p in (tmp_path / "resume").iterdir()) == ["resume-epoch=0-step=6.ckpt"]
+    saved = sorted(p.name for p in (tmp_path / "resume").iterdir())
+    assert saved == [RECORD_NAME, "resume-epoch=0-step=6.ckpt"]  # the attempt's record beside it
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     trainer = _fit(tmp_path, every=3, checkpointing=False)
     assert trainer.global_step == 7
@@ -122,4 +124,4 @@ def test_by_time_it_checks_far_fewer_times_than_it_steps(
     saves = [line for line in checks if "save True" in line]
     assert len(saves) >= 2  # 160 steps of at least 10 ms, a save every 0.5 s
     assert len(checks) < 160 / 4
-    assert len(list((tmp_path / "resume").iterdir())) == 1
+    assert len(list((tmp_path / "resume").glob("*.ckpt"))) == 1  # the newest only

@@ -1,0 +1,114 @@
+"""A run started again by hand is a restart too: the record of its last attempt, in its checkpoint folder.
+
+torchrun and SLURM count their restarts (``restart.py``). A job run again by hand (the same command
+after a crash, a node lost with nothing to restart it) has no such count, but its checkpoint folder
+tells: rank 0 keeps there, in :data:`RECORD_NAME`, the attempt that is running, and marks it finished
+when its ``fit`` ends. A ``fit`` that finds the record of an unfinished attempt of the same run is
+the next attempt of that run. The same run means the same command line and the same model (the
+names, shapes and dtypes of its parameters and buffers): a script whose arguments or model changed
+since, or a folder whose last run finished, starts afresh.
+
+The folder is the first ``ModelCheckpoint``'s: a fixed ``dirpath`` is found again by the next
+attempt; Lightning's default (under the logger's new version folder) never is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+from typing_extensions import override
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["RECORD_NAME", "AttemptRecord", "fingerprint"]
+
+log = logging.getLogger(__name__)
+
+RECORD_NAME = ".lightning_mgpu_attempt.json"
+_VERSION = 1
+
+
+def fingerprint(argv: Sequence[str], module: nn.Module) -> str:
+    """What makes two attempts one run: the command line; the names, shapes, dtypes of the model's tensors."""
+    tensors = [
+        (name, list(tensor.shape), str(tensor.dtype))
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]
+    ]
+    return hashlib.sha256(json.dumps([list(argv), tensors]).encode()).hexdigest()
+
+
+class AttemptRecord(Callback):
+    """Rank 0's record of the run's attempts in its checkpoint folder (see the module).
+
+    ``AutoResume`` reads it and starts the attempt; the callback marks it finished when ``fit`` ends.
+    """
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+        self._content: dict[str, Any] | None = None
+
+    @staticmethod
+    def folder_of(trainer: pl.Trainer) -> Path | None:
+        """The first ``ModelCheckpoint``'s folder; ``None`` without one."""
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+                return Path(callback.dirpath)
+        return None
+
+    def earlier_attempts(self, folder: Path, run: str) -> int:
+        """How many attempts of ``run`` came before, the last unfinished; 0 when there is none such."""
+        self.path = folder / RECORD_NAME
+        try:
+            record = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return 0
+        except (OSError, ValueError) as err:
+            log.warning("%s cannot be read (%s): this attempt counts as a first one", self.path, err)
+            return 0
+        if not isinstance(record, dict) or record.get("version") != _VERSION or record.get("run") != run:
+            log.debug("%s holds another run's attempt: %s", self.path, record)
+            return 0
+        if record.get("finished") or not isinstance(record.get("attempt"), int):
+            return 0
+        return int(record["attempt"]) + 1
+
+    def start(self, run: str, attempt: int) -> None:
+        """Record attempt ``attempt`` (0 the first) of ``run`` as running."""
+        if self.path is not None:
+            self._write({"version": _VERSION, "run": run, "attempt": attempt, "finished": False})
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank == 0 and self._content is not None:
+            self._write({**self._content, "finished": True})
+
+    def _write(self, content: dict[str, Any]) -> None:
+        assert self.path is not None
+        temporary: str | None = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # whole or not at all: a kill while writing leaves the record it replaces
+            handle, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=RECORD_NAME, suffix=".tmp")
+            with os.fdopen(handle, "w") as file:
+                json.dump(content, file)
+            os.replace(temporary, self.path)
+        except OSError as err:
+            if temporary is not None and os.path.exists(temporary):
+                os.remove(temporary)
+            log.warning(
+                "cannot write %s (%s): a run started again by hand will not resume by itself",
+                self.path,
+                err,
+            )
+            return
+        self._content = content

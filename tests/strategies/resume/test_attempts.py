@@ -1,0 +1,104 @@
+"""A run started again by hand resumes by itself when its checkpoint folder holds its unfinished attempt.
+
+``fit.py`` trains one process under ``mgpu_ddp`` with no option set, a ``ModelCheckpoint`` every 2 steps
+in a fixed folder; its first run SIGKILLs itself at step 5. Run again with the same command, nothing
+counts a restart (no torchrun, no SLURM) but the record in the folder: it resumes from step 4 and ends
+with the weights of a run never cut. A finished run, or another command, starts afresh.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from lightning_mgpu.strategies.resume.attempts import RECORD_NAME
+from tests.helpers import Result, run_command, script_env
+
+SCRIPT = r"""
+import os, signal, sys
+import lightning as L, torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from lightning_mgpu import MGPUDDPStrategy
+
+kill_at = int(sys.argv[1])
+
+
+class Net(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == kill_at and os.path.exists("kill-once"):
+            os.remove("kill-once")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+generator = torch.Generator().manual_seed(0)
+data = TensorDataset(torch.randn(32, 4, generator=generator), torch.randn(32, 1, generator=generator))
+trainer = L.Trainer(
+    accelerator="cpu", devices=1, strategy=MGPUDDPStrategy(), max_epochs=2, logger=False,
+    callbacks=[ModelCheckpoint(dirpath="ckpts", every_n_train_steps=2)],
+    enable_progress_bar=False, enable_model_summary=False,
+)
+module = Net()
+trainer.fit(module, DataLoader(data, batch_size=4, shuffle=True))
+torch.save({"weight": module.net.weight.detach(), "step": trainer.global_step}, "out.pt")
+"""
+
+
+def _run(folder: Path, kill_at: int = 5) -> Result:
+    folder.mkdir(exist_ok=True)
+    (folder / "fit.py").write_text(SCRIPT)
+    return run_command([sys.executable, "fit.py", str(kill_at)], cwd=folder, env=script_env(), timeout=120)
+
+
+def test_a_run_killed_and_started_again_by_hand_resumes_from_its_folder(tmp_path: Path) -> None:
+    """About 15 s: the uncut run, the killed one and the one started again."""
+    assert _run(tmp_path / "uncut").returncode == 0
+    uncut = torch.load(tmp_path / "uncut" / "out.pt", weights_only=True)
+    folder = tmp_path / "cut"
+    folder.mkdir()
+    (folder / "kill-once").touch()
+    killed = _run(folder)
+    assert killed.returncode == -9, killed.output[-3000:]
+    record = json.loads((folder / "ckpts" / RECORD_NAME).read_text())
+    assert (record["attempt"], record["finished"]) == (0, False)
+
+    again = _run(folder)
+    assert again.returncode == 0, again.output[-3000:]
+    assert (
+        f"mgpu_ddp: attempt 2 of this run (the one before, in {folder}/ckpts, did not finish): resuming from"
+        f" {folder}/ckpts/epoch=0-step=4.ckpt, saved at global step 4 (epoch 0)" in again.output
+    )
+    out = torch.load(folder / "out.pt", weights_only=True)
+    assert out["step"] == uncut["step"] == 16
+    torch.testing.assert_close(out["weight"], uncut["weight"], rtol=0, atol=1e-6)
+    record = json.loads((folder / "ckpts" / RECORD_NAME).read_text())
+    assert (record["attempt"], record["finished"]) == (1, True)
+
+    # finished: the same command once more is a new run, from scratch
+    third = _run(folder)
+    assert third.returncode == 0, third.output[-3000:]
+    assert "resuming from" not in third.output
+    assert json.loads((folder / "ckpts" / RECORD_NAME).read_text())["attempt"] == 0
+
+
+def test_another_command_after_an_unfinished_attempt_starts_afresh(tmp_path: Path) -> None:
+    """About 10 s: the arguments changed since the killed attempt, so it is another run."""
+    (tmp_path / "kill-once").touch()
+    assert _run(tmp_path, kill_at=5).returncode == -9
+    other = _run(tmp_path, kill_at=6)  # another argument: another run, which nothing kills
+    assert other.returncode == 0, other.output[-3000:]
+    assert "resuming from" not in other.output
+    assert torch.load(tmp_path / "out.pt", weights_only=True)["step"] == 16
