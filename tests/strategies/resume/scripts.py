@@ -14,6 +14,9 @@ the saving rank SIGKILLed:
   of the step-6 checkpoint under ``mgpu_fsdp`` (rank 0's shard written, no index);
 - ``always``: rank 1 at global step 5 in every attempt.
 
+The environment may change the run's shape: ``FIT_DEVICES`` processes (2), ``FIT_BATCH`` rows per
+process (2), ``FIT_MAX_STEPS`` (-1), and ``FIT_RESUME=1`` sets ``resume=True``.
+
 Rank 0 writes ``OUT``: the final weights and, from a callback whose state is saved in every
 checkpoint, how many times each sample went through a training step that the final weights
 include, per epoch.
@@ -32,10 +35,14 @@ from torch.utils.data import DataLoader, Dataset
 strategy_name, fault, out = sys.argv[1], sys.argv[2], sys.argv[3]
 restarts = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 first_attempt = all(os.environ.get(name, "0") == "0" for name in restarts)
-strategy = strategy_name
-if len(sys.argv) > 4:
-    classes = {"mgpu_ddp": lightning_mgpu.MGPUDDPStrategy, "mgpu_fsdp": lightning_mgpu.MGPUFSDPStrategy}
-    strategy = classes[strategy_name](requeue_on_failure=int(sys.argv[4]))
+# FIT_DEVICES, FIT_BATCH, FIT_MAX_STEPS: another shape of the run; FIT_RESUME=1: resume=True
+devices, batch_size = int(os.environ.get("FIT_DEVICES", "2")), int(os.environ.get("FIT_BATCH", "2"))
+max_steps = int(os.environ.get("FIT_MAX_STEPS", "-1"))
+options = {"requeue_on_failure": int(sys.argv[4])} if len(sys.argv) > 4 else {}
+if os.environ.get("FIT_RESUME") == "1":
+    options["resume"] = True
+classes = {"mgpu_ddp": lightning_mgpu.MGPUDDPStrategy, "mgpu_fsdp": lightning_mgpu.MGPUFSDPStrategy}
+strategy = classes[strategy_name](**options) if options else strategy_name
 
 
 def die():
@@ -120,12 +127,13 @@ if fault == "save" and strategy_name == "mgpu_fsdp" and first_attempt:
 plugins = [HalfWrite()] if fault == "save" and strategy_name == "mgpu_ddp" else []
 visits = Visits()
 trainer = L.Trainer(
-    accelerator="cpu", devices=2, strategy=strategy, max_epochs=3, logger=False, plugins=plugins,
+    accelerator="cpu", devices=devices, strategy=strategy, max_epochs=3, max_steps=max_steps, logger=False,
+    plugins=plugins,
     callbacks=[visits, ModelCheckpoint(dirpath="ckpts", every_n_train_steps=3)],
     enable_progress_bar=False, enable_model_summary=False,
 )
 module = Regression()
-trainer.fit(module, DataLoader(Indexed(), batch_size=2, shuffle=True))
+trainer.fit(module, DataLoader(Indexed(), batch_size=batch_size, shuffle=True))
 weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in module.state_dict().items()}
 if trainer.global_rank == 0:
     torch.save({"weights": weights, "visits": visits.visits, "step": trainer.global_step}, out)

@@ -19,12 +19,15 @@ from tests.helpers import Result, run_command, script_env
 from tests.strategies.resume.scripts import SCRIPT
 
 
-def _torchrun(folder: Path, strategy: str, fault: str, restarts: int = 1) -> tuple[Result, dict[str, Any]]:
+def _torchrun(
+    folder: Path, strategy: str, fault: str, restarts: int = 1, processes: int = 2, **shape: str
+) -> tuple[Result, dict[str, Any]]:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "fit.py").write_text(SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
     cmd += [f"--max-restarts={restarts}", "fit.py", strategy, fault, "out.pt"]
-    result = run_command(cmd, cwd=folder, env=script_env(), timeout=240)
+    env = script_env(FIT_DEVICES=str(processes), **{f"FIT_{k.upper()}": v for k, v in shape.items()})
+    result = run_command(cmd, cwd=folder, env=env, timeout=240)
     assert result.returncode == 0, result.output[-6000:]
     return result, torch.load(folder / "out.pt", weights_only=True)
 
@@ -71,3 +74,19 @@ def test_a_rank_killed_while_writing_a_sharded_checkpoint(
     skipped = f"mgpu_fsdp: not resuming from {tmp_path}/ckpts/epoch=1-step=6.ckpt: it has no .metadata"
     assert skipped in result.output
     assert f"resuming from {tmp_path}/ckpts/epoch=0-step=3.ckpt, saved at global step 3" in result.output
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
+def test_resumed_on_another_number_of_processes_with_the_same_global_batch(
+    tmp_path: Path, uncut: dict[str, dict[str, Any]], before: int, after: int
+) -> None:
+    """About 25 s: cut at step 5 with ``before`` processes, resumed from step 3 with ``after``; the global
+    batch stays 4 rows (processes x rows), so every global batch is the uncut run's."""
+    rows = {1: "4", 2: "2"}
+    _torchrun(tmp_path, "mgpu_ddp", "none", restarts=0, processes=before, batch=rows[before], max_steps="5")
+    result, out = _torchrun(
+        tmp_path, "mgpu_ddp", "none", restarts=0, processes=after, batch=rows[after], resume="1"
+    )
+    assert f"resuming from {tmp_path}/ckpts/epoch=0-step=3.ckpt, saved at global step 3" in result.output
+    assert "the global batch is" not in result.output  # nothing changed that needs saying
+    _assert_as_uncut(out, uncut["mgpu_ddp"])
