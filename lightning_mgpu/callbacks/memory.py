@@ -34,6 +34,7 @@ from lightning_mgpu.callbacks.memory_readings import (
 from lightning_mgpu.callbacks.memory_report import Facts, Layout, OOMContext, Reading, Summary
 from lightning_mgpu.devices import cuda_devices
 from lightning_mgpu.estimate.batch import batch_rows
+from lightning_mgpu.estimate.model_state import ModelStateMeter
 from lightning_mgpu.oom import is_out_of_memory
 
 __all__ = ["DeviceMemoryMonitor"]
@@ -133,6 +134,7 @@ class DeviceMemoryMonitor(Callback):
         self._batches = 0
         self._layouts: list[list[Layout]] | None = None  # per rank
         self._device_plan: list[PlannedReading] | None = None
+        self._meter = ModelStateMeter()
         self._pending: tuple[Any, list[torch.Tensor], list[int]] | None = None
         self._buffer: list[tuple[int, list[Reading]]] = []  # (step, readings) not handed over yet
         self._flushed_at = 0
@@ -270,8 +272,8 @@ class DeviceMemoryMonitor(Callback):
 
     def _read(self, trainer: Trainer, reset_peak: bool) -> list[Reading]:
         if self._device_plan is None:
-            self._device_plan = plan_readings(trainer)
-        return take_readings(trainer, self._device_plan, self._rows, reset_peak)
+            self._device_plan, self._meter = plan_readings(trainer), ModelStateMeter()  # once a fit
+        return take_readings(trainer, self._device_plan, self._rows, reset_peak, self._meter)
 
     def _collect_and_log(self, trainer: Trainer, last: bool = False) -> None:
         """Read this process's devices and keep the reading; hand the kept ones over when due.

@@ -5,7 +5,8 @@
   bytes saved for backward (the replicas are threads of one process and share its RSS);
 - ``take_readings`` reads them, as plain ``Reading`` records (``memory_report.py``); the rank's
   first device also carries the bytes of parameters, gradients and optimizer state the rank holds
-  (``measure_model_state``: the local shards under ``mgpu_fsdp``, whole tensors otherwise);
+  (``measure_model_state``: the local shards under ``mgpu_fsdp``, whole tensors otherwise; measured
+  again only when a tensor appeared or went, ``ModelStateMeter``);
 - ``micro_batch_sizes`` gathers the rows per micro-batch each rank's last batch ran in, at the end
   of a fit, under a strategy that runs micro-batches (``micro_batch_size=``).
 """
@@ -23,7 +24,7 @@ from lightning.pytorch import Trainer
 from lightning_mgpu.callbacks._distributed import all_gather_objects
 from lightning_mgpu.callbacks.memory_report import Reading
 from lightning_mgpu.devices import allocator_memory, nvml_memory, process_memory
-from lightning_mgpu.strategies.fsdp.state import measure_model_state
+from lightning_mgpu.estimate.model_state import ModelStateMeter
 
 __all__ = [
     "PlannedReading",
@@ -100,13 +101,21 @@ def plan_readings(trainer: Trainer) -> list[PlannedReading]:
 
 
 def take_readings(
-    trainer: Trainer, plan: list[PlannedReading], rows: int | None, reset_peak: bool
+    trainer: Trainer,
+    plan: list[PlannedReading],
+    rows: int | None,
+    reset_peak: bool,
+    meter: ModelStateMeter | None = None,
 ) -> list[Reading]:
-    """Read every planned device now; ``rows`` is the batch this process got in the last step."""
+    """Read every planned device now; ``rows`` is the batch this process got in the last step.
+
+    ``meter`` measures the model state (a new one by default: keep one per fit, so that a step whose
+    parameters, gradients and optimizer state kept their sizes is not measured again)."""
     strategy = trainer.strategy
     chunks = getattr(strategy, "last_chunk_sizes", None) or []
     module = trainer.lightning_module
-    state = measure_model_state(module, trainer.optimizers).local.total if module is not None else math.nan
+    meter = meter or ModelStateMeter()
+    state = meter(module, trainer.optimizers).local.total if module is not None else math.nan
     readings = []
     for item in plan:
         if item.index is None:

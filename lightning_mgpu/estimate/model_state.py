@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["ModelState", "StateBytes", "measure_model_state"]
+__all__ = ["ModelState", "ModelStateMeter", "StateBytes", "measure_model_state"]
 
 
 @dataclass(frozen=True)
@@ -87,3 +87,40 @@ def measure_model_state(module: nn.Module, optimizers: Iterable[torch.optim.Opti
     ]
     sizes = [_local_and_whole(tensors) for tensors in (params, grads, states)]
     return ModelState(StateBytes(*(local for local, _ in sizes)), StateBytes(*(whole for _, whole in sizes)))
+
+
+class ModelStateMeter:
+    """``measure_model_state`` for a reading every step: measured again only when its tensors may differ.
+
+    Between two steps the model state keeps its size unless a tensor appears or goes: a gradient set
+    or dropped, optimizer state created (the first step), a parameter added or frozen. The meter
+    keeps the module's parameter list and measures again when the gradients present, the number of
+    states per optimizer or the parameter list differ from the last measurement; the parameters are
+    listed again every :attr:`RELIST` calls (a module changed in place). Its numbers are those of
+    ``measure_model_state`` at every call.
+    """
+
+    RELIST = 64
+
+    def __init__(self) -> None:
+        self._module: nn.Module | None = None
+        self._params: list[nn.Parameter] = []
+        self._calls = 0
+        self._key: tuple[tuple[object, ...], ...] | None = None
+        self._state: ModelState | None = None
+
+    def __call__(self, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> ModelState:
+        optimizers = list(optimizers)
+        relisted = False
+        if module is not self._module or self._calls % self.RELIST == 0:
+            params = list(module.parameters())
+            relisted = module is not self._module or [id(p) for p in params] != [id(p) for p in self._params]
+            self._module, self._params = module, params
+        self._calls += 1
+        key = (
+            tuple(p.grad is not None for p in self._params),  # a gradient has its parameter's size
+            tuple((id(o), len(o.state), sum(len(s) for s in o.state.values())) for o in optimizers),
+        )
+        if relisted or key != self._key or self._state is None:
+            self._state, self._key = measure_model_state(module, optimizers), key
+        return self._state

@@ -17,8 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from typing_extensions import override
+
+from lightning_mgpu._atomic import atomic_write
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -94,21 +94,13 @@ class AttemptRecord(Callback):
 
     def _write(self, content: dict[str, Any]) -> None:
         assert self.path is not None
-        temporary: str | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            # whole or not at all: a kill while writing leaves the record it replaces
-            handle, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=RECORD_NAME, suffix=".tmp")
-            with os.fdopen(handle, "w") as file:
-                json.dump(content, file)
-            os.replace(temporary, self.path)
+            with atomic_write(self.path) as file:  # a kill while writing leaves the record it replaces
+                file.write(json.dumps(content).encode())
         except OSError as err:
-            if temporary is not None and os.path.exists(temporary):
-                os.remove(temporary)
             log.warning(
-                "cannot write %s (%s): a run started again by hand will not resume by itself",
-                self.path,
-                err,
+                "cannot write %s (%s): a run started again by hand will not resume by itself", self.path, err
             )
             return
         self._content = content
