@@ -1,4 +1,4 @@
-"""``ModelStateMeter``: the numbers of ``measure_model_state`` at every call, measured again only when needed."""
+"""``ModelStateMeter``: what ``measure_model_state`` reads, at every call, measured again only when needed."""
 
 from __future__ import annotations
 

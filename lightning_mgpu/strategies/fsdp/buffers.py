@@ -1,22 +1,22 @@
-"""FSDP's own collectives, watched: an out-of-memory in their buffers never leaves a rank waiting.
+"""FSDP's own collectives, watched: an out-of-memory on one rank never leaves another waiting in one.
 
 Before each collective FSDP2 allocates a buffer of its own: the gathered parameters of a unit
-before its all-gather, the gradients to reduce-scatter before that. A rank that runs out of memory
-there stops before the collective the other ranks have already entered. Where torch lets a strategy
+before its all-gather, the gradients to reduce-scatter before that. Where torch lets a strategy
 give FSDP its collectives (``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``),
-``watch_buffers`` gives every unit FSDP's own, wrapped:
+``watch_buffers`` gives every unit FSDP's own, wrapped (a :class:`WatchedCollective` each):
 
 - an out-of-memory allocating a buffer says which buffer (the unit, the collective, the bytes) and
-  is raised as it is; right before each collective every rank passes a checkpoint (``check``: under
-  ``micro_batch_size="auto"`` the ``SyncPoints`` checkpoint, one small all-reduce). The rank that
-  failed meets the others there from its agreement, so every rank abandons the pass before the
-  collective and runs the batch again in smaller micro-batches: recovered. Without ``"auto"`` the
-  error ends the run, and the watchdog stops the other ranks within seconds;
-- an out-of-memory inside the collective itself (gloo's own temporaries on CPU) leaves the other ranks
-  inside it: it becomes ``CollectiveOutOfMemoryError``, which nothing retries, and the watchdog stops
-  every rank within seconds, the error naming the collective.
+  is raised as it is;
+- right before the collective, ``before`` runs (under ``micro_batch_size="auto"``: the announcement
+  of ``SyncPoints``, an all-reduce nothing waits for, see ``microbatch/agreement.py``);
+- :meth:`WatchedCollective.shadow` runs the same collective with buffers of its own, on a rank that
+  left its pass after an out-of-memory error, so that the ranks still in theirs do not wait in it;
+- an out-of-memory inside the collective itself (gloo's own temporaries on CPU) leaves the other
+  ranks inside it: it becomes ``CollectiveOutOfMemoryError``, which nothing retries, and the watchdog
+  stops every rank within seconds, the error naming the collective.
 
-On a torch without these methods FSDP's collectives run as they are.
+Without ``"auto"`` an out-of-memory ends the run, and the watchdog stops the other ranks within
+seconds. On a torch without these methods FSDP's collectives run as they are.
 """
 
 from __future__ import annotations
@@ -35,9 +35,22 @@ from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.oom import is_out_of_memory
 from lightning_mgpu.strategies.process_group.errors import add_to_message
 
-__all__ = ["CollectiveOutOfMemoryError", "Watched", "watch_buffers"]
+__all__ = [
+    "DTYPES",
+    "CollectiveOutOfMemoryError",
+    "Watched",
+    "WatchedCollective",
+    "nothing_before",
+    "watch_buffers",
+]
 
 log = logging.getLogger(__name__)
+
+DTYPES = (
+    torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.int8, torch.int32,
+    torch.int64, torch.float8_e4m3fn, torch.float8_e5m2,
+)  # fmt: skip
+"""The dtypes of the buffers a description can name (its index here)."""
 
 
 class CollectiveOutOfMemoryError(Exception):
@@ -48,21 +61,39 @@ class CollectiveOutOfMemoryError(Exception):
     """
 
 
-def _nothing() -> None:
-    """No checkpoint: no ``SyncPoints`` watches the model."""
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-class _WatchedCollective:
-    """FSDP's all-gather or reduce-scatter of one unit, its buffers and its call watched (see the module)."""
+Before = Callable[["WatchedCollective", torch.Tensor, torch.Tensor], None]
+"""What runs right before a watched collective: the collective, its output and input buffers."""
 
-    def __init__(self, inner: Any, what: str, check: Callable[[], None]) -> None:
+
+def nothing_before(collective: WatchedCollective, output: torch.Tensor, input: torch.Tensor) -> None:
+    """Nothing to do before the collective."""
+
+
+class WatchedCollective:
+    """FSDP's all-gather or reduce-scatter of one unit, its buffers and its call watched (see the module).
+
+    Args:
+        inner: FSDP's own collective.
+        what: ``"all-gather of the parameters of unit 'layers.0'"``, for messages.
+        index: Its place among the watched collectives of the model (the same on every rank).
+        group: The process group FSDP runs it in, when known before the first call.
+    """
+
+    def __init__(self, inner: Any, what: str, index: int, group: dist.ProcessGroup | None) -> None:
         self.inner = inner
         self.what = what
-        self.check = check
+        self.index = index
+        self.group = group
+        self.before: Before = nothing_before
+        self.op: Any = None
+
+    @property
+    def gathers(self) -> bool:
+        return self.what.startswith("all-gather")
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         try:
@@ -75,10 +106,25 @@ class _WatchedCollective:
                 add_to_message(error, line)
             raise
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.check()  # every buffer is allocated: the ranks meet before any enters the collective
+    def describe(self, output: torch.Tensor, input: torch.Tensor) -> list[int]:
+        """The four numbers another rank needs to run this collective with this one (``shadow``)."""
+        dtype = DTYPES.index(input.dtype) if input.dtype in DTYPES else -1
+        return [self.index, input.numel(), output.numel(), dtype]
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        self.group = group
+        if not self.gathers:
+            self.op = kwargs.get("op", args[0] if args else None)
+        self.before(self, output_tensor, input_tensor)  # every buffer is allocated: the ranks may meet
         try:
-            return self.inner(*args, **kwargs)
+            return self.inner(output_tensor, input_tensor, group, *args, **kwargs)
         except BaseException as error:
             if not is_out_of_memory(error):
                 raise
@@ -91,27 +137,46 @@ class _WatchedCollective:
                 " leave room for them (a smaller batch or micro_batch_size)"
             ) from error
 
+    def shadow(self, input_numel: int, output_numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Run this collective with buffers of this rank's own, whose values nobody reads."""
+        if self.group is None:
+            raise RuntimeError(f"mgpu_fsdp cannot run its {self.what} without its process group")
+        if self.gathers:  # in place, as FSDP gathers: this rank's input is its slice of the output
+            output = torch.empty(output_numel, dtype=dtype, device=device)
+            rank = dist.get_rank(self.group)
+            self.inner(
+                output, output[rank * input_numel : (rank + 1) * input_numel], self.group, async_op=False
+            )
+            return
+        op = self.op if self.op is not None else dist.ReduceOp.SUM
+        input = torch.zeros(input_numel, dtype=dtype, device=device)
+        self.inner(
+            torch.empty(output_numel, dtype=dtype, device=device), input, self.group, op=op, async_op=False
+        )
+
 
 def _unit_name(name: str) -> str:
     return f"unit {name!r}" if name else "the root unit"  # named_modules' name of the root is ""
 
 
 class Watched(NamedTuple):
-    """What ``watch_buffers`` did: the units whose collectives it watches, and those it cannot watch."""
+    """What ``watch_buffers`` did: the collectives it watches, and the units whose collectives it cannot."""
 
-    watched: int
+    collectives: list[WatchedCollective]
+    """Every unit's all-gather and reduce-scatter, in the model's order (``WatchedCollective.index``)."""
     unwatched: int
     """Units that gather parameters but whose collectives torch does not let a strategy give (an older
     torch, a unit with several parameter groups)."""
 
 
-def watch_buffers(root: nn.Module, check: Callable[[], None] | None = None) -> Watched:
-    """Give every FSDP unit of ``root`` FSDP's own collectives, watched; ``check`` runs before each one.
+def watch_buffers(root: nn.Module, before: Before | None = None) -> Watched:
+    """Give every FSDP unit of ``root`` FSDP's own collectives, watched; ``before`` runs before each one.
 
-    Called again, it keeps the units' watched collectives; a ``check`` replaces theirs (``None`` keeps
-    it: none at first). ``SyncPoints`` gives its checkpoint while it exists.
+    Called again, it keeps the units' watched collectives; a ``before`` replaces theirs (``None`` keeps
+    it: none at first). ``SyncPoints`` gives its announcement while it exists.
     """
-    watched = unwatched = 0
+    collectives: list[WatchedCollective] = []
+    unwatched = 0
     for name, unit in root.named_modules():
         if not isinstance(unit, FSDPModule):
             continue
@@ -127,19 +192,33 @@ def watch_buffers(root: nn.Module, check: Callable[[], None] | None = None) -> W
             unwatched += len(groups) > 1  # none: nothing to gather; several: a grouping set_custom_* refuses
             continue
         group = groups[0]
-        for attribute, setter, what in (
-            ("_all_gather_comm", set_gather, f"all-gather of the parameters of {_unit_name(name)}"),
-            ("_reduce_scatter_comm", set_reduce, f"reduce-scatter of the gradients of {_unit_name(name)}"),
+        mine: list[WatchedCollective] = []
+        for attribute, setter, what, process_group in (
+            ("_all_gather_comm", set_gather, "all-gather of the parameters", "_all_gather_process_group"),
+            (
+                "_reduce_scatter_comm",
+                set_reduce,
+                "reduce-scatter of the gradients",
+                "_reduce_scatter_process_group",
+            ),
         ):
             comm = getattr(group, attribute, None)
             if comm is None:
-                unwatched += 1
                 break
-            if isinstance(comm, _WatchedCollective):
-                comm.check = check or comm.check
-            else:
-                setter(_WatchedCollective(comm, what, check or _nothing))
-        else:
-            watched += 1
-    log.debug("FSDP's collectives watched on %d unit(s), not on %d", watched, unwatched)
-    return Watched(watched, unwatched)
+            if not isinstance(comm, WatchedCollective):
+                try:
+                    known = getattr(group, process_group)
+                except Exception:  # a private property of FSDP's: the group is then read at the first call
+                    known = None
+                comm = WatchedCollective(comm, f"{what} of {_unit_name(name)}", 0, known)
+                setter(comm)
+            mine.append(comm)
+        if len(mine) != 2:
+            unwatched += 1
+            continue
+        for comm in mine:
+            comm.index = len(collectives)
+            comm.before = before or comm.before
+            collectives.append(comm)
+    log.debug("FSDP's collectives watched on %d unit(s), not on %d", len(collectives) // 2, unwatched)
+    return Watched(collectives, unwatched)

@@ -1,33 +1,43 @@
-"""Checkpoints between the collectives of FSDP2's passes, so an out-of-memory on one rank leaves none waiting.
+"""FSDP2's passes under ``"auto"``: an out-of-memory on one rank leaves no other waiting in a collective.
 
 Under ``mgpu_fsdp`` every unit gathers its parameters in its forward and again in its backward,
 and reduce-scatters its gradients after its backward: collectives every rank must call in the
 same order. A rank that runs out of memory while computing a unit stops calling them, and the
 others would wait in the next one for good. With ``micro_batch_size="auto"``, ``SyncPoints``
-puts a checkpoint (``Agreement.checkpoint``, one small all-reduce) right before each of FSDP's
-collectives, after FSDP allocated its buffers (``buffers.py``, where torch lets a strategy give FSDP
-its collectives): one per collective, nothing between them. Where a unit's collectives cannot be
-given (a torch without ``set_custom_all_gather``, a unit with several parameter groups), hooks on
-every unit put them where the passes reach those collectives:
+makes each rank announce each of FSDP's collectives right before it enters it, after FSDP allocated
+its buffers (``buffers.py``, where torch lets a strategy give FSDP its collectives): an all-reduce
+nothing waits for (``Agreement.announce``). A rank that ran out of memory leaves its pass for
+``Agreement.agree``, whose exchanges meet those announcements: it runs each collective announced with
+buffers of its own (``WatchedCollective.shadow``) until the others reach the end of their pass, where
+all learn that the attempt failed. Every rank then resets FSDP's per-pass state
+(``FSDPModule.reset_iter_state``) and the batch runs again in smaller micro-batches.
+
+An out-of-memory allocating FSDP's buffers is recovered so too: leaving the pass frees what it held,
+which the shadowed collective uses. One inside a collective (gloo's own temporaries) is not: the
+other ranks are in it; it stops every rank within seconds, named (``buffers.CollectiveOutOfMemoryError``),
+as does a shadowed collective that finds no memory either.
+
+Where a unit's collectives cannot be given (a torch without ``set_custom_all_gather``, a unit with
+several parameter groups), hooks on every unit put checkpoints, where every rank waits for the others
+(``Agreement.checkpoint``), where the passes reach those collectives:
 
 - before each unit's forward (before its parameters are gathered);
 - in backward, where the gradient reaches a unit's output (before FSDP gathers it again) and
   where it leaves the unit's input (before the unit's gradients are reduce-scattered);
 - at the end of the backward, before the root unit's gradients are reduce-scattered.
 
-The rank that failed meets the others at their next checkpoint, where they abandon the pass; every
-rank then resets FSDP's per-pass state (``FSDPModule.reset_iter_state``) and the batch runs again.
-An out-of-memory allocating FSDP's buffers is recovered so too. One inside a collective (gloo's own
-temporaries) is not: the other ranks are in it; it stops every rank within seconds, named
-(``buffers.CollectiveOutOfMemoryError``), as does one in FSDP's buffers on a torch that cannot take
-custom collectives. ``FSDPModule.reset_iter_state`` is in torch from 2.13: on an older torch
-``micro_batch_size="auto"`` under ``mgpu_fsdp`` is refused at the first step, naming the version.
+The rank that failed meets the others at their next checkpoint, where they abandon the pass. An
+out-of-memory in FSDP's buffers on a torch that cannot take custom collectives stops every rank,
+possibly only after ``stall_timeout``. ``FSDPModule.reset_iter_state`` is in torch from 2.13: on an
+older torch ``micro_batch_size="auto"`` under ``mgpu_fsdp`` is refused at the first step, naming the
+version.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -39,7 +49,7 @@ from torch.autograd import Variable
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
-from lightning_mgpu.strategies.fsdp.buffers import watch_buffers
+from lightning_mgpu.strategies.fsdp.buffers import DTYPES, WatchedCollective, nothing_before, watch_buffers
 from lightning_mgpu.strategies.microbatch.agreement import Agreement
 
 __all__ = ["SyncPoints"]
@@ -51,10 +61,6 @@ _NO_RESET = (
     "micro_batch_size='auto' under mgpu_fsdp needs torch>=2.13 (FSDPModule.reset_iter_state), and this is"
     f" torch {torch.__version__}: upgrade torch, or use a fixed micro_batch_size"
 )
-
-
-def _nothing() -> None:
-    """Before FSDP's collectives once the checkpoints are removed: nothing to meet."""
 
 
 class _BackwardCheckpoint(torch.autograd.Function):
@@ -83,12 +89,13 @@ class SyncPoints:
         self._agreement: Agreement | None = None
         self._handles: list[RemovableHandle] = []
         units = [m for m in root.modules() if isinstance(m, FSDPModule)]
-        watched = watch_buffers(root, self.check)
+        watched = watch_buffers(root, self._announce)
+        self._collectives = watched.collectives
         # no unit watched: this torch cannot take custom collectives (said once, under "auto")
-        self._buffers_unwatched = watched.watched == 0 and watched.unwatched > 0
+        self._buffers_unwatched = not watched.collectives and watched.unwatched > 0
         if watched.unwatched == 0:
-            # a checkpoint right before each of FSDP's collectives is all it takes: none on the units
-            log.debug("checkpoints before the collectives of %d FSDP units", watched.watched)
+            # an announcement right before each of FSDP's collectives is all it takes: no hooks on the units
+            log.debug("announcements before the %d collectives of the FSDP units", len(watched.collectives))
             return
         for unit in units:
             self._handles += [
@@ -122,6 +129,7 @@ class SyncPoints:
                 " after stall_timeout, the other ranks being in the collective. A newer torch recovers it."
             )
         self._agreement = agreement
+        agreement.shadow = functools.partial(self._shadow, agreement.device)
         try:
             yield
         finally:
@@ -155,13 +163,25 @@ class SyncPoints:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        watch_buffers(self.root, _nothing)
+        watch_buffers(self.root, nothing_before)
 
     # ------------------------------------------------------------------ hooks
     def check(self) -> None:
         """A checkpoint while ``watching``, else nothing (``buffers.py`` runs one before each collective)."""
         if self._agreement is not None:
             self._agreement.checkpoint()
+
+    def _announce(self, collective: WatchedCollective, output: Tensor, input: Tensor) -> None:
+        """Before one of FSDP's collectives, while ``watching``: say which one, without waiting."""
+        if self._agreement is not None:
+            self._agreement.announce(collective.describe(output, input))
+
+    def _shadow(self, device: torch.device, description: Sequence[int]) -> None:
+        """Run the collective the ranks still in their pass announced, on this rank that left its pass."""
+        index, input_numel, output_numel, dtype = description
+        if not 0 <= index < len(self._collectives) or not 0 <= dtype < len(DTYPES):
+            raise RuntimeError(f"mgpu_fsdp cannot run the collective announced as {list(description)}")
+        self._collectives[index].shadow(input_numel, output_numel, DTYPES[dtype], device)
 
     def _check_then_final(self) -> None:
         """The backward checkpoint of the root's output: also one at the end of the backward."""

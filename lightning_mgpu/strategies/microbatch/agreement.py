@@ -1,37 +1,48 @@
 """How the ranks of a micro-batched step learn of each other's out-of-memory errors, none left waiting.
 
 Every exchange is one all-reduce of the same small float64 vector, whoever calls it:
-``[status of rank 0, ..., status of rank N-1, global_mean count, ranks at the end]``.
+``[status of rank 0, ..., status of rank N-1, global_mean count, ranks at the end, ranks about to
+run a collective, that collective's description (4 numbers)]``.
 
 - ``agree``: the end of an attempt. Each rank gives its status (``OK``, ``RETRY``: it ran
   out of memory and will run the batch again smaller, ``FATAL``: not even one row fits) and
   the count ``global_mean`` saw.
-- ``checkpoint``: a point inside a forward or backward pass (``mgpu_fsdp`` puts one around
-  every unit, because its passes gather parameters collectively: a rank that fails between two
-  gathers must meet the others before their next one). A rank passing it gives zeros; when
-  another rank's status is not ``OK`` it raises ``PeerOutOfMemory`` and the attempt is
-  abandoned on every rank.
+- ``announce``: under ``mgpu_fsdp``, right before each of FSDP's collectives, a rank that runs its
+  pass says which one it is about to enter (which unit's, which kind, its sizes), asynchronously:
+  nothing waits for it, and its result is never read. A rank that ran out of memory earlier in the
+  pass is in ``agree`` meanwhile: its exchange meets the announcement, and it runs the same
+  collective with buffers of its own (``shadow``), so nobody waits in it, then exchanges again.
+  The others finish their pass, and learn at their ``agree`` that the attempt failed.
+- ``checkpoint``: a point inside a pass where a rank that runs it waits for the answer (``mgpu_fsdp``
+  puts one before the collectives of a unit whose collectives it cannot announce); when another
+  rank's status is not ``OK`` it raises ``PeerOutOfMemory`` and the attempt is abandoned on every rank.
 
-A rank that fails calls ``agree`` while the others may still be at a checkpoint; both calls
-are the same all-reduce, so they meet. The last entry tells ``agree`` whether every rank was
-at the end: if not, the others now abandon their pass and come to ``agree`` as well, so it
-runs again until all meet there.
+A rank that fails calls ``agree`` while the others may still be in their pass; all calls are the
+same all-reduce, so they meet. The count of ranks at the end tells ``agree`` whether every rank
+was there: if not, it runs again (after shadowing the collective announced, if one was) until all
+meet there.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["FATAL", "OK", "RETRY", "Agreement", "PeerOutOfMemory", "Verdict"]
+__all__ = ["DESCRIPTION", "FATAL", "OK", "RETRY", "Agreement", "PeerOutOfMemory", "Shadow", "Verdict"]
 
 log = logging.getLogger(__name__)
 
 OK, RETRY, FATAL = 0, 1, 2
+DESCRIPTION = 4
+"""Numbers that describe a collective to shadow (``announce``): the meaning is the announcer's."""
+
+Shadow = Callable[[Sequence[int]], None]
+"""Runs, on a rank that left its pass, the collective another rank announced (its description)."""
 
 
 class PeerOutOfMemory(Exception):
@@ -65,15 +76,32 @@ class Agreement:
         self.rank = rank
         self.world = world
         self.device = device
+        self.shadow: Shadow | None = None
+        """Set by the strategy that announces its collectives: how this rank runs one it left."""
+        self._announced: list[tuple[dist.Work | None, Tensor]] = []
 
-    def _exchange(self, status: int, count: Tensor | None, at_end: bool) -> Tensor:
-        vector = torch.zeros(self.world + 2, dtype=torch.float64, device=self.device)
+    def _vector(self, status: int, count: Tensor | None, at_end: bool) -> Tensor:
+        vector = torch.zeros(self.world + 3 + DESCRIPTION, dtype=torch.float64, device=self.device)
         vector[self.rank] = status
         if count is not None:
             vector[self.world] = count
         vector[self.world + 1] = float(at_end)
+        return vector
+
+    def _exchange(self, status: int, count: Tensor | None, at_end: bool) -> Tensor:
+        vector = self._vector(status, count, at_end)
         dist.all_reduce(vector)
         return vector.cpu()
+
+    def announce(self, description: Sequence[int]) -> None:
+        """About to enter a collective (``description``): tell a rank that left the pass, without waiting."""
+        if self.world == 1:
+            return
+        vector = torch.zeros(self.world + 3 + DESCRIPTION, dtype=torch.float64)
+        vector[self.world + 2] = 1
+        vector[self.world + 3 :] = torch.tensor([float(n) for n in description], dtype=torch.float64)
+        vector = vector.to(self.device)
+        self._announced.append((dist.all_reduce(vector, async_op=True), vector))
 
     def agree(self, status: int, count: Tensor | None) -> Verdict:
         """Every rank's status and the summed count; returns once every rank reached the end."""
@@ -81,8 +109,16 @@ class Agreement:
             return Verdict({self.rank: status}, count)
         while True:
             vector = self._exchange(status, count, at_end=True)
+            announcing = int(vector[self.world + 2].item())
+            if announcing:
+                self._shadow(vector[self.world + 3 :], announcing)
+                continue
             arrived = int(vector[self.world + 1].item())
             if arrived == self.world:
+                for work, _ in self._announced:  # done long ago: their collectives ran after them
+                    if work is not None:
+                        work.wait()
+                self._announced.clear()
                 statuses = {rank: int(s) for rank, s in enumerate(vector[: self.world].tolist())}
                 return Verdict(statuses, vector[self.world].to(self.device) if count is not None else None)
             log.debug(
@@ -91,6 +127,18 @@ class Agreement:
                 arrived,
                 self.world,
             )
+
+    def _shadow(self, summed: Tensor, announcing: int) -> None:
+        """Run the collective ``announcing`` ranks announced (``summed``: their descriptions added up)."""
+        description = [int(n) // announcing for n in summed.tolist()]
+        if [n * announcing for n in description] != [int(n) for n in summed.tolist()] or self.shadow is None:
+            raise RuntimeError(
+                f"rank {self.rank} left its pass after an out-of-memory error, and {announcing} rank(s)"
+                f" announced collectives it cannot run with them (summed description {summed.tolist()});"
+                " the run stops here rather than leave them waiting"
+            )
+        log.debug("rank %d runs the collective %s with the ranks still in their pass", self.rank, description)
+        self.shadow(description)
 
     def checkpoint(self) -> None:
         """A point inside a pass: raises ``PeerOutOfMemory`` when a rank ended its attempt with an error."""

@@ -30,7 +30,8 @@ class CollectivePasses(Protocol):
     """
 
     def watching(self, agreement: Agreement) -> AbstractContextManager[None]:
-        """Checkpoints (``agreement.checkpoint``) between the collective parts of each pass, while open."""
+        """While open, each collective of a pass announced (``agreement.announce``; ``agreement.shadow``
+        runs one on a rank that left its pass), or checkpoints (``agreement.checkpoint``) before them."""
         ...
 
     def reset(self) -> None:

@@ -3,9 +3,11 @@
 One launch of two processes, two fits. Rank 0's address space is limited right before the unit
 ``wide`` (4.13 MiB of parameters gathered) runs its first forward, with room for:
 
-- 2 MiB: FSDP's all-gather buffer does not fit. With ``micro_batch_size="auto"`` every rank abandons
-  the pass before the all-gather and runs the batch again in micro-batches of 8 rows (the limit is
-  lifted for the rerun); the weights are those of plain training;
+- 2 MiB, while the pass holds 16 MiB: FSDP's all-gather buffer does not fit. With
+  ``micro_batch_size="auto"`` rank 0 leaves its pass, which frees the 16 MiB, and runs the all-gather
+  rank 1 announced and entered with a buffer of its own; rank 1 finishes its pass, and every rank
+  runs the batch again in micro-batches of 8 rows (the limit is lifted for the rerun); the weights
+  are those of plain training;
 - 6 MiB: the buffer fits, but gloo's own copy inside the all-gather does not, while rank 1 is in it:
   every rank stops within seconds, the error naming the all-gather, instead of after ``stall_timeout``
   (gloo, left alone, aborts both processes on the collectives that no longer match).
@@ -71,6 +73,8 @@ class Model(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         self.rows.append(len(x))
+        # what the pass held when the all-gather buffer found no room: freed with the failed attempt
+        held = torch.ones(4 * 2**20) if self.global_rank == 0 and self.forwards == 0 else None
         return F.mse_loss(self.head(self.wide(torch.tanh(self.lin(x)))), y)
 
     def configure_optimizers(self):
