@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -88,8 +88,13 @@ class SyncPoints:
         self.root = root
         self._agreement: Agreement | None = None
         self._handles: list[RemovableHandle] = []
+        self._seen: list[list[int]] = []  # the collectives this attempt entered, described
+        self._learned: dict[Hashable, list[list[int]]] = {}
+        self._candidate: tuple[Hashable, list[list[int]]] | None = None
+        self._repeats = True
+        self._announcing = True
         units = [m for m in root.modules() if isinstance(m, FSDPModule)]
-        watched = watch_buffers(root, self._announce)
+        watched = watch_buffers(root, self._before)
         self._collectives = watched.collectives
         # no unit watched: this torch cannot take custom collectives (said once, under "auto")
         self._buffers_unwatched = not watched.collectives and watched.unwatched > 0
@@ -109,8 +114,10 @@ class SyncPoints:
         log.debug("checkpoints around %d FSDP units: %s", len(units), watched)
 
     @contextmanager
-    def watching(self, agreement: Agreement) -> Iterator[None]:
-        """Checkpoints active: each one meets the other ranks through ``agreement``."""
+    def watching(self, agreement: Agreement, kind: Hashable = None) -> Iterator[None]:
+        """Announcements (or checkpoints) active for one attempt of ``kind`` (its stage and number of
+        micro-batches): an attempt of a kind that ran before without an error, whose collectives
+        repeat, announces nothing, its collectives being known (module docstring)."""
         if not isinstance(self.root, FSDPModule):
             raise ValueError(
                 f"micro_batch_size='auto' under mgpu_fsdp needs the LightningModule itself sharded, so that a"
@@ -128,12 +135,18 @@ class SyncPoints:
                 " all-gather or reduce-scatter buffers is not recovered: it ends the run, possibly only"
                 " after stall_timeout, the other ranks being in the collective. A newer torch recovers it."
             )
+        if self._candidate is not None:  # the last attempt succeeded: nothing reset it
+            self._learn(*self._candidate)
+        known = self._learned.get(kind) if self._repeats and not self._handles else None
+        self._announcing, self._seen = known is None, []
         self._agreement = agreement
         agreement.shadow = functools.partial(self._shadow, agreement.device)
+        agreement.leave = None if known is None else functools.partial(self._leave, agreement.device, known)
         try:
             yield
         finally:
             self._agreement = None
+            self._candidate = (kind, self._seen)
 
     def reset(self) -> None:
         """FSDP's per-pass state reset after a pass was abandoned (``FSDPModule.reset_iter_state``)."""
@@ -141,6 +154,7 @@ class SyncPoints:
         if reset is None:
             raise RuntimeError(_NO_RESET)
         reset()
+        self._candidate = None  # an abandoned attempt teaches nothing
         # reset_iter_state leaves the gradients autograd already wrote to the gathered parameters:
         # they would be added to the next attempt's, so they are dropped here
         dropped = 0
@@ -171,10 +185,34 @@ class SyncPoints:
         if self._agreement is not None:
             self._agreement.checkpoint()
 
-    def _announce(self, collective: WatchedCollective, output: Tensor, input: Tensor) -> None:
-        """Before one of FSDP's collectives, while ``watching``: say which one, without waiting."""
-        if self._agreement is not None:
-            self._agreement.announce(collective.describe(output, input))
+    def _before(self, collective: WatchedCollective, output: Tensor, input: Tensor) -> None:
+        """Before one of FSDP's collectives, while ``watching``: note it, and say which one, without
+        waiting, unless the attempt's collectives are known."""
+        if self._agreement is None:
+            return
+        description = collective.describe(output, input)
+        self._seen.append(description)
+        if self._announcing:
+            self._agreement.announce(description)
+
+    def _learn(self, kind: Hashable, seen: list[list[int]]) -> None:
+        """An attempt of ``kind`` succeeded having entered ``seen``: its known collectives, if they repeat."""
+        known = self._learned.setdefault(kind, seen)
+        if known != seen:
+            self._repeats = False  # every rank sees it at the same attempt: all announce from now on
+            log.debug(
+                "the collectives of %s changed (%d, then %d): announced from now on",
+                kind,
+                len(known),
+                len(seen),
+            )
+
+    def _leave(self, device: torch.device, known: list[list[int]]) -> None:
+        """This rank left a pass whose collectives are known: run the ones it did not enter."""
+        left = known[len(self._seen) :]
+        log.debug("running the %d collectives of the pass this rank left", len(left))
+        for description in left:
+            self._shadow(device, description)
 
     def _shadow(self, device: torch.device, description: Sequence[int]) -> None:
         """Run the collective the ranks still in their pass announced, on this rank that left its pass."""

@@ -2,11 +2,12 @@
 
 Every exchange is one all-reduce of the same small float64 vector, whoever calls it:
 ``[status of rank 0, ..., status of rank N-1, global_mean count, ranks at the end, ranks about to
-run a collective, that collective's description (4 numbers)]``.
+run a collective, ranks that will cut their next batch, that collective's description (4 numbers)]``.
 
 - ``agree``: the end of an attempt. Each rank gives its status (``OK``, ``RETRY``: it ran
-  out of memory and will run the batch again smaller, ``FATAL``: not even one row fits) and
-  the count ``global_mean`` saw.
+  out of memory and will run the batch again smaller, ``FATAL``: not even one row fits), the
+  count ``global_mean`` saw, and whether it will cut its next batch into micro-batches (when no
+  rank will, the next batch runs whole everywhere without asking).
 - ``announce``: under ``mgpu_fsdp``, right before each of FSDP's collectives, a rank that runs its
   pass says which one it is about to enter (which unit's, which kind, its sizes), asynchronously:
   nothing waits for it, and its result is never read. A rank that ran out of memory earlier in the
@@ -60,6 +61,8 @@ class Verdict:
 
     statuses: dict[int, int]
     count: Tensor | None
+    cut: bool = True
+    """Whether a rank will cut its next batch into micro-batches (``False``: every rank runs it whole)."""
 
 
 class Agreement:
@@ -78,18 +81,18 @@ class Agreement:
         self.device = device
         self.shadow: Shadow | None = None
         """Set by the strategy that announces its collectives: how this rank runs one it left."""
+        self.leave: Callable[[], None] | None = None
+        """Set where the collectives of the pass are known and nobody announces them: runs, on a rank
+        whose attempt failed, those of the pass it did not enter, before it meets the others."""
         self._announced: list[tuple[dist.Work | None, Tensor]] = []
 
-    def _vector(self, status: int, count: Tensor | None, at_end: bool) -> Tensor:
-        vector = torch.zeros(self.world + 3 + DESCRIPTION, dtype=torch.float64, device=self.device)
+    def _exchange(self, status: int, count: Tensor | None, at_end: bool, cut: bool = False) -> Tensor:
+        vector = torch.zeros(self.world + 4 + DESCRIPTION, dtype=torch.float64, device=self.device)
         vector[self.rank] = status
         if count is not None:
             vector[self.world] = count
         vector[self.world + 1] = float(at_end)
-        return vector
-
-    def _exchange(self, status: int, count: Tensor | None, at_end: bool) -> Tensor:
-        vector = self._vector(status, count, at_end)
+        vector[self.world + 3] = float(cut)
         dist.all_reduce(vector)
         return vector.cpu()
 
@@ -97,21 +100,27 @@ class Agreement:
         """About to enter a collective (``description``): tell a rank that left the pass, without waiting."""
         if self.world == 1:
             return
-        vector = torch.zeros(self.world + 3 + DESCRIPTION, dtype=torch.float64)
+        vector = torch.zeros(self.world + 4 + DESCRIPTION, dtype=torch.float64)
         vector[self.world + 2] = 1
-        vector[self.world + 3 :] = torch.tensor([float(n) for n in description], dtype=torch.float64)
+        vector[self.world + 4 :] = torch.tensor([float(n) for n in description], dtype=torch.float64)
         vector = vector.to(self.device)
         self._announced.append((dist.all_reduce(vector, async_op=True), vector))
 
-    def agree(self, status: int, count: Tensor | None) -> Verdict:
-        """Every rank's status and the summed count; returns once every rank reached the end."""
+    def agree(self, status: int, count: Tensor | None, cut: bool = True) -> Verdict:
+        """Every rank's status and the summed count; returns once every rank reached the end.
+
+        ``cut``: whether this rank will cut its next batch into micro-batches, as far as it knows now.
+        """
         if self.world == 1:
-            return Verdict({self.rank: status}, count)
+            return Verdict({self.rank: status}, count, cut)
+        if status != OK and self.leave is not None:
+            leave, self.leave = self.leave, None
+            leave()
         while True:
-            vector = self._exchange(status, count, at_end=True)
+            vector = self._exchange(status, count, at_end=True, cut=cut)
             announcing = int(vector[self.world + 2].item())
             if announcing:
-                self._shadow(vector[self.world + 3 :], announcing)
+                self._shadow(vector[self.world + 4 :], announcing)
                 continue
             arrived = int(vector[self.world + 1].item())
             if arrived == self.world:
@@ -120,7 +129,8 @@ class Agreement:
                         work.wait()
                 self._announced.clear()
                 statuses = {rank: int(s) for rank, s in enumerate(vector[: self.world].tolist())}
-                return Verdict(statuses, vector[self.world].to(self.device) if count is not None else None)
+                summed = vector[self.world].to(self.device) if count is not None else None
+                return Verdict(statuses, summed, bool(vector[self.world + 3].item()))
             log.debug(
                 "rank %d: %d of %d ranks at the end; the others abandon their pass",
                 self.rank,

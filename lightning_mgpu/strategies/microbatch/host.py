@@ -6,6 +6,7 @@ nothing of it beyond these two contracts.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
@@ -29,9 +30,10 @@ class CollectivePasses(Protocol):
     the next collective.
     """
 
-    def watching(self, agreement: Agreement) -> AbstractContextManager[None]:
+    def watching(self, agreement: Agreement, kind: Hashable = None) -> AbstractContextManager[None]:
         """While open, each collective of a pass announced (``agreement.announce``; ``agreement.shadow``
-        runs one on a rank that left its pass), or checkpoints (``agreement.checkpoint``) before them."""
+        runs one on a rank that left its pass), or checkpoints (``agreement.checkpoint``) before them.
+        ``kind`` names attempts whose passes run the same collectives (the stage and micro-batches)."""
         ...
 
     def reset(self) -> None:

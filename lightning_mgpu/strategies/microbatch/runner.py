@@ -134,6 +134,7 @@ class MicroBatchRunner:
         self._grads: BatchGradients | None = None
         self._phase = "forward"
         self._estimated = False
+        self._whole_everywhere = False  # the last agreement: no rank cuts its next batch
 
     # ------------------------------------------------------------------ the batch
     def run(self, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -167,10 +168,15 @@ class MicroBatchRunner:
             status = OK
             if done is None:
                 parts = math.ceil(rows / self.sizes.rows(rows))
-                if lockstep is not None:
+                # unless the last agreement said that every rank runs this batch whole (its first attempt)
+                if lockstep is not None and not (self._whole_everywhere and not attempts):
                     parts = self._shared_parts(agreement, parts, rows, where)
                 tried = max(split_sizes(rows, parts))  # what runs: another rank may cut this one finer
-                watching = lockstep.watching(agreement) if lockstep is not None and self.sizes.auto else None
+                watching = (
+                    lockstep.watching(agreement, (self.stage, parts))
+                    if lockstep is not None and self.sizes.auto
+                    else None
+                )
                 try:
                     with watching or nullcontext():
                         done = self._attempt(module, step, args, kwargs, rows, parts, accumulate, ddp)
@@ -184,7 +190,9 @@ class MicroBatchRunner:
                     status = self._recover(tried, rows, where)
                 if done is None:
                     self._drop(grads, lockstep)
-            verdict = agreement.agree(status, None if done is None else done.local_count())
+            count = None if done is None else done.local_count()
+            verdict = agreement.agree(status, count, cut=self.sizes.size is not None)
+            self._whole_everywhere = not verdict.cut
             if FATAL in verdict.statuses.values():
                 raise self._fatal(verdict.statuses, attempts, where)
             if all(s == OK for s in verdict.statuses.values()) and done is not None:

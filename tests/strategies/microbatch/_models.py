@@ -165,6 +165,7 @@ class Hungry(L.LightningModule):
         lift_at: int | None = None,
         masked: bool = False,
         limit_in: str = "train",
+        limit_from: int = 0,
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -178,6 +179,7 @@ class Hungry(L.LightningModule):
         self.lift_at = lift_at
         self.masked = masked
         self.limit_in = limit_in
+        self.limit_from = limit_from
         self.sizes_seen: list[int] = []
         self.eval_sizes_seen: list[int] = []
         self._limited = False
@@ -199,7 +201,7 @@ class Hungry(L.LightningModule):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.limit_rank != self.global_rank or self.limit_in != "train":
             return
-        if not self._limited:
+        if not self._limited and self.trainer.global_step >= self.limit_from:
             self._limited = True
             self._limit()
         elif self.trainer.global_step == self.lift_at:

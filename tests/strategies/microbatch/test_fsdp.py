@@ -3,9 +3,10 @@
 One launch runs every fit: ``global_mean`` losses, whole and in fixed micro-batches, against one device,
 a real out-of-memory on rank 1 only in forward, in backward (inside a sharded block, where the
 other rank would otherwise wait in the next gather for good) and in backward while recomputing an
-activation-checkpointed block, a validation batch that runs out of memory inside a block on rank 1
-(its logs equal the unsplit validation's), and last a batch that
-does not fit even in micro-batches of one row on rank 1, which must end both ranks.
+activation-checkpointed block, in forward and in backward at the second step (whose collectives the
+first taught every rank, so that nobody announces them), a validation batch that runs out of memory
+inside a block on rank 1 (its logs equal the unsplit validation's), and last a batch that does not fit
+even in micro-batches of one row on rank 1, which must end both ranks.
 """
 
 from __future__ import annotations
@@ -77,6 +78,13 @@ for phase, budget, recompute in [("forward", 24, False), ("backward", 32, False)
     )
     results[phase] = full(model)
     sizes[phase] = {"final": strategy.micro_batches.size, "seen": model.sizes_seen}
+# the same at the second step, whose collectives the first taught: nobody announces them
+for phase, budget in [("later_forward", 24), ("later_backward", 32)]:
+    model = HungryBlocks(limit_rank=1, budget=budget, limit_from=1)
+    model._lift()  # the limit the fit before set on rank 1 stays until a new one is set
+    trainer, strategy = fit(model, regression_data(), 8, 2, micro_batch_size="auto")
+    results[phase] = full(model)
+    sizes[phase] = {"final": strategy.micro_batches.size, "seen": model.sizes_seen}
 with open(f"sizes_rank{trainer.global_rank}.json", "w") as f:
     json.dump(sizes, f)
 # validation: rank 1 fits 4 rows, not 8 (forward only: 2 row-sizes per row), and fails inside a block
@@ -139,6 +147,12 @@ def test_fsdp_micro_batches_and_out_of_memory_between_gathers(tmp_path: Path) ->
         # every rank runs the batch again in as many micro-batches as the rank that failed (FSDP gathers)
         assert sizes[0][phase] == {"final": None, "seen": [8, 4, 4, 4, 4]}
         assert sizes[1][phase] == {"final": 4, "seen": [8, 4, 4, 4, 4]}
+    for phase in ("later_forward", "later_backward"):  # rank 1 runs out of memory at the second step
+        assert max_difference(final[phase], single.state_dict()) < ATOL, phase
+        assert sizes[0][phase] == {"final": None, "seen": [8, 8, 4, 4]}
+        assert sizes[1][phase] == {"final": 4, "seen": [8, 8, 4, 4]}
+    later = re.findall(r"\[rank (\d)\] out of memory in (\w+) at batch 1 of epoch 0", result.output)
+    assert later == [("1", "forward"), ("1", "backward")], result.output[-4000:]
     assert max_difference(final["forward"], HungryBlocks().state_dict()) > 1e-4  # training moved the weights
     # the memory summary says what each rank ran: micro-batches of 4 rows on both
     table = result.output[result.output.index("Device memory over the fit (peaks):") :].splitlines()
