@@ -13,7 +13,7 @@ The MLP, data and batch of ``ddp_overhead.py`` run in the same two CPU processes
 - ``whole``: ``micro_batch_size=BATCH``: a batch that fits the size runs unsplit;
 - ``auto``: ``micro_batch_size="auto"`` with nothing running out of memory: the whole batch
   in one micro-batch, the agreement all-reduce, DDP's sync done once after backward (under
-  ``mgpu_fsdp``: its reduce-scatters as usual, and a checkpoint all-reduce around each unit);
+  ``mgpu_fsdp``: its reduce-scatters as usual; the first step also announces each collective);
 - ``off_again``: ``off`` once more, to show the noise.
 
 The ways take turns in blocks, in a rotating order, and rank 0 prints the median step times and

@@ -12,6 +12,13 @@ buffers of its own (``WatchedCollective.shadow``) until the others reach the end
 all learn that the attempt failed. Every rank then resets FSDP's per-pass state
 (``FSDPModule.reset_iter_state``) and the batch runs again in smaller micro-batches.
 
+Once an attempt of a kind (its stage and number of micro-batches) ran without an error, the next
+ones of that kind announce nothing: every rank knows their collectives, in order, and a rank that
+runs out of memory runs those of the pass it did not enter (``Agreement.leave``) before it meets the
+others at the end. A step without an error then costs nothing but the agreement at its end. Should
+the collectives of a kind ever change from one attempt to the next (every rank sees it at once), all
+announce again from then on.
+
 An out-of-memory allocating FSDP's buffers is recovered so too: leaving the pass frees what it held,
 which the shadowed collective uses. One inside a collective (gloo's own temporaries) is not: the
 other ranks are in it; it stops every rank within seconds, named (``buffers.CollectiveOutOfMemoryError``),
