@@ -1,15 +1,21 @@
-"""A SLURM job whose task is SIGKILLed is requeued (``requeue_on_failure``) and resumes exactly, once only.
+"""A SLURM job cut in the middle of an epoch is requeued and resumes exactly, once only.
 
 The job runs ``tests/strategies/resume/scripts.SCRIPT`` under ``srun`` on two tasks with
-``MGPUDDPStrategy(requeue_on_failure=1)``. Rank 1 is SIGKILLed at step 5, after the step-3
-checkpoint; rank 0 asks SLURM to requeue the job, and the requeued attempt
-(``SLURM_RESTART_COUNT=1``) resumes from that checkpoint by itself.
+``MGPUDDPStrategy(requeue_on_failure=1)``:
+
+- rank 1 is SIGKILLed at step 5, after the step-3 checkpoint; rank 0 asks SLURM to requeue the job,
+  and the requeued attempt (``SLURM_RESTART_COUNT=1``) resumes from that checkpoint by itself;
+- every rank gets ``SIGUSR1`` at step 5, as before a time limit: Lightning saves ``hpc_ckpt_1.ckpt`` at
+  the next batch, in the middle of the second epoch, and requeues the job, which resumes from it.
+
+Either way the job ends with the weights of the uncut run, every sample seen once per epoch.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -34,16 +40,28 @@ def _submit(slurm: SlurmCluster, folder: Path, fault: str) -> tuple[str, str, st
     return job, state, (folder / "job.out").read_text()
 
 
+@pytest.fixture(scope="module")
+def uncut(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The uncut run, outside SLURM (about 15 s)."""
+    folder = tmp_path_factory.mktemp("uncut")
+    (folder / "fit.py").write_text(SCRIPT)
+    command = [sys.executable, "fit.py", "mgpu_ddp", "none", "out.pt"]
+    result = run_command(command, cwd=folder, env=script_env())
+    assert result.returncode == 0, result.output[-3000:]
+    return torch.load(folder / "out.pt", weights_only=True)  # type: ignore[no-any-return]
+
+
+def _assert_as_uncut(folder: Path, reference: dict[str, Any]) -> None:
+    out = torch.load(folder / "out.pt", weights_only=True)
+    assert out["visits"] == {epoch: [1] * 16 for epoch in range(3)}
+    for name, tensor in reference["weights"].items():
+        torch.testing.assert_close(out["weights"][name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
 def test_a_killed_task_requeues_the_job_which_finishes_as_if_uncut(
-    slurm: SlurmCluster, tmp_path: Path
+    slurm: SlurmCluster, tmp_path: Path, uncut: dict[str, Any]
 ) -> None:
-    """About 90 s: the uncut run outside SLURM, then the job's two attempts."""
-    (tmp_path / "uncut").mkdir()
-    (tmp_path / "uncut" / "fit.py").write_text(SCRIPT)
-    uncut = run_command(
-        [sys.executable, "fit.py", "mgpu_ddp", "none", "out.pt"], cwd=tmp_path / "uncut", env=script_env()
-    )
-    assert uncut.returncode == 0, uncut.output[-3000:]
+    """About 75 s: the job's two attempts."""
     job, state, output = _submit(slurm, tmp_path, "step")
     assert state == "COMPLETED", output
     assert slurm.job(job)["Restarts"] == "1", output
@@ -52,11 +70,21 @@ def test_a_killed_task_requeues_the_job_which_finishes_as_if_uncut(
         "mgpu_ddp: attempt 2 of this job (restarted by SLURM): resuming from"
         f" {tmp_path}/ckpts/epoch=0-step=3.ckpt, saved at global step 3 (epoch 0)" in output
     )
-    out = torch.load(tmp_path / "out.pt", weights_only=True)
-    reference = torch.load(tmp_path / "uncut" / "out.pt", weights_only=True)
-    assert out["visits"] == {epoch: [1] * 16 for epoch in range(3)}
-    for name, tensor in reference["weights"].items():
-        torch.testing.assert_close(out["weights"][name], tensor, rtol=0, atol=1e-6, msg=name)
+    _assert_as_uncut(tmp_path, uncut)
+
+
+def test_a_time_limit_signal_mid_epoch_requeues_the_job_which_finishes_as_if_uncut(
+    slurm: SlurmCluster, tmp_path: Path, uncut: dict[str, Any]
+) -> None:
+    """About 75 s: SIGUSR1 at step 5; saved at step 6, batch 2 of 4 of the second epoch."""
+    job, state, output = _submit(slurm, tmp_path, "signal")
+    assert state == "COMPLETED", output
+    assert slurm.job(job)["Restarts"] == "1", output
+    checkpoint = torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=True)
+    assert (checkpoint["epoch"], checkpoint["global_step"]) == (1, 6)
+    assert "mgpu_ddp: attempt 2 of this job (restarted by SLURM): resuming from" in output
+    assert "saved at global step 6 (epoch 1)" in output
+    _assert_as_uncut(tmp_path, uncut)
 
 
 def test_a_job_that_fails_again_is_requeued_once_only(slurm: SlurmCluster, tmp_path: Path) -> None:

@@ -12,7 +12,9 @@ the saving rank SIGKILLed:
 - ``save``: rank 0 in the middle of writing the step-6 checkpoint (half its bytes written in place,
   as on a file system without atomic rename) under ``mgpu_ddp``; rank 1 before writing its shard
   of the step-6 checkpoint under ``mgpu_fsdp`` (rank 0's shard written, no index);
-- ``always``: rank 1 at global step 5 in every attempt.
+- ``always``: rank 1 at global step 5 in every attempt;
+- ``signal``: every rank gets ``SIGUSR1`` at global step 5, in the middle of the second epoch, as
+  SLURM sends it before a time limit (``--signal=USR1@N``): under SLURM the job saves and is requeued.
 
 The environment may change the run's shape: ``FIT_DEVICES`` processes (2), ``FIT_BATCH`` rows per
 process (2), ``FIT_MAX_STEPS`` (-1), and ``FIT_RESUME=1`` sets ``resume=True``.
@@ -71,6 +73,8 @@ class Regression(L.LightningModule):
         killed = fault == "always" or (fault == "step" and first_attempt)
         if killed and self.global_step == 5 and self.global_rank == 1:
             die()
+        if fault == "signal" and first_attempt and self.global_step == 5:
+            os.kill(os.getpid(), signal.SIGUSR1)
         _, x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
 
