@@ -58,13 +58,19 @@ def _assert_as_uncut(folder: Path, reference: dict[str, Any]) -> None:
         torch.testing.assert_close(out["weights"][name], tensor, rtol=0, atol=1e-6, msg=name)
 
 
+def _completed_after_one_requeue(slurm: SlurmCluster, folder: Path, fault: str) -> tuple[str, str]:
+    """Run the job with ``fault``; it must end COMPLETED, requeued once: (its id, its output)."""
+    job, state, output = _submit(slurm, folder, fault)
+    assert state == "COMPLETED", output
+    assert slurm.job(job)["Restarts"] == "1", output
+    return job, output
+
+
 def test_a_killed_task_requeues_the_job_which_finishes_as_if_uncut(
     slurm: SlurmCluster, tmp_path: Path, uncut: dict[str, Any]
 ) -> None:
     """About 75 s: the job's two attempts."""
-    job, state, output = _submit(slurm, tmp_path, "step")
-    assert state == "COMPLETED", output
-    assert slurm.job(job)["Restarts"] == "1", output
+    job, output = _completed_after_one_requeue(slurm, tmp_path, "step")
     assert f"mgpu_ddp: SLURM job {job} after the failed task: requeued (requeue 1 of at most 1)" in output
     assert (
         "mgpu_ddp: attempt 2 of this job (restarted by SLURM): resuming from"
@@ -77,9 +83,7 @@ def test_a_time_limit_signal_mid_epoch_requeues_the_job_which_finishes_as_if_unc
     slurm: SlurmCluster, tmp_path: Path, uncut: dict[str, Any]
 ) -> None:
     """About 75 s: SIGUSR1 at step 5; saved at step 6, batch 2 of 4 of the second epoch."""
-    job, state, output = _submit(slurm, tmp_path, "signal")
-    assert state == "COMPLETED", output
-    assert slurm.job(job)["Restarts"] == "1", output
+    _, output = _completed_after_one_requeue(slurm, tmp_path, "signal")
     checkpoint = torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=True)
     assert (checkpoint["epoch"], checkpoint["global_step"]) == (1, 6)
     assert "mgpu_ddp: attempt 2 of this job (restarted by SLURM): resuming from" in output
