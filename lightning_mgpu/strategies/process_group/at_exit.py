@@ -6,6 +6,14 @@ ends the process with "terminate called without an active exception" (SIGABRT) a
 step, and torchrun reports the job as failed. :func:`destroy_at_exit` registers, once per
 process, an ``atexit`` handler that destroys the group while the interpreter is whole.
 
+Destroying the group does not stop gloo's worker threads (the group lives on in the objects that
+hold it, FSDP's device mesh say), and a worker releases the last reference to a collective it ran
+only after that collective woke its caller. When the collective's tensors are Python's (an all-gather
+of ``DTensor.full_tensor``, say), that release takes the GIL: during the interpreter's shutdown it
+ends the thread, and the unwinding aborts the process, the same message, seen in a core dump. So the
+handler then lets the other threads run while the interpreter is whole (:func:`_let_threads_settle`:
+until none is runnable, at most :data:`SETTLE_SECONDS`).
+
 Registered before the watchdog joins the run (``Watchdog.attach``), it runs after the watchdog's
 own exit guard, which bounds a destroy that hangs on a lost peer after a failed run.
 """
@@ -14,21 +22,62 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import threading
+import time
 
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 
-__all__ = ["destroy_at_exit"]
+__all__ = ["SETTLE_SECONDS", "destroy_at_exit"]
 
 log = logging.getLogger(__name__)
+
+SETTLE_SECONDS = 0.5
+"""The longest the exit waits for other threads to stop running (they take milliseconds when idle)."""
 
 _REGISTERED = False
 
 
+def _runnable_threads() -> int:
+    """How many threads of this process, the calling one aside, are running or ready to run (Linux)."""
+    own = threading.get_native_id()
+    runnable = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    for task in tasks:
+        if int(task) == own:
+            continue
+        try:
+            with open(f"/proc/self/task/{task}/stat", "rb") as stat:
+                state = stat.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # the thread ended meanwhile
+        runnable += state == b"R"
+    return runnable
+
+
+def _let_threads_settle(limit: float = SETTLE_SECONDS) -> None:
+    """Sleep, the GIL released, until no other thread is runnable twice in a row, or ``limit`` passed."""
+    deadline = time.monotonic() + limit
+    quiet = 0
+    while quiet < 2 and time.monotonic() < deadline:
+        time.sleep(0.002)
+        quiet = quiet + 1 if _runnable_threads() == 0 else 0
+
+
+def _destroy_then_settle() -> None:
+    _destroy_dist_connection()
+    _let_threads_settle()
+
+
 def destroy_at_exit() -> None:
-    """Destroy the default process group (if one exists then) when the interpreter exits; once."""
+    """Destroy the default process group (if one exists then) when the interpreter exits, then let
+    the threads that still hold Python objects release them; once."""
     global _REGISTERED
     if _REGISTERED:
         return
     _REGISTERED = True
-    atexit.register(_destroy_dist_connection)
+    atexit.register(_destroy_then_settle)
     log.debug("the process group is destroyed at exit")
