@@ -161,4 +161,6 @@ def test_predict_on_a_chosen_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out
     assert "predict done" in out
     assert f"cuda:{last}" in out
-    assert len((tmp_path / "predictions.csv").read_text().splitlines()) == 1 + 4  # 20 % of 16 held out
+    held_out = len(ImageData(num_samples=16).val_set)  # the validation split, labelled without predict_dir
+    assert held_out == 3
+    assert len((tmp_path / "predictions.csv").read_text().splitlines()) == 1 + held_out

@@ -248,7 +248,8 @@ class Hungry(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        self.sizes_seen.append(len(x))
+        if x.device.type != "meta":  # not the estimate's dry run of the step (``"auto"`` on CUDA)
+            self.sizes_seen.append(len(x))
         out = self.predictions(x)
         loss = masked_mean((out - y) ** 2, x) if self.masked else F.mse_loss(out, y)
         self.log("train_loss", loss)
@@ -256,7 +257,8 @@ class Hungry(L.LightningModule):
 
     def _evaluate(self, batch: Any, stage: str) -> None:
         x, y = batch
-        self.eval_sizes_seen.append(len(x))
+        if x.device.type != "meta":
+            self.eval_sizes_seen.append(len(x))
         out = self.predictions(x)
         self.log(f"{stage}_loss", F.mse_loss(out, y), sync_dist=True, on_step=True, on_epoch=True)
         self.mse(out, y)
