@@ -135,15 +135,19 @@ def report(rounds: list[dict[str, list[float]]], steps: int, recovery: list[tupl
         goal = f"<= {target:.2f}: {'met' if ratio <= target else 'NOT met'}" if target else "the noise"
         print(f"{way + ' / ' + base:26s} {ratio:6.3f}  {goal}")
 
-    # stamps[i] ends step i; the step that ran out of memory ends at stamps[RECOVER_AT]
-    times = [b[0] - a[0] for a, b in zip(recovery, recovery[1:], strict=False)]  # times[i] = step i + 1
+    report_recovery([stamp[0] for stamp in recovery], "one out-of-memory on rank 1", "rank 1 in halves")
+
+
+def report_recovery(stamps: list[float], what: str, after_what: str) -> None:
+    """The recovery fit's step times: ``stamps[i]`` ends step ``i``, ``RECOVER_AT`` ran out of memory."""
+    times = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]  # times[i] = step i + 1
     before = statistics.median(times[SKIP : RECOVER_AT - 1])
     hit = times[RECOVER_AT - 1]
     after = statistics.median(times[RECOVER_AT + SKIP :])
-    print(f"one out-of-memory on rank 1 at step {RECOVER_AT} (4 MiB a row filled in forward):")
-    print(f"  steps before {before * 1e3:8.1f} ms   the step that recovered {hit * 1e3:8.1f} ms")
-    print(f"  recovery costs {(hit - before) * 1e3:8.1f} ms = {hit / before:.2f}x a step")
-    print(f"  steady state after (rank 1 in halves) {after * 1e3:8.1f} ms = {after / before:.3f}x before")
+    print(f"{what} at step {RECOVER_AT} (4 MiB a row filled in forward):")
+    print(f"  steps before {before * 1e3:8.3f} ms   the step that recovered {hit * 1e3:8.3f} ms")
+    print(f"  recovery costs {(hit - before) * 1e3:8.3f} ms = {hit / before:.2f}x a step")
+    print(f"  steady state after ({after_what}) {after * 1e3:8.3f} ms = {after / before:.3f}x before")
 
 
 if __name__ == "__main__":
