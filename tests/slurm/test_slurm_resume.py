@@ -71,7 +71,7 @@ def test_a_killed_task_requeues_the_job_which_finishes_as_if_uncut(
 ) -> None:
     """About 75 s: the job's two attempts."""
     job, output = _completed_after_one_requeue(slurm, tmp_path, "step")
-    assert f"mgpu_ddp: SLURM job {job} after the failed task: requeued (requeue 1 of at most 1)" in output
+    assert f"mgpu_ddp: SLURM job {job} after the failed task: requeuing (requeue 1 of at most 1)" in output
     assert (
         "mgpu_ddp: attempt 2 of this job (restarted by SLURM): resuming from"
         f" {tmp_path}/ckpts/epoch=0-step=3.ckpt, saved at global step 3 (epoch 0)" in output
@@ -96,5 +96,5 @@ def test_a_job_that_fails_again_is_requeued_once_only(slurm: SlurmCluster, tmp_p
     job, state, output = _submit(slurm, tmp_path, "always")
     assert state == "FAILED", output
     assert slurm.job(job)["Restarts"] == "1", output
-    assert "requeued (requeue 1 of at most 1)" in output
+    assert "requeuing (requeue 1 of at most 1)" in output
     assert "not requeued: requeued 1 time(s) already, requeue_on_failure=1" in output

@@ -108,13 +108,14 @@ class Resumption:
         steps = trainer.global_step - self._first_step if trainer and self._first_step is not None else 0
         requeue, reason = requeue_decision(self.requeue_on_failure, os.environ, steps)
         job = os.environ.get("SLURM_JOB_ID", "")
-        name, rank = self.host.strategy_name, self.host.global_rank
-        if requeue:
-            problem = requeue_job(job)
-            reason = f"requeued ({reason})" if problem is None else f"scontrol requeue failed: {problem}"
         # one rank, maybe not rank 0, and at the end of a failed run: straight to stderr
-        print(
-            f"[rank {rank}] {name}: SLURM job {job} after the failed task: {reason}",
-            file=sys.stderr,
-            flush=True,
-        )
+        rank, name = self.host.global_rank, self.host.strategy_name
+        said = f"[rank {rank}] {name}: SLURM job {job} after the failed task:"
+        if requeue:
+            # before the request: SLURM may end this process as soon as it requeues the job
+            print(f"{said} requeuing ({reason})", file=sys.stderr, flush=True)
+            problem = requeue_job(job)
+            if problem is None:
+                return
+            reason = f"scontrol requeue failed: {problem}"
+        print(f"{said} {reason}", file=sys.stderr, flush=True)
