@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import lightning as L
 import pytest
 import torch
 from torch import nn
@@ -11,6 +12,7 @@ from torch import nn
 from lightning_mgpu import MemoryEstimate, estimate_memory
 from lightning_mgpu.estimate.shard_plan import plan_sharding
 from lightning_mgpu.estimate.sharded import check_fits, sharded_need
+from lightning_mgpu.strategies.fsdp.need import sharded_model_need
 
 KiB, MiB = 1024, 1024**2
 
@@ -58,6 +60,30 @@ def test_a_model_that_does_not_fit_says_how_many_devices_would_hold_it() -> None
         check_fits(with_adam, 16 * MiB, "cuda:0")
     assert "; activations come on top)" in str(err.value)
     assert "Use at least 7 devices" in str(err.value)  # over 6, 1024 rows pad to 6 x 171: just over 12 MiB
+
+
+class WithAdamW(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = big_model()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters())
+
+
+def test_the_check_before_sharding_counts_the_modules_own_optimizer() -> None:
+    """What ``mgpu_fsdp`` checks on a GPU: the shards of AdamW's two moments come on top."""
+    module = WithAdamW()
+    plan = plan_sharding(module)
+    check_fits(sharded_need(module, plan, world=2), 22 * MiB, "cuda:0")  # without the optimizer: fits
+    need, state = sharded_model_need(module, 2, plan=plan)
+    assert (state.optimizer, state.bytes) == ("AdamW", 2 * 18 * MiB)
+    assert need.per_device == 22 * MiB + 18 * MiB
+    with pytest.raises(ValueError, match=r"needs at least 40.00 MiB per device on 2 process\(es\)") as err:
+        check_fits(need, 22 * MiB, "cuda:0")
+    assert "parameters, gradients and optimizer state 72.00 MiB, 1/2 each" in str(err.value)
+    bf16, _ = sharded_model_need(module, 2, "bf16-true", plan=plan)  # everything in 2 bytes
+    assert bf16.per_device == need.per_device // 2
 
 
 def test_a_unit_larger_than_the_device_cannot_be_helped_by_more_devices() -> None:

@@ -12,19 +12,14 @@ size; ``bf16-mixed`` gathers the units in bfloat16. Activations come on top: the
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from lightning_mgpu.devices import cuda_devices, format_bytes, parse_bytes
-from lightning_mgpu.estimate.optimizer_state import OptimizerState, count_optimizer_state
-from lightning_mgpu.estimate.shard_plan import plan_sharding
-from lightning_mgpu.estimate.sharded import sharded_need
-from lightning_mgpu.precision import PRECISIONS
-from lightning_mgpu.strategies.fsdp.sharding import mixed_precision_policy
+from lightning_mgpu.estimate.optimizer_state import OptimizerState
+from lightning_mgpu.strategies.fsdp.need import sharded_model_need
 
 __all__ = [
     "ModelMemory",
@@ -70,25 +65,6 @@ class ModelMemory:
         return self.whole > self.device_memory and self.sharded > self.device_memory
 
 
-@contextlib.contextmanager
-def _without_trainer(model: Any) -> Iterator[None]:
-    """Hide the Trainer from ``configure_optimizers`` while it is counted, before the Trainer set up anything.
-
-    A ``configure_optimizers`` that reads ``self.trainer`` (``estimated_stepping_batches``, say) would
-    make the Trainer load the data now, before the strategy's own set-up; it fails instead, and the
-    optimizer state is not counted (the reason says so).
-    """
-    trainer = getattr(model, "_trainer", None)
-    if trainer is None:
-        yield
-        return
-    model._trainer = None
-    try:
-        yield
-    finally:
-        model._trainer = trainer
-
-
 def model_memory(
     model: Any,
     world: int,
@@ -110,18 +86,7 @@ def model_memory(
     """
     if next(iter(model.parameters()), None) is None:
         return ModelMemory(0, 0, device_memory, world, 1)
-    # the dtype a converting precision (bf16-true, 64-true, ...) keeps the parameters in, and the one
-    # FSDP gathers them in (bf16-mixed's policy, else the parameters' own)
-    converted = PRECISIONS[precision].parameters if precision in PRECISIONS else None
-    param_dtype = getattr(torch, converted) if converted else None
-    policy = mixed_precision_policy(precision)
-    itemsize = param_dtype.itemsize if param_dtype is not None else None
-    gather = policy.param_dtype.itemsize if policy is not None and policy.param_dtype else itemsize
-    with _without_trainer(model):
-        state = count_optimizer_state(model, optimizer=optimizer, param_dtype=param_dtype)
-    need = sharded_need(
-        model, plan_sharding(model), world, gather, param_dtype=param_dtype, optimizer_state=state.bytes
-    )
+    need, state = sharded_model_need(model, world, precision, optimizer=optimizer)
     # DDP's all-reduce buckets hold a second copy of the gradients, as estimate_memory counts for mgpu_ddp
     whole = need.state + need.gradients
     fewest = need.devices_needed(device_memory)

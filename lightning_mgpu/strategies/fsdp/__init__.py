@@ -6,7 +6,9 @@
   the model itself (no ``configure_model`` needed);
 - ``lightning_mgpu.estimate.shard_plan``: which submodules become units (shared with the estimate);
 - ``sharding.py``: the options, the Trainer precision's dtypes, and the ``fully_shard`` calls;
-- ``lightning_mgpu.estimate.sharded``: the least memory a device needs under a plan, checked on GPUs;
+- ``lightning_mgpu.estimate.sharded``: the least memory a device needs under a plan;
+- ``need.py``: that need with the model's optimizer state and the Trainer precision's dtypes: checked on
+  GPUs before sharding, and weighed by ``mgpu_auto``;
 - ``saving.py``: sharded checkpoints saved again over the run's own (``last.ckpt``) without torch's warning;
 - ``sync_points.py``: checkpoints between FSDP's gathers, so micro-batching's ``"auto"`` survives an
   out-of-memory on one rank;

@@ -20,9 +20,10 @@ from typing_extensions import override
 from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.estimate.model_state import measure_model_state
 from lightning_mgpu.estimate.shard_plan import ShardingPlan, plan_sharding, validate_block_classes
-from lightning_mgpu.estimate.sharded import check_fits, sharded_need
+from lightning_mgpu.estimate.sharded import check_fits
 from lightning_mgpu.precision import FSDP_PRECISIONS
 from lightning_mgpu.strategies.fsdp.base import ShardingModelParallel
+from lightning_mgpu.strategies.fsdp.need import sharded_model_need
 from lightning_mgpu.strategies.fsdp.saving import ResavingOwnCheckpoints
 from lightning_mgpu.strategies.fsdp.sharding import (
     ShardingOptions,
@@ -269,12 +270,14 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
         )
 
     def _check_fits(self, module: nn.Module, plan: ShardingPlan, precision: str) -> None:
-        """Refuse, before anything moves to a GPU, a model whose shards cannot fit it (``sharded_need``)."""
+        """Refuse, before anything moves to a GPU, a model whose shards and optimizer state cannot fit it."""
         if self.root_device.type != "cuda":
             return
-        policy = mixed_precision_policy(precision)
-        itemsize = policy.param_dtype.itemsize if policy is not None and policy.param_dtype else None
-        need = sharded_need(module, plan, self.world_size, itemsize, self.options.cpu_offload)
+        need, state = sharded_model_need(
+            module, self.world_size, precision, plan=plan, offloaded=self.options.cpu_offload
+        )
+        if not state.counted:
+            log.debug("%s: optimizer state not counted in the fit check: %s", self.strategy_name, state.note)
         total = torch.cuda.mem_get_info(self.root_device)[1]
         log.debug(
             "%s: at least %d bytes per device, %s has %d",

@@ -1,0 +1,85 @@
+"""What a device needs under ``mgpu_fsdp``, optimizer included: its refusal and ``mgpu_auto`` share it.
+
+``sharded_model_need`` counts the fullest device's shards of the parameters, gradients and optimizer
+state, and the largest unit gathered (``lightning_mgpu.estimate.sharded``), in the dtypes the Trainer's
+precision gives them. The optimizer state is what one step of the model's ``configure_optimizers()``
+creates, counted on meta tensors (``lightning_mgpu.estimate.optimizer_state``) with the Trainer hidden,
+so counting loads no data; an optimizer that cannot be counted so is left out, and the result says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from lightning_mgpu.estimate.optimizer_state import OptimizerState, count_optimizer_state
+from lightning_mgpu.estimate.shard_plan import ShardingPlan, plan_sharding
+from lightning_mgpu.estimate.sharded import ShardedNeed, sharded_need
+from lightning_mgpu.precision import PRECISIONS
+from lightning_mgpu.strategies.fsdp.sharding import mixed_precision_policy
+
+__all__ = ["sharded_model_need", "without_trainer"]
+
+
+@contextlib.contextmanager
+def without_trainer(model: Any) -> Iterator[None]:
+    """Hide the Trainer from ``configure_optimizers`` while it is counted, before the Trainer set up anything.
+
+    A ``configure_optimizers`` that reads ``self.trainer`` (``estimated_stepping_batches``, say) would
+    make the Trainer load the data now, before the strategy's own set-up; it fails instead, and the
+    optimizer state is not counted (the reason says so).
+    """
+    trainer = getattr(model, "_trainer", None)
+    if trainer is None:
+        yield
+        return
+    model._trainer = None
+    try:
+        yield
+    finally:
+        model._trainer = trainer
+
+
+def sharded_model_need(
+    model: Any,
+    world: int,
+    precision: str = "32-true",
+    *,
+    plan: ShardingPlan | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    offloaded: bool = False,
+) -> tuple[ShardedNeed, OptimizerState]:
+    """The least memory a device needs for ``model`` and its optimizer sharded over ``world`` ranks.
+
+    Args:
+        model: The model (meta tensors count by their shape).
+        world: Number of processes.
+        precision: The Trainer's precision: ``bf16-true`` / ``16-true`` count the floating-point
+            parameters, gradients and optimizer state at 2 bytes (``64-true`` at 8), ``bf16-mixed``
+            gathers the units at 2 bytes.
+        plan: The sharding plan; ``None`` plans it as ``mgpu_fsdp`` does by default.
+        optimizer: The optimizer over ``model``'s parameters; ``None`` uses ``model.configure_optimizers()``.
+        offloaded: The shards are kept in CPU memory (``cpu_offload=True``).
+    """
+    # the dtype a converting precision (bf16-true, 64-true, ...) keeps the parameters in, and the one
+    # FSDP gathers them in (bf16-mixed's policy, else the parameters' own)
+    converted = PRECISIONS[precision].parameters if precision in PRECISIONS else None
+    param_dtype = getattr(torch, converted) if converted else None
+    policy = mixed_precision_policy(precision)
+    itemsize = param_dtype.itemsize if param_dtype is not None else None
+    gather = policy.param_dtype.itemsize if policy is not None and policy.param_dtype else itemsize
+    with without_trainer(model):
+        state = count_optimizer_state(model, optimizer=optimizer, param_dtype=param_dtype)
+    need = sharded_need(
+        model,
+        plan if plan is not None else plan_sharding(model),
+        world,
+        gather,
+        offloaded,
+        param_dtype=param_dtype,
+        optimizer_state=state.bytes,
+    )
+    return need, state
