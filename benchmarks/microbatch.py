@@ -138,12 +138,15 @@ def report(rounds: list[dict[str, list[float]]], steps: int, recovery: list[tupl
     report_recovery([stamp[0] for stamp in recovery], "one out-of-memory on rank 1", "rank 1 in halves")
 
 
-def report_recovery(stamps: list[float], what: str, after_what: str) -> None:
-    """The recovery fit's step times: ``stamps[i]`` ends step ``i``, ``RECOVER_AT`` ran out of memory."""
+def report_recovery(stamps: list[float], what: str, after_what: str, skip: int = SKIP) -> None:
+    """The recovery fit's step times: ``stamps[i]`` ends step ``i``, ``RECOVER_AT`` ran out of memory.
+
+    The medians before and after it leave out ``skip`` steps at the start and after the recovery.
+    """
     times = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]  # times[i] = step i + 1
-    before = statistics.median(times[SKIP : RECOVER_AT - 1])
+    before = statistics.median(times[skip : RECOVER_AT - 1])
     hit = times[RECOVER_AT - 1]
-    after = statistics.median(times[RECOVER_AT + SKIP :])
+    after = statistics.median(times[RECOVER_AT + skip :])
     print(f"{what} at step {RECOVER_AT} (4 MiB a row filled in forward):")
     print(f"  steps before {before * 1e3:8.3f} ms   the step that recovered {hit * 1e3:8.3f} ms")
     print(f"  recovery costs {(hit - before) * 1e3:8.3f} ms = {hit / before:.2f}x a step")
