@@ -8,12 +8,17 @@ the next attempt of that run. The same run means the same command line and the s
 names, shapes and dtypes of its parameters and buffers): a script whose arguments or model changed
 since, or a folder whose last run finished, starts afresh.
 
+The record also keeps when the run's first attempt started (the record file's modification time, the
+clock the checkpoints' own times come from): a restart resumes only from checkpoints written since,
+never from those an earlier run left in the same folder.
+
 The folder is the first ``ModelCheckpoint``'s: a fixed ``dirpath`` is found again by the next
 attempt; Lightning's default (under the logger's new version folder) never is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -56,6 +61,7 @@ class AttemptRecord(Callback):
     def __init__(self) -> None:
         self.path: Path | None = None
         self._content: dict[str, Any] | None = None
+        self._same_run: dict[str, Any] = {}
 
     @staticmethod
     def folder_of(trainer: pl.Trainer) -> Path | None:
@@ -67,7 +73,7 @@ class AttemptRecord(Callback):
 
     def earlier_attempts(self, folder: Path, run: str) -> int:
         """How many attempts of ``run`` came before, the last unfinished; 0 when there is none such."""
-        self.path = folder / RECORD_NAME
+        self.path, self._same_run = folder / RECORD_NAME, {}
         try:
             record = json.loads(self.path.read_text())
         except FileNotFoundError:
@@ -78,21 +84,41 @@ class AttemptRecord(Callback):
         if not isinstance(record, dict) or record.get("version") != _VERSION or record.get("run") != run:
             log.debug("%s holds another run's attempt: %s", self.path, record)
             return 0
+        self._same_run = record
         if record.get("finished") or not isinstance(record.get("attempt"), int):
             return 0
         return int(record["attempt"]) + 1
 
     def start(self, run: str, attempt: int) -> None:
-        """Record attempt ``attempt`` (0 the first) of ``run`` as running."""
-        if self.path is not None:
-            self._write({"version": _VERSION, "run": run, "attempt": attempt, "finished": False})
+        """Record attempt ``attempt`` (0 the first) of ``run`` as running.
+
+        A later attempt keeps the start of the run's first attempt from the record it found; a first
+        one, or one that found no record of its run, starts the run now.
+        """
+        if self.path is None:
+            return
+        content: dict[str, Any] = {"version": _VERSION, "run": run, "attempt": attempt, "finished": False}
+        started = self._same_run.get("started_ns") if attempt > 0 else None
+        if isinstance(started, int):
+            self._write({**content, "started_ns": started})
+            return
+        if not self._write(content):
+            return
+        with contextlib.suppress(OSError):  # now, by the clock of the folder's file system
+            self._write({**content, "started_ns": self.path.stat().st_mtime_ns})
+
+    @property
+    def started_ns(self) -> int | None:
+        """When the run's first attempt started (``st_mtime_ns``); ``None`` where the record is not kept."""
+        started = (self._content or {}).get("started_ns")
+        return started if isinstance(started, int) else None
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_rank == 0 and self._content is not None:
             self._write({**self._content, "finished": True})
 
-    def _write(self, content: dict[str, Any]) -> None:
+    def _write(self, content: dict[str, Any]) -> bool:
         assert self.path is not None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -102,5 +128,6 @@ class AttemptRecord(Callback):
             log.warning(
                 "cannot write %s (%s): a run started again by hand will not resume by itself", self.path, err
             )
-            return
+            return False
         self._content = content
+        return True

@@ -7,8 +7,9 @@ choice when ``fit`` got no ``ckpt_path``:
 - on by default only when the run is a restart (torchrun's or SLURM's count above 0 on any
   rank, or the record of an unfinished earlier attempt of the same run in its checkpoint folder,
   ``attempts.py``), always with ``resume=True``, never with ``resume=False``;
-- rank 0 lists the checkpoints (``candidates.py``), newest first, skips those a kill cut short
-  with a line each saying why, and every rank loads the one rank 0 chose;
+- rank 0 lists the checkpoints (``candidates.py``), newest first, leaves out on a restart those
+  written before the run's first attempt started (an earlier run's, ``attempts.py``), skips those a
+  kill cut short with a line each saying why, and every rank loads the one rank 0 chose;
 - one line says which attempt this is, which file it resumes from and at which step, or that
   no checkpoint was usable and training starts from scratch.
 
@@ -112,8 +113,15 @@ class AutoResume:
         restart = self._agreed_restart(trainer)
         if not (self.resume or restart.is_restart):
             return start(checkpoint_path)
-        choice = self.host.broadcast(self._choose(trainer) if self.host.global_rank == 0 else None)
+        # resume=True takes what the folders hold; a restart, only what this run wrote
+        since = None if self.resume else self.record.started_ns
+        choice = self.host.broadcast(self._choose(trainer, since) if self.host.global_rank == 0 else None)
         name = self.host.strategy_name
+        if choice.earlier_runs:
+            rank_zero_info(
+                f"{name}: not resuming from {len(choice.earlier_runs)} checkpoint(s) written before this"
+                f" run's first attempt started, an earlier run's (the newest: {choice.earlier_runs[0]})"
+            )
         for skipped in choice.skipped:
             rank_zero_info(f"{name}: not resuming from {skipped.path}: {skipped.reason}")
         why = restart.describe() if restart.is_restart else "resume=True"
@@ -135,20 +143,25 @@ class AutoResume:
         0's record of an unfinished earlier attempt of this run (which rank 0 then records as running)."""
         own = restart_of(os.environ)
         folder = AttemptRecord.folder_of(trainer) if self.host.global_rank == 0 else None
+        run = None
         if folder is not None:
             run = fingerprint(sys.argv, trainer.lightning_module)
             earlier = self.record.earlier_attempts(folder, run)
             if earlier > own.count:
                 own = Restart(earlier, own.by, found_in=str(folder))
-            self.record.start(run, attempt=own.count)
         count = torch.tensor(float(own.count), device=self.host.root_device)
         largest = int(self.host.reduce(count, reduce_op="max").item())
         first: Restart = self.host.broadcast(own)  # rank 0's words, when its count is the largest
         if first.count == largest:
-            return first
-        return Restart(largest, own.by or "torchrun") if largest != own.count else own
+            agreed = first
+        else:
+            agreed = Restart(largest, own.by or "torchrun") if largest != own.count else own
+        if run is not None:  # rank 0, once the count is agreed: another node's restart is this run's too
+            self.record.start(run, attempt=agreed.count)
+        return agreed
 
-    def _choose(self, trainer: pl.Trainer) -> Choice:
+    def _choose(self, trainer: pl.Trainer, since_ns: int | None) -> Choice:
+        """Rank 0's choice; ``since_ns``: only checkpoints written since (a restart's first attempt)."""
         folders = [
             str(cb.dirpath)
             for cb in trainer.checkpoint_callbacks
@@ -156,4 +169,4 @@ class AutoResume:
         ]
         hpc = str(trainer.default_root_dir)
         searched = tuple(dict.fromkeys([*folders, hpc]))
-        return newest_complete(find_checkpoints(folders, hpc), searched)
+        return newest_complete(find_checkpoints(folders, hpc), searched, since_ns)

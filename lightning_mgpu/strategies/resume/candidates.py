@@ -49,6 +49,8 @@ class Choice:
     skipped: tuple[Skipped, ...] = ()
     searched: tuple[str, ...] = ()
     """The folders searched, for the message when none was found."""
+    earlier_runs: tuple[str, ...] = ()
+    """Complete or not, the checkpoints left out as written before the run started, newest first."""
 
 
 def _zip_problem(path: Path) -> str | None:
@@ -92,17 +94,18 @@ def interruption(path: Path) -> str | None:
     return _zip_problem(path)
 
 
-def _written(path: Path) -> float:
-    """When the checkpoint's last part was written (a folder: its newest file)."""
+def _written(path: Path) -> int:
+    """When the checkpoint's last part was written, in ``st_mtime_ns`` (a folder: its newest file)."""
     if path.is_dir():
-        return max((p.stat().st_mtime for p in path.iterdir() if p.is_file()), default=path.stat().st_mtime)
-    return path.stat().st_mtime if path.exists() else path.lstat().st_mtime
+        newest = (p.stat().st_mtime_ns for p in path.iterdir() if p.is_file())
+        return max(newest, default=path.stat().st_mtime_ns)
+    return path.stat().st_mtime_ns if path.exists() else path.lstat().st_mtime_ns
 
 
 def find_checkpoints(checkpoint_folders: Iterable[str | Path], hpc_folder: str | Path | None) -> list[Path]:
     """Every checkpoint of the run, newest first: ``*.ckpt`` in ``checkpoint_folders``,
     ``hpc_ckpt_*.ckpt`` in ``hpc_folder``."""
-    found: dict[Path, float] = {}
+    found: dict[Path, int] = {}
     for folder, pattern in [
         *((Path(f), "*.ckpt") for f in checkpoint_folders),
         (hpc_folder, "hpc_ckpt_*.ckpt"),
@@ -117,8 +120,24 @@ def find_checkpoints(checkpoint_folders: Iterable[str | Path], hpc_folder: str |
     return sorted(found, key=lambda p: (found[p], str(p)), reverse=True)
 
 
-def newest_complete(candidates: Sequence[Path], searched: Sequence[str] = ()) -> Choice:
-    """The first complete checkpoint of ``candidates`` (newest first), with the newer ones skipped."""
+def newest_complete(
+    candidates: Sequence[Path], searched: Sequence[str] = (), since_ns: int | None = None
+) -> Choice:
+    """The first complete checkpoint of ``candidates`` (newest first), with the newer ones skipped.
+
+    ``since_ns``: leave out the checkpoints last written before it (``st_mtime_ns``), an earlier run's.
+    """
+    earlier: list[Path] = []
+    if since_ns is not None:
+        kept: list[Path] = []
+        for path in candidates:
+            try:
+                written = _written(path)
+            except OSError:  # removed meanwhile
+                continue
+            (kept if written >= since_ns else earlier).append(path)
+        candidates = kept
+    older = tuple(str(p) for p in earlier)
     skipped: list[Skipped] = []
     seen: set[Path] = set()
     for path in candidates:
@@ -128,7 +147,7 @@ def newest_complete(candidates: Sequence[Path], searched: Sequence[str] = ()) ->
         seen.add(target)
         reason = interruption(path)
         if reason is None:
-            return Choice(str(path), tuple(skipped), tuple(searched))
+            return Choice(str(path), tuple(skipped), tuple(searched), older)
         log.debug("not resuming from %s: %s", path, reason)
         skipped.append(Skipped(str(path), reason))
-    return Choice(None, tuple(skipped), tuple(searched))
+    return Choice(None, tuple(skipped), tuple(searched), older)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,7 +42,7 @@ class Net(L.LightningModule):
         return nn.functional.mse_loss(self.net(batch[0]), batch[1])
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        return torch.optim.SGD(self.parameters(), lr=float(os.environ.get("FIT_LR", "0.1")), momentum=0.9)
 
 
 generator = torch.Generator().manual_seed(0)
@@ -57,10 +58,18 @@ torch.save({"weight": module.net.weight.detach(), "step": trainer.global_step}, 
 """
 
 
-def _run(folder: Path, kill_at: int = 5) -> Result:
+def _run(folder: Path, kill_at: int = 5, lr: float = 0.1) -> Result:
+    """``fit.py`` in ``folder``; the learning rate comes from the environment, not the command line."""
     folder.mkdir(exist_ok=True)
     (folder / "fit.py").write_text(SCRIPT)
-    return run_command([sys.executable, "fit.py", str(kill_at)], cwd=folder, env=script_env(), timeout=120)
+    env = {**script_env(), "FIT_LR": str(lr)}
+    return run_command([sys.executable, "fit.py", str(kill_at)], cwd=folder, env=env, timeout=120)
+
+
+def _assert_as_uncut(folder: Path, uncut: dict[str, Any]) -> None:
+    out = torch.load(folder / "out.pt", weights_only=True)
+    assert out["step"] == uncut["step"] == 16
+    torch.testing.assert_close(out["weight"], uncut["weight"], rtol=0, atol=1e-6)
 
 
 def test_a_run_killed_and_started_again_by_hand_resumes_from_its_folder(tmp_path: Path) -> None:
@@ -81,9 +90,7 @@ def test_a_run_killed_and_started_again_by_hand_resumes_from_its_folder(tmp_path
         f"mgpu_ddp: attempt 2 of this run (the one before, in {folder}/ckpts, did not finish): resuming from"
         f" {folder}/ckpts/epoch=0-step=4.ckpt, saved at global step 4 (epoch 0)" in again.output
     )
-    out = torch.load(folder / "out.pt", weights_only=True)
-    assert out["step"] == uncut["step"] == 16
-    torch.testing.assert_close(out["weight"], uncut["weight"], rtol=0, atol=1e-6)
+    _assert_as_uncut(folder, uncut)
     record = json.loads((folder / "ckpts" / RECORD_NAME).read_text())
     assert (record["attempt"], record["finished"]) == (1, True)
 
@@ -102,3 +109,28 @@ def test_another_command_after_an_unfinished_attempt_starts_afresh(tmp_path: Pat
     assert other.returncode == 0, other.output[-3000:]
     assert "resuming from" not in other.output
     assert torch.load(tmp_path / "out.pt", weights_only=True)["step"] == 16
+
+
+def test_a_restart_never_resumes_from_an_earlier_runs_checkpoints(tmp_path: Path) -> None:
+    """About 20 s: a finished run leaves its checkpoint; the next run in the folder (another learning rate,
+    the same command line) is killed before its first save, and started again it starts from scratch."""
+    assert _run(tmp_path / "uncut", kill_at=1, lr=0.05).returncode == 0
+    uncut = torch.load(tmp_path / "uncut" / "out.pt", weights_only=True)
+    folder = tmp_path / "shared"
+    assert _run(folder, kill_at=1).returncode == 0  # the earlier run, at lr 0.1
+    earlier = folder / "ckpts" / "epoch=1-step=16.ckpt"
+    assert earlier.is_file()
+    (folder / "kill-once").touch()
+    assert _run(folder, kill_at=1, lr=0.05).returncode == -9  # killed at step 1, before any save
+
+    again = _run(folder, kill_at=1, lr=0.05)
+    assert again.returncode == 0, again.output[-3000:]
+    assert (
+        "mgpu_ddp: not resuming from 1 checkpoint(s) written before this run's first attempt started, an"
+        f" earlier run's (the newest: {earlier})" in again.output
+    )
+    assert (
+        f"mgpu_ddp: attempt 2 of this run (the one before, in {folder}/ckpts, did not finish): no complete"
+        f" checkpoint in {folder}/ckpts, {folder}; training starts from scratch" in again.output
+    )
+    _assert_as_uncut(folder, uncut)

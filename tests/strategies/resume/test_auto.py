@@ -101,3 +101,23 @@ def test_resume_true_resumes_a_first_attempt_too(tmp_path: Path, caplog: pytest.
 def test_resume_must_be_a_bool_or_none() -> None:
     with pytest.raises(ValueError, match=r"resume must be True .* got 'yes'"):
         MGPUDDPStrategy(resume="yes")  # type: ignore[arg-type]
+
+
+def test_a_torchrun_restart_leaves_out_the_checkpoints_of_an_earlier_job(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An earlier job finished in the folder; this job's first attempt saved nothing before it failed."""
+    _fit(tmp_path, max_steps=4)
+    _fit(tmp_path, max_steps=1)  # this job's first attempt: records its start, saves no checkpoint
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    caplog.set_level(logging.INFO)
+    assert _fit(tmp_path, max_steps=4).global_step == 4
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("mgpu_ddp: ")]
+    assert (
+        "mgpu_ddp: not resuming from 2 checkpoint(s) written before this run's first attempt started, an"
+        f" earlier run's (the newest: {tmp_path}/ckpts/epoch=0-step=4.ckpt)" in lines
+    )
+    assert _resumed_lines(caplog)[-1] == (
+        "mgpu_ddp: attempt 2 of this job (restarted by torchrun): no complete checkpoint in"
+        f" {tmp_path}/ckpts, {tmp_path}; training starts from scratch"
+    )
