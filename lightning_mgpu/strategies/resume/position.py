@@ -19,7 +19,9 @@ the number of processes: resumed with another number of processes but the same g
 (processes x batch size), every global batch is the one the uncut run had. With another global
 batch size the epoch goes on after the last new-size batch the consumed samples fill, Lightning's
 batch counter is set to match, and a warning says how many samples see a second step.
-A loader with a state of its own (``StatefulDataLoader``, say), or another sampler, is left alone.
+A loader with a state of its own (``StatefulDataLoader``, say), or another sampler, is left alone; one
+of unknown length (an ``IterableDataset``) resumed in the middle of its epoch gets a warning that the
+epoch starts again, which Lightning gives only where the length is known.
 """
 
 from __future__ import annotations
@@ -125,6 +127,29 @@ class LoaderPosition(Callback):
     def _progress(self) -> Any:
         assert self._trainer is not None
         return self._trainer.fit_loop.epoch_loop.batch_progress
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A loader of unknown length, kept as it is, resumed in the middle of its epoch: say what happens.
+
+        Lightning warns where the epoch's length is known; without one (an ``IterableDataset``) it
+        replays the epoch from its first batch in silence.
+        """
+        progress: Any = trainer.fit_loop.epoch_loop.batch_progress
+        done = progress.current.processed
+        if self.sampler is not None or trainer.num_training_batches != float("inf"):
+            return
+        if not done or progress.is_last_batch:
+            return
+        loader = trainer.fit_loop._combined_loader
+        if loader is not None and all(isinstance(part, _Stateful) for part in loader.flattened):
+            return
+        rank_zero_warn(
+            f"{self.name}: resumed {done} batches into epoch {trainer.current_epoch} with a training loader"
+            " of unknown length that keeps no position of its own (an IterableDataset, say): the epoch"
+            f" starts again from its first batch, so its first {done} batches are trained on twice. A"
+            " loader with a state_dict (torchdata's StatefulDataLoader) resumes where it stopped."
+        )
 
     @override
     def state_dict(self) -> dict[str, Any]:

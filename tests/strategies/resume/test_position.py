@@ -16,7 +16,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from lightning_mgpu import MGPUDDPStrategy
 from lightning_mgpu.strategies.resume.position import ResumableSampler
@@ -35,6 +35,14 @@ class _Indexed(Dataset):
 
     def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         return i, self.x[i], self.y[i]
+
+
+class _Streamed(IterableDataset):
+    """``_Indexed``'s samples in order, as a stream: no length, no sampler."""
+
+    def __iter__(self) -> Any:
+        data = _Indexed()
+        return (data[i] for i in range(SAMPLES))
 
 
 class _Regression(L.LightningModule):
@@ -69,7 +77,9 @@ class _Visits(Callback):
         self.visits = state["visits"]
 
 
-def _fit(folder: Path, batch_size: int, max_steps: int = -1, resume: bool = False) -> tuple[L.Trainer, Any]:
+def _fit(
+    folder: Path, batch_size: int, max_steps: int = -1, resume: bool = False, stream: bool = False
+) -> tuple[L.Trainer, Any]:
     visits = _Visits()
     module = _Regression()
     trainer = L.Trainer(
@@ -83,7 +93,12 @@ def _fit(folder: Path, batch_size: int, max_steps: int = -1, resume: bool = Fals
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(module, DataLoader(_Indexed(), batch_size=batch_size, shuffle=True))
+    data = (
+        DataLoader(_Streamed(), batch_size=batch_size)
+        if stream
+        else DataLoader(_Indexed(), batch_size=batch_size, shuffle=True)
+    )
+    trainer.fit(module, data)
     return trainer, (visits.visits, module.net.weight.detach().clone())
 
 
@@ -126,6 +141,15 @@ def test_another_strategy_resumes_the_checkpoint_without_the_position(tmp_path: 
             ckpt_path=str(tmp_path / "ckpts" / "epoch=0-step=3.ckpt"),
         )
     assert trainer.global_step == SAMPLES // 4
+
+
+def test_a_stream_resumed_mid_epoch_is_replayed_from_its_start_and_says_so(tmp_path: Path) -> None:
+    """An IterableDataset keeps no position: Lightning, which cannot count its batches, does not warn."""
+    _fit(tmp_path, batch_size=4, max_steps=3, stream=True)
+    with pytest.warns(UserWarning, match=r"mgpu_ddp: resumed 3 batches into epoch 0 with a training loader"):
+        _, (visits, _) = _fit(tmp_path, batch_size=4, resume=True, stream=True)
+    assert visits[0] == [2] * 12 + [1] * 12  # as the warning says: the first 3 batches twice
+    assert visits[1] == [1] * SAMPLES
 
 
 def test_the_sampler_leaves_out_the_consumed_samples_of_that_epoch_only() -> None:
