@@ -1,4 +1,7 @@
-"""DeviceMemoryMonitor in real runs: DDP ranks and DP replicas reach the logger, imbalance, summary, OOM."""
+"""DeviceMemoryMonitor in real runs: one process and DP replicas reach the logger, summary, OOM guidance.
+
+The runs over DDP ranks are in ``test_memory_ddp.py``.
+"""
 
 from __future__ import annotations
 
@@ -26,40 +29,6 @@ from lightning_mgpu.callbacks.memory_report import (
 )
 from tests.helpers import run_script
 
-MODULE = """
-import os, sys
-import lightning as L, torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-from lightning.pytorch.loggers import CSVLogger
-from lightning_mgpu import DeviceMemoryMonitor
-
-class Model(L.LightningModule):
-    def __init__(self, fail_rank=None, fail_batch=None):
-        super().__init__()
-        self.net = nn.Linear(8, 1)
-        self.fail_rank, self.fail_batch = fail_rank, fail_batch
-
-    def training_step(self, batch, batch_idx):
-        if self.global_rank == self.fail_rank and batch_idx == self.fail_batch:
-            raise MemoryError("could not allocate 3 GiB")
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-def trainer(log_dir, every, flush=25):
-    monitor = DeviceMemoryMonitor(every_n_steps=every, flush_every_n_steps=flush)
-    return L.Trainer(
-        accelerator="cpu", devices=2, strategy="mgpu_ddp", max_epochs=1, logger=CSVLogger(log_dir),
-        callbacks=[monitor], log_every_n_steps=every, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )
-
-data = DataLoader(TensorDataset(torch.randn(64, 8), torch.randn(64, 1)), batch_size=4)
-"""
-
 
 def read_csv(path: Path) -> list[dict[str, str]]:
     with open(path, newline="") as f:
@@ -69,107 +38,6 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 def memory_rows(log_dir: Path) -> list[dict[str, str]]:
     rows = read_csv(next(log_dir.rglob("metrics.csv")))
     return [r for r in rows if r.get("memory/imbalance")]
-
-
-def test_ddp_ranks_reach_rank0_logger_imbalance_warned_and_summarized(tmp_path: Path) -> None:
-    code = (
-        MODULE
-        + """
-class Hoarder(Model):
-    def on_train_start(self):
-        if self.global_rank == 0:
-            self.hoard = torch.ones(100 * 2**20)  # 400 MiB that only rank 0 keeps
-
-t = trainer(sys.argv[1], every=2)
-t.fit(Hoarder(), data)
-print("LOG_DIR", t.log_dir)
-"""
-    )
-    result = run_script(code, tmp_path, args=[str(tmp_path / "logs")], timeout=180)
-    assert result.returncode == 0, result.output[-3000:]
-    rows = memory_rows(tmp_path / "logs")
-    assert len(rows) == 4  # 8 batches per rank, logged every 2
-    for row in rows:
-        for rank in (0, 1):
-            assert float(row[f"memory/cpu:rank{rank}/rss_MiB"]) > 100
-            assert float(row[f"memory/cpu:rank{rank}/peak_rss_MiB"]) > 100
-        rank0, rank1 = (
-            float(row["memory/cpu:rank0/peak_rss_MiB"]),
-            float(row["memory/cpu:rank1/peak_rss_MiB"]),
-        )
-        assert rank0 > rank1 + 300
-        assert float(row["memory/imbalance"]) == pytest.approx(rank0 / ((rank0 + rank1) / 2), rel=1e-6)
-
-    # one warning, from rank 0 only, naming the device and that no usual cause applies
-    assert result.output.count("Memory is unbalanced: cpu:rank0 holds") == 1
-    assert "tensors kept on cpu:rank0 only" in result.output
-    # one table, printed by rank 0, holding both ranks
-    assert result.output.count("Device memory over the fit (peaks):") == 1
-    table = result.stdout.split("Device memory over the fit (peaks):")[1]
-    assert "| cpu:rank0 | CPU process |" in table
-    assert "| cpu:rank1 | CPU process |" in table
-    log_dir = Path(result.stdout.split("LOG_DIR ")[1].split()[0])
-    summary = json.loads((log_dir / "memory_summary.json").read_text())
-    assert [d["device"] for d in summary["devices"]] == ["cpu:rank0", "cpu:rank1"]
-    assert summary["max_imbalance"] > 1.25
-    assert summary["devices"][0]["peak_rss_bytes"] > summary["devices"][1]["peak_rss_bytes"] + 300 * 2**20
-    # each DDP rank holds the whole model state: 9 float32 parameters and their gradients (plain SGD)
-    assert [d["model_state_bytes"] for d in summary["devices"]] == [72, 72]
-    assert "Model state (rank)" in table
-
-
-def test_ddp_readings_gathered_in_windows_keep_their_steps(tmp_path: Path) -> None:
-    code = (
-        MODULE
-        + """
-class Logging(Model):
-    def training_step(self, batch, batch_idx):
-        loss = super().training_step(batch, batch_idx)
-        self.log("rank_batch", float(self.global_rank * 100 + batch_idx))
-        return loss
-
-t = trainer(sys.argv[1], every=1, flush=3)  # 8 logs: gathers after batches 3 and 6, the rest at the end
-t.fit(Logging(), data)
-"""
-    )
-    result = run_script(code, tmp_path, args=[str(tmp_path / "logs")], timeout=180)
-    assert result.returncode == 0, result.output[-3000:]
-    rows = read_csv(next((tmp_path / "logs").rglob("metrics.csv")))
-    lightning_steps = [int(r["step"]) for r in rows if r.get("rank_batch")]
-    memory = memory_rows(tmp_path / "logs")
-    # every batch's reading of both ranks, under the step Lightning logged that batch at
-    assert sorted(int(r["step"]) for r in memory) == lightning_steps == list(range(8))
-    for row in memory:
-        assert float(row["memory/cpu:rank0/rss_MiB"]) > 100
-        assert float(row["memory/cpu:rank1/rss_MiB"]) > 100
-
-
-def test_ddp_out_of_memory_on_one_rank_explains_and_both_ranks_end(tmp_path: Path) -> None:
-    code = (
-        MODULE
-        + """
-t = trainer(sys.argv[1], every=1)
-try:
-    t.fit(Model(fail_rank=1, fail_batch=3), data)
-finally:
-    print(f"rank {t.global_rank} ended", file=sys.stderr, flush=True)
-"""
-    )
-    # returning at all means every process that shared the output pipes has exited: no hang
-    result = run_script(code, tmp_path, args=[str(tmp_path / "logs")], timeout=120)
-    out = result.output
-    assert result.returncode != 0
-    assert "rank 0 ended" in out
-    assert "rank 1 ended" in out
-    assert (
-        out.count("Out of memory on cpu:rank1 (rank 1) at step 3: MemoryError: could not allocate 3 GiB") == 1
-    )
-    guidance = out.split("Out of memory on cpu:rank1")[1]
-    assert "| cpu:rank0 | CPU process |" in guidance  # what every device held, from the last gather
-    assert "| cpu:rank1 | CPU process |" in guidance
-    assert "4 rows per device now; the largest that finished a step so far is 4" in guidance
-    assert "accumulate_grad_batches=2" in guidance
-    assert "[rank1]: MemoryError: could not allocate 3 GiB" in out  # the original error, re-raised
 
 
 class Small(L.LightningModule):

@@ -16,7 +16,8 @@ import pytest
 
 from tests.slurm.cluster import SlurmCluster
 from tests.slurm.jobs import batch_script, processes_of, srun_train
-from tests.strategies.ddp.test_ddp import assert_same_weights, survivor_says
+from tests.strategies.ddp.test_ddp import assert_same_weights
+from tests.strategies.ddp.test_faults import survivor_says
 
 pytestmark = pytest.mark.slurm
 
