@@ -120,7 +120,8 @@ class AutoResume:
         if choice.earlier_runs:
             rank_zero_info(
                 f"{name}: not resuming from {len(choice.earlier_runs)} checkpoint(s) written before this"
-                f" run's first attempt started, an earlier run's (the newest: {choice.earlier_runs[0]})"
+                f" run's first attempt started, an earlier run's (the newest: {choice.earlier_runs[0]});"
+                " to go on from one of them, pass it as fit(ckpt_path=...) or use resume=True"
             )
         for skipped in choice.skipped:
             rank_zero_info(f"{name}: not resuming from {skipped.path}: {skipped.reason}")

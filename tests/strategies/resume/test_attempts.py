@@ -127,7 +127,8 @@ def test_a_restart_never_resumes_from_an_earlier_runs_checkpoints(tmp_path: Path
     assert again.returncode == 0, again.output[-3000:]
     assert (
         "mgpu_ddp: not resuming from 1 checkpoint(s) written before this run's first attempt started, an"
-        f" earlier run's (the newest: {earlier})" in again.output
+        f" earlier run's (the newest: {earlier}); to go on from one of them, pass it as fit(ckpt_path=...) or"
+        " use resume=True" in again.output
     )
     assert (
         f"mgpu_ddp: attempt 2 of this run (the one before, in {folder}/ckpts, did not finish): no complete"

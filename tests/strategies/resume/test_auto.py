@@ -115,7 +115,8 @@ def test_a_torchrun_restart_leaves_out_the_checkpoints_of_an_earlier_job(
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("mgpu_ddp: ")]
     assert (
         "mgpu_ddp: not resuming from 2 checkpoint(s) written before this run's first attempt started, an"
-        f" earlier run's (the newest: {tmp_path}/ckpts/epoch=0-step=4.ckpt)" in lines
+        f" earlier run's (the newest: {tmp_path}/ckpts/epoch=0-step=4.ckpt); to go on from one of them, pass"
+        " it as fit(ckpt_path=...) or use resume=True" in lines
     )
     assert _resumed_lines(caplog)[-1] == (
         "mgpu_ddp: attempt 2 of this job (restarted by torchrun): no complete checkpoint in"
