@@ -180,6 +180,16 @@ class LoaderPosition(Callback):
         assert self.sampler is not None
         inner = self.sampler.inner
         inner.seed = state["seed"]
+        if self._progress().is_last_batch:
+            # The checkpoint closed its epoch: the next pass is the next epoch's, whole. Its epoch is set
+            # here because a loader with workers draws its first indices when Lightning makes its
+            # iterator, before Lightning sets the sampler's epoch (and skips nothing).
+            inner.set_epoch(state["epoch"] + 1)
+            log.debug(
+                "epoch %d was over: epoch %d starts from its first batch",
+                *(state["epoch"] + d for d in (0, 1)),
+            )
+            return
         inner.set_epoch(state["epoch"])
         samples = len(inner.dataset)  # type: ignore[arg-type]
         changed = [

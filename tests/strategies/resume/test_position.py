@@ -78,7 +78,12 @@ class _Visits(Callback):
 
 
 def _fit(
-    folder: Path, batch_size: int, max_steps: int = -1, resume: bool = False, stream: bool = False
+    folder: Path,
+    batch_size: int,
+    max_steps: int = -1,
+    resume: bool = False,
+    stream: bool = False,
+    workers: dict[str, Any] | None = None,
 ) -> tuple[L.Trainer, Any]:
     visits = _Visits()
     module = _Regression()
@@ -96,7 +101,7 @@ def _fit(
     data = (
         DataLoader(_Streamed(), batch_size=batch_size)
         if stream
-        else DataLoader(_Indexed(), batch_size=batch_size, shuffle=True)
+        else DataLoader(_Indexed(), batch_size=batch_size, shuffle=True, **(workers or {}))
     )
     trainer.fit(module, data)
     return trainer, (visits.visits, module.net.weight.detach().clone())
@@ -106,6 +111,23 @@ def test_a_fit_cut_mid_epoch_resumes_at_the_next_batch_in_the_same_order(tmp_pat
     _, (uncut_visits, uncut_weight) = _fit(tmp_path / "uncut", batch_size=4)
     _fit(tmp_path / "cut", batch_size=4, max_steps=3)  # the checkpoint: batch 3 of 6 in epoch 0
     trainer, (visits, weight) = _fit(tmp_path / "cut", batch_size=4, resume=True)
+    assert trainer.global_step == 12
+    assert visits == uncut_visits == {0: [1] * SAMPLES, 1: [1] * SAMPLES}
+    torch.testing.assert_close(weight, uncut_weight, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent-workers"])
+@pytest.mark.parametrize("cut_at", [3, 6], ids=["mid-epoch", "epoch-end"])
+def test_a_loader_with_workers_resumes_mid_epoch_and_at_an_epoch_end_exactly(
+    tmp_path: Path, cut_at: int, persistent: bool
+) -> None:
+    """Workers draw their first indices when the loader's iterator is made, before Lightning sets the
+    sampler's epoch: a checkpoint at the end of epoch 0 must not leave out epoch 1's first samples."""
+    workers = {"num_workers": 2, "persistent_workers": persistent}
+    _, (uncut_visits, uncut_weight) = _fit(tmp_path / "uncut", batch_size=4, workers=workers)
+    _fit(tmp_path / "cut", batch_size=4, max_steps=cut_at, workers=workers)
+    trainer, (visits, weight) = _fit(tmp_path / "cut", batch_size=4, resume=True, workers=workers)
     assert trainer.global_step == 12
     assert visits == uncut_visits == {0: [1] * SAMPLES, 1: [1] * SAMPLES}
     torch.testing.assert_close(weight, uncut_weight, rtol=0, atol=1e-6)
