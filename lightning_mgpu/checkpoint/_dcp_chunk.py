@@ -9,10 +9,12 @@ anything but what torch writes there:
   shape, strides and storage size without the values: it must hold one dense tensor of the chunk's
   dtype and shape, whose storage is exactly its values (another dtype is refused, not cast; a view
   that repeats a few values by its strides is refused, not expanded);
-- the values are one stored record of the archive, exactly as long as that storage.
+- the values are one stored (not compressed) record of the archive, exactly as long as that storage.
 
-:func:`read_chunk` then reads the values straight from the file into the tensor's memory. Ctrl-C
-and SIGTERM arriving during ``torch.load`` take effect as it returns (:func:`signals_held`): raised
+:func:`read_chunk` then reads the values straight from the file into the tensor's memory, where
+``zipfile`` would first return them as a ``bytes`` copy: one tensor in memory, not two, is how a
+sharded export stays within 0.3x the folder's size (``benchmarks/export_sharded.py``). Ctrl-C and
+SIGTERM arriving during ``torch.load`` take effect as it returns (:func:`signals_held`): raised
 inside the Python reads that torch calls back into, torch would report them as a damaged archive.
 """
 
@@ -128,6 +130,12 @@ def chunk_layout(file: BinaryIO, path: Path, key: str, chunk: Chunk, dtype: torc
         raise ValueError(
             f"{where} holds a view with strides {list(meta.stride())} into {storage:,} bytes, not the "
             f"{nbytes:,} bytes of its values laid out once each; it is refused rather than expanded"
+        )
+    packed = [m.name for m in members if m.compressed is not None]
+    if packed:  # torch.save never compresses; its values are read straight from the file
+        raise ValueError(
+            f"{where} holds compressed records ({', '.join(packed[:3])}), which torch.save never writes; "
+            "load the folder with torch.distributed.checkpoint instead"
         )
     data = [m for m in members if m.name.rsplit("/", 2)[-2:-1] == ["data"]]
     if len(data) != 1 or data[0].size != nbytes or data[0].start + data[0].size > end:

@@ -9,6 +9,11 @@
 - ``trust_pickle=True`` is the one way to unpickle anything else, and the refusal names it.
 - A torch zip file comes with a check of its records' CRC-32 (``_zip_check``), which whoever
   reads the tensors runs: ``torch.load`` does not.
+- A zip file whose records are compressed (``torch.save`` never compresses, a zip tool may) is
+  not memory-mapped, which would take the compressed bytes for values. Before ``torch.load``
+  inflates anything, a value record claiming to inflate to more than the largest tensor the file
+  stores is refused (as an index claiming more than its file holds is), and every record's CRC-32
+  is checked through ``zipfile``, which inflates 1 MiB at a time.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import sys
 import types
 import typing
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PosixPath, PurePosixPath, PureWindowsPath, WindowsPath
 from typing import Any, BinaryIO
@@ -101,22 +106,51 @@ def read_file(
             raise ValueError(f"map_location={str(map_location)!r}, but CUDA is not available here")
         tensors, metadata = read_safetensors(path, device=str(map_location))
         return LoadedFile(tensors, kind, metadata, mapped=MappedFile(path, archive=False))
-    obj = _torch_load(path, kind, map_location, trust_pickle)
+    compressed = _check_zip(path) if kind == "torch zip" else []
+    if compressed:  # memory-mapped, the compressed bytes would be taken for the values
+        _check_inflated_sizes(path, compressed, _torch_load(path, "meta", trust_pickle, mmap=False))
+        RecordCheck(path).verify()
+        return LoadedFile(_torch_load(path, map_location, trust_pickle, mmap=False), kind)
+    obj = _torch_load(path, map_location, trust_pickle, mmap=kind == "torch zip")
     if kind != "torch zip":
         return LoadedFile(obj, kind)
     mapped = MappedFile(path)
     return LoadedFile(obj, kind, mapped=mapped, check=RecordCheck(path, mapped))
 
 
-def _check_zip(path: Path) -> None:
+def _check_zip(path: Path) -> list[zipfile.ZipInfo]:
+    """The compressed records of the torch zip file at ``path``."""
     try:
         with zipfile.ZipFile(path) as archive:
-            names = archive.namelist()
+            infos = archive.infolist()
     except zipfile.BadZipFile as err:
         raise ValueError(f"{path} is truncated or corrupt: {err}") from None
-    if not any(name.endswith("data.pkl") for name in names):
-        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    if not any(info.filename.endswith("data.pkl") for info in infos):
+        shown = ", ".join(info.filename for info in infos[:3]) + (", ..." if len(infos) > 3 else "")
         raise ValueError(f"{path} is a zip archive but not a torch checkpoint (it holds {shown})")
+    return [info for info in infos if info.compress_type != zipfile.ZIP_STORED]
+
+
+def _check_inflated_sizes(path: Path, compressed: list[zipfile.ZipInfo], skeleton: Any) -> None:
+    """No ``compressed`` value record inflates to more than the largest tensor ``skeleton`` (the file
+    loaded onto the meta device) stores: a claim beyond it is refused before anything inflates it."""
+    largest, stack = 0, [skeleton]
+    while stack:  # not recursive: a crafted file may nest deeper than Python's stack
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            largest = max(largest, value.untyped_storage().nbytes())
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    for info in compressed:
+        if "/data/" in info.filename and info.file_size > largest:
+            raise ValueError(
+                f"{path} is corrupt or crafted: record {info.filename} claims to inflate "
+                f"{info.compress_size:,} bytes to {info.file_size:,}, more than any tensor it stores "
+                f"({largest:,} bytes), so it was not read; copy the file again from where it was written, "
+                "or use another checkpoint"
+            )
 
 
 class _MissingClassError(Exception):
@@ -141,10 +175,7 @@ class _NamingUnpickler(pickle.Unpickler):
 _NAMING_PICKLE = types.SimpleNamespace(__name__="pickle", Unpickler=_NamingUnpickler, load=pickle.load)
 
 
-def _torch_load(path: Path, kind: str, map_location: Any, trust_pickle: bool) -> Any:
-    if kind == "torch zip":
-        _check_zip(path)
-
+def _torch_load(path: Path, map_location: Any, trust_pickle: bool, *, mmap: bool) -> Any:
     def load(mmap: bool) -> Any:
         if trust_pickle:
             return _load(path, map_location, mmap, weights_only=False, pickle_module=_NAMING_PICKLE)
@@ -161,9 +192,9 @@ def _torch_load(path: Path, kind: str, map_location: Any, trust_pickle: bool) ->
 
     try:
         try:
-            return load(mmap=kind == "torch zip")
+            return load(mmap)
         except RuntimeError:
-            if kind != "torch zip":
+            if not mmap:
                 raise
             # some older zip checkpoints cannot be memory-mapped; read those into memory instead
             return load(mmap=False)
@@ -173,7 +204,7 @@ def _torch_load(path: Path, kind: str, map_location: Any, trust_pickle: bool) ->
         message = str(err)
         unsafe = _UNSAFE_GLOBAL.findall(message) + _BLOCKED.findall(message)
         if unsafe:
-            unsafe = _all_unsafe_globals(path, kind) or unsafe
+            unsafe = _all_unsafe_globals(path) or unsafe
             names = ", ".join(dict.fromkeys(unsafe))
             raise ValueError(
                 f"{path} holds Python objects that are not plain weights ({names}); "
@@ -218,10 +249,10 @@ def _missing_class_message(path: Path, err: _MissingClassError) -> str:
     return f"{path} refers to {qualified}, which cannot be imported here ({err.reason}); {how}."
 
 
-def _all_unsafe_globals(path: Path, kind: str) -> list[str]:
+def _all_unsafe_globals(path: Path) -> list[str]:
     """Every global the weights-only unpickler would refuse (torch only names the first one)."""
     finder = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)  # torch >= 2.5
-    if finder is None or kind != "torch zip":
+    if finder is None or sniff(path) != "torch zip":
         return []
     try:
         with _hyperparameters_allowed(True):

@@ -1,7 +1,9 @@
-"""Check torch zip archives against the CRC-32 they store for each record.
+"""Check torch zip archives against the CRC-32 they store for each record, through ``zipfile``.
 
 ``torch.load`` does not check them, so a flipped bit in a tensor's bytes loads as a wrong value
-without a word. Both checks read every stored record once and compare:
+without a word. ``zipfile`` does, for stored and compressed records alike, reading each one in
+pieces of 1 MiB (:func:`damaged_records`); the checks here only say which tensors a damaged record
+holds:
 
 - :class:`RecordCheck`: a ``.pt`` / ``.ckpt`` file; a damaged record is named by the tensors whose
   storage it holds (``model.3.weight``), found by where the memory-mapped tensors lie in the file;
@@ -11,14 +13,15 @@ without a word. Both checks read every stored record once and compare:
 An export runs the check in a thread while it writes (``zlib.crc32`` and file reads release the
 GIL), and waits for it before renaming the result into place, so the check costs little time and a
 damaged source never becomes a clean-looking export. :class:`Window` shows one archive inside a
-larger file as a file of its own, so that nothing outside it is ever read.
+larger file as a file of its own, so that nothing outside it is ever read; :func:`stored_records`
+says where each record's bytes lie, which is what lets the readers copy stored values straight
+from the file (``MappedFile``, ``_dcp_chunk``) instead of through ``zipfile``'s copies.
 """
 
 from __future__ import annotations
 
 import io
 import logging
-import mmap
 import os
 import struct
 import threading
@@ -31,11 +34,20 @@ from typing import Any, BinaryIO, Protocol
 
 import torch
 
-__all__ = ["Archive", "ArchiveCheck", "Check", "RecordCheck", "StoredRecord", "Window", "stored_records"]
+__all__ = [
+    "Archive",
+    "ArchiveCheck",
+    "Check",
+    "RecordCheck",
+    "StoredRecord",
+    "Window",
+    "damaged_records",
+    "stored_records",
+]
 
 logger = logging.getLogger(__name__)
 
-_CHUNK = 1 << 20  # summed, then released: the check holds about this much of the file
+_CHUNK = 1 << 20  # read, summed, then dropped: the check holds about this much of the file
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra field length
 
 
@@ -76,19 +88,22 @@ class Window(io.RawIOBase):
 
 @dataclass(frozen=True)
 class StoredRecord:
-    """One stored (uncompressed) record: its name, where its bytes start in the file, how many, CRC-32."""
+    """One record: its name, where its bytes start in the file, how many there are, and its size.
+
+    ``size`` is what the record holds once read; for a compressed record, ``compressed`` is the
+    bytes it takes in the file, else None.
+    """
 
     name: str
     start: int
     size: int
-    crc: int
+    compressed: int | None = None
 
 
 def stored_records(file: BinaryIO, start: int = 0, length: int | None = None) -> list[StoredRecord]:
-    """The stored records of the zip archive at bytes ``[start, start + length)`` of ``file``.
+    """Every record of the zip archive at bytes ``[start, start + length)`` of ``file``.
 
-    ``length=None``: the archive is the whole file. Compressed records are left out (torch never
-    compresses; ``zipfile`` checks those itself). Where a record begins, and the archive's own
+    ``length=None``: the archive is the whole file. Where a record begins, and the archive's own
     directory, are read within those bytes only.
 
     Raises:
@@ -101,8 +116,6 @@ def stored_records(file: BinaryIO, start: int = 0, length: int | None = None) ->
         infos = archive.infolist()
     records = []
     for info in infos:
-        if info.compress_type != zipfile.ZIP_STORED:
-            continue
         if not 0 <= info.header_offset < length:
             raise zipfile.BadZipFile(f"{info.filename} lies outside the archive")
         window.seek(info.header_offset)
@@ -110,32 +123,27 @@ def stored_records(file: BinaryIO, start: int = 0, length: int | None = None) ->
         if len(header) < _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
             raise zipfile.BadZipFile(f"no local header for {info.filename}")
         _, name_length, extra_length = _LOCAL_HEADER.unpack(header)
-        data = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
-        records.append(StoredRecord(info.filename, start + data, info.file_size, info.CRC))
+        data = start + info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+        compressed = None if info.compress_type == zipfile.ZIP_STORED else info.compress_size
+        records.append(StoredRecord(info.filename, data, info.file_size, compressed))
     return records
 
 
-def _release(mapped: mmap.mmap, start: int, size: int) -> None:
-    """Drop a summed range's pages from this process (they stay in the page cache)."""
-    advise = getattr(mapped, "madvise", None)
-    dontneed = getattr(mmap, "MADV_DONTNEED", None)
-    if advise is None or dontneed is None:
-        return
-    aligned = start - start % mmap.PAGESIZE
-    advise(dontneed, aligned, start + size - aligned)
+def damaged_records(archive: zipfile.ZipFile) -> list[tuple[str, str]]:
+    """``(record, what is wrong)`` for each record that ``zipfile`` finds does not match its CRC-32.
 
-
-def _matches(view: memoryview, mapped: mmap.mmap, record: StoredRecord, end: int) -> bool:
-    """Whether ``record``'s bytes, all before ``end``, have its CRC-32; summed from the map, no copy."""
-    crc, at, stop = 0, record.start, min(record.start + record.size, end)
-    if at < 0:
-        return False
-    while at < stop:
-        step = min(_CHUNK, stop - at)
-        crc = zlib.crc32(view[at : at + step], crc)
-        _release(mapped, at, step)  # each chunk's pages leave this process once summed
-        at += step
-    return stop - record.start == record.size and crc == record.crc
+    Every record is read through ``zipfile``, stored or compressed, 1 MiB at a time, whatever size
+    it claims.
+    """
+    damaged = []
+    for info in archive.infolist():
+        try:
+            with archive.open(info) as record:
+                while record.read(_CHUNK):
+                    pass
+        except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError) as err:
+            damaged.append((info.filename, str(err) or type(err).__name__))
+    return damaged
 
 
 class Check:
@@ -194,7 +202,7 @@ _ADVICE = (
 
 
 class RecordCheck(Check):
-    """Compares every stored record of a torch zip file with its CRC-32."""
+    """Compares every record of a torch zip file with its CRC-32."""
 
     def __init__(self, path: Path, offsets: _Offsets | None = None) -> None:
         """``offsets`` tells where memory-mapped tensors lie in the file (``MappedFile``), to name them."""
@@ -205,17 +213,15 @@ class RecordCheck(Check):
         return str(self.path)
 
     def _check(self) -> list[StoredRecord]:
+        with zipfile.ZipFile(self.path) as archive:
+            damaged = {name for name, _ in damaged_records(archive)}
+            logger.debug(
+                "%s: %d records checked, %d damaged", self.path, len(archive.infolist()), len(damaged)
+            )
+        if not damaged:
+            return []
         with open(self.path, "rb") as file:
-            records = stored_records(file)
-            if not records or os.fstat(file.fileno()).st_size == 0:
-                return []
-            mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-        with mapped, memoryview(mapped) as view:
-            damaged = [record for record in records if not _matches(view, mapped, record, len(mapped))]
-        logger.debug(
-            "%s: %d records checked against their CRC-32, %d damaged", self.path, len(records), len(damaged)
-        )
-        return damaged
+            return [record for record in stored_records(file) if record.name in damaged]
 
     def _message(self, damaged: list[StoredRecord], tensors: Mapping[str, Any]) -> str:
         starts = {record.start: record for record in damaged}
@@ -247,7 +253,7 @@ class Archive:
 
 
 class ArchiveCheck(Check):
-    """Compares every stored record of several archives inside larger files with its CRC-32."""
+    """Compares every record of several archives inside larger files with its CRC-32."""
 
     def __init__(self, archives: Sequence[Archive]) -> None:
         super().__init__()
@@ -268,25 +274,20 @@ class ArchiveCheck(Check):
                 if os.fstat(file.fileno()).st_size == 0:
                     damaged += [(a, "the file is empty", False) for a in archives]
                     continue
-                mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-                with mapped, memoryview(mapped) as view:
-                    for archive in sorted(archives, key=lambda a: a.start):
-                        damaged += self._archive(file, view, mapped, archive)
+                for archive in sorted(archives, key=lambda a: a.start):
+                    damaged += self._archive(file, archive)
         logger.debug(
             "%d archives checked against their CRC-32, %d damaged", len(self._archives), len(damaged)
         )
         return damaged
 
     @staticmethod
-    def _archive(
-        file: BinaryIO, view: memoryview, mapped: mmap.mmap, archive: Archive
-    ) -> list[tuple[Archive, str, bool]]:
+    def _archive(file: BinaryIO, archive: Archive) -> list[tuple[Archive, str, bool]]:
         try:
-            records = stored_records(file, archive.start, archive.length)
+            with zipfile.ZipFile(Window(file, archive.start, archive.length)) as opened:
+                return [(archive, f"record {name}", True) for name, _ in damaged_records(opened)]
         except (zipfile.BadZipFile, struct.error, ValueError, OSError) as err:
             return [(archive, str(err) or type(err).__name__, False)]
-        end = min(archive.start + archive.length, len(mapped))
-        return [(archive, f"record {r.name}", True) for r in records if not _matches(view, mapped, r, end)]
 
     def _message(self, damaged: list[tuple[Archive, str, bool]], tensors: Mapping[str, Any]) -> str:
         archive, why, crc = damaged[0]
