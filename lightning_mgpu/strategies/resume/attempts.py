@@ -6,7 +6,10 @@ tells: rank 0 keeps there, in :data:`RECORD_NAME`, the attempt that is running, 
 when its ``fit`` ends. A ``fit`` that finds the record of an unfinished attempt of the same run is
 the next attempt of that run. The same run means the same command line and the same model (the
 names, shapes and dtypes of its parameters and buffers): a script whose arguments or model changed
-since, or a folder whose last run finished, starts afresh.
+since, or a folder whose last run finished, starts afresh. So does a ``fit`` in the process that
+left the unfinished record (a notebook cell run again, a retry loop): the record names its process
+(host, pid and the process's start time, so that a new process given the same pid is told apart),
+and only another process is evidence of a restart.
 
 The record also keeps when the run's first attempt started (the record file's modification time, the
 clock the checkpoints' own times come from): a restart resumes only from checkpoints written since,
@@ -19,13 +22,17 @@ attempt; Lightning's default (under the logger's new version folder) never is.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
+import os
+import socket
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from typing_extensions import override
@@ -52,6 +59,12 @@ def fingerprint(argv: Sequence[str], module: nn.Module) -> str:
     return hashlib.sha256(json.dumps([list(argv), tensors]).encode()).hexdigest()
 
 
+@functools.cache
+def this_process() -> str:
+    """This process, told apart from any other on any host: host name, pid and start time."""
+    return f"{socket.gethostname()}:{os.getpid()}:{psutil.Process().create_time()}"
+
+
 class AttemptRecord(Callback):
     """Rank 0's record of the run's attempts in its checkpoint folder (see the module).
 
@@ -62,10 +75,15 @@ class AttemptRecord(Callback):
         self.path: Path | None = None
         self._content: dict[str, Any] | None = None
         self._same_run: dict[str, Any] = {}
+        self.left_by_this_process = False
+        """Whether the last record read was an unfinished attempt of this very process (an earlier fit)."""
 
     @staticmethod
     def folder_of(trainer: pl.Trainer) -> Path | None:
-        """The first ``ModelCheckpoint``'s folder; ``None`` without one."""
+        """The first ``ModelCheckpoint``'s folder; ``None`` without one, or where Lightning writes no
+        checkpoint (``fast_dev_run``)."""
+        if trainer.fast_dev_run:
+            return None
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.dirpath:
                 return Path(callback.dirpath)
@@ -73,7 +91,7 @@ class AttemptRecord(Callback):
 
     def earlier_attempts(self, folder: Path, run: str) -> int:
         """How many attempts of ``run`` came before, the last unfinished; 0 when there is none such."""
-        self.path, self._same_run = folder / RECORD_NAME, {}
+        self.path, self._same_run, self.left_by_this_process = folder / RECORD_NAME, {}, False
         try:
             record = json.loads(self.path.read_text())
         except FileNotFoundError:
@@ -87,6 +105,9 @@ class AttemptRecord(Callback):
         self._same_run = record
         if record.get("finished") or not isinstance(record.get("attempt"), int):
             return 0
+        if record.get("process") == this_process():
+            self.left_by_this_process = True
+            return 0
         return int(record["attempt"]) + 1
 
     def start(self, run: str, attempt: int) -> None:
@@ -97,7 +118,13 @@ class AttemptRecord(Callback):
         """
         if self.path is None:
             return
-        content: dict[str, Any] = {"version": _VERSION, "run": run, "attempt": attempt, "finished": False}
+        content: dict[str, Any] = {
+            "version": _VERSION,
+            "run": run,
+            "attempt": attempt,
+            "finished": False,
+            "process": this_process(),
+        }
         started = self._same_run.get("started_ns") if attempt > 0 else None
         if isinstance(started, int):
             self._write({**content, "started_ns": started})

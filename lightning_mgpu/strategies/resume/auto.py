@@ -20,6 +20,7 @@ process group and the ``ModelCheckpoint`` folders are known.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -32,7 +33,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_mgpu.strategies.resume.attempts import AttemptRecord, fingerprint
-from lightning_mgpu.strategies.resume.candidates import Choice, find_checkpoints, newest_complete
+from lightning_mgpu.strategies.resume.candidates import Choice, find_checkpoints, newest_complete, set_aside
 from lightning_mgpu.strategies.resume.restart import Restart, restart_of
 
 if TYPE_CHECKING:
@@ -111,12 +112,18 @@ class AutoResume:
         if trainer.state.fn != TrainerFn.FITTING or (checkpoint_path is not None and not chosen_by_lightning):
             return start(checkpoint_path)
         restart = self._agreed_restart(trainer)
+        name = self.host.strategy_name
+        if self.record.left_by_this_process and not (self.resume or restart.is_restart):
+            rank_zero_info(
+                f"{name}: an earlier fit in this process did not finish ({self.record.path}); this fit"
+                " starts afresh: to go on from that fit's checkpoints, pass fit(ckpt_path=...) or use"
+                " resume=True"
+            )
         if not (self.resume or restart.is_restart):
             return start(checkpoint_path)
         # resume=True takes what the folders hold; a restart, only what this run wrote
         since = None if self.resume else self.record.started_ns
         choice = self.host.broadcast(self._choose(trainer, since) if self.host.global_rank == 0 else None)
-        name = self.host.strategy_name
         if choice.earlier_runs:
             rank_zero_info(
                 f"{name}: not resuming from {len(choice.earlier_runs)} checkpoint(s) written before this"
@@ -124,7 +131,8 @@ class AutoResume:
                 " to go on from one of them, pass it as fit(ckpt_path=...) or use resume=True"
             )
         for skipped in choice.skipped:
-            rank_zero_info(f"{name}: not resuming from {skipped.path}: {skipped.reason}")
+            moved = f"; moved aside to {skipped.moved_to}" if skipped.moved_to else ""
+            rank_zero_info(f"{name}: not resuming from {skipped.path}: {skipped.reason}{moved}")
         why = restart.describe() if restart.is_restart else "resume=True"
         if choice.path is None:
             folders = ", ".join(choice.searched) or "no checkpoint folder"
@@ -170,4 +178,5 @@ class AutoResume:
         ]
         hpc = str(trainer.default_root_dir)
         searched = tuple(dict.fromkeys([*folders, hpc]))
-        return newest_complete(find_checkpoints(folders, hpc), searched, since_ns)
+        choice = newest_complete(find_checkpoints(folders, hpc), searched, since_ns)
+        return dataclasses.replace(choice, skipped=tuple(set_aside(s) for s in choice.skipped))

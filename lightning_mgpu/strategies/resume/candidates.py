@@ -19,13 +19,14 @@ more than a file's zip directory:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import zipfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Choice", "Skipped", "find_checkpoints", "interruption", "newest_complete"]
+__all__ = ["Choice", "Skipped", "find_checkpoints", "interruption", "newest_complete", "set_aside"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ class Skipped:
 
     path: str
     reason: str
+    moved_to: str | None = None
+    """Where :func:`set_aside` moved it."""
 
 
 @dataclass(frozen=True)
@@ -151,3 +154,22 @@ def newest_complete(
         log.debug("not resuming from %s: %s", path, reason)
         skipped.append(Skipped(str(path), reason))
     return Choice(None, tuple(skipped), tuple(searched), older)
+
+
+def set_aside(skipped: Skipped) -> Skipped:
+    """Rename a checkpoint a kill cut short to ``<name>.incomplete`` (or ``.incomplete-<n>``), out of the
+    run's way: ``ModelCheckpoint`` would save that step again as ``<name>-v1``, beside a file that looks
+    complete by its name. Renamed, not removed: whether it really is cut short is read from its layout."""
+    path = Path(skipped.path)
+    target, n = path.with_name(f"{path.name}.incomplete"), 1
+    while target.exists() or target.is_symlink():
+        n += 1
+        target = path.with_name(f"{path.name}.incomplete-{n}")
+    try:
+        path.rename(target)
+    except OSError as err:
+        log.warning(
+            "cannot move %s out of the way (%s): the next save of its step takes another name", path, err
+        )
+        return skipped
+    return dataclasses.replace(skipped, moved_to=str(target))

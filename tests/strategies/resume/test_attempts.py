@@ -9,14 +9,21 @@ with the weights of a run never cut. A finished run, or another command, starts 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
 
+import lightning as L
+import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_mgpu  # noqa: F401  # registers mgpu_ddp
 from lightning_mgpu.strategies.resume.attempts import RECORD_NAME
 from tests.helpers import Result, run_command, script_env
+from tests.strategies.resume._models import Regression
 
 SCRIPT = r"""
 import os, signal, sys
@@ -135,3 +142,58 @@ def test_a_restart_never_resumes_from_an_earlier_runs_checkpoints(tmp_path: Path
         f" checkpoint in {folder}/ckpts, {folder}; training starts from scratch" in again.output
     )
     _assert_as_uncut(folder, uncut)
+
+
+class _FailsOnce(Regression):
+    """Raises at step 5 while ``fail`` is set: a bug fixed before the next fit."""
+
+    fail = True
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.fail and self.global_step == 5:
+            raise RuntimeError("a bug in training_step")
+        return super().training_step(batch, batch_idx)
+
+
+def _fit_in_process(folder: Path, fail: bool) -> tuple[L.Trainer, torch.Tensor]:
+    torch.manual_seed(0)
+    module = _FailsOnce()
+    module.fail = fail
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy="mgpu_ddp", max_epochs=1, logger=False,
+        callbacks=[ModelCheckpoint(dirpath=folder / "ckpts", every_n_train_steps=2)],
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4, generator=generator), torch.randn(32, 1, generator=generator))
+    trainer.fit(module, DataLoader(data, batch_size=4))
+    return trainer, module.net.weight.detach().clone()
+
+
+def test_a_second_fit_in_the_process_whose_fit_failed_starts_afresh(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A notebook cell run again after a fix: a fresh model and Trainer, the same folder, no ckpt_path.
+    Nothing outside the process restarted it, so it trains all 8 steps from the fresh model."""
+    _, uncut = _fit_in_process(tmp_path / "uncut", fail=False)
+    with pytest.raises(RuntimeError, match="a bug in training_step"):
+        _fit_in_process(tmp_path / "cell", fail=True)
+    assert json.loads((tmp_path / "cell" / "ckpts" / RECORD_NAME).read_text())["finished"] is False
+    caplog.set_level(logging.INFO)
+    trainer, weight = _fit_in_process(tmp_path / "cell", fail=False)
+    assert "resuming from" not in caplog.text
+    assert "mgpu_ddp: an earlier fit in this process did not finish" in caplog.text
+    assert trainer.global_step == 8
+    torch.testing.assert_close(weight, uncut, rtol=0, atol=1e-6)
+
+
+def test_fast_dev_run_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's promise for ``fast_dev_run``: no checkpoint, no log, so no attempt record either."""
+    trainer = L.Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, strategy="mgpu_ddp", fast_dev_run=True,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    data = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
+    monkeypatch.chdir(tmp_path)
+    trainer.fit(Regression(), DataLoader(data, batch_size=4))
+    assert list(tmp_path.iterdir()) == []
