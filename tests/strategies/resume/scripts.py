@@ -17,7 +17,9 @@ the saving rank SIGKILLed:
   SLURM sends it before a time limit (``--signal=USR1@N``): under SLURM the job saves and is requeued.
 
 The environment may change the run's shape: ``FIT_DEVICES`` processes (2), ``FIT_BATCH`` rows per
-process (2), ``FIT_MAX_STEPS`` (-1), and ``FIT_RESUME=1`` sets ``resume=True``.
+process (2), ``FIT_MAX_STEPS`` (-1), ``FIT_EVERY`` steps between checkpoints (3; 4 puts one at each
+epoch's end), ``FIT_WORKERS`` loader workers (0; ``FIT_WORKERS=2p``: 2, persistent), and
+``FIT_RESUME=1`` sets ``resume=True``.
 
 Rank 0 writes ``OUT``: the final weights and, from a callback whose state is saved in every
 checkpoint, how many times each sample went through a training step that the final weights
@@ -40,6 +42,9 @@ first_attempt = all(os.environ.get(name, "0") == "0" for name in restarts)
 # FIT_DEVICES, FIT_BATCH, FIT_MAX_STEPS: another shape of the run; FIT_RESUME=1: resume=True
 devices, batch_size = int(os.environ.get("FIT_DEVICES", "2")), int(os.environ.get("FIT_BATCH", "2"))
 max_steps = int(os.environ.get("FIT_MAX_STEPS", "-1"))
+every = int(os.environ.get("FIT_EVERY", "3"))
+workers = os.environ.get("FIT_WORKERS", "0")
+loader_options = {"num_workers": int(workers.rstrip("p")), "persistent_workers": workers.endswith("p")}
 options = {"requeue_on_failure": int(sys.argv[4])} if len(sys.argv) > 4 else {}
 if os.environ.get("FIT_RESUME") == "1":
     options["resume"] = True
@@ -133,11 +138,11 @@ visits = Visits()
 trainer = L.Trainer(
     accelerator="cpu", devices=devices, strategy=strategy, max_epochs=3, max_steps=max_steps, logger=False,
     plugins=plugins,
-    callbacks=[visits, ModelCheckpoint(dirpath="ckpts", every_n_train_steps=3)],
+    callbacks=[visits, ModelCheckpoint(dirpath="ckpts", every_n_train_steps=every)],
     enable_progress_bar=False, enable_model_summary=False,
 )
 module = Regression()
-trainer.fit(module, DataLoader(Indexed(), batch_size=batch_size, shuffle=True))
+trainer.fit(module, DataLoader(Indexed(), batch_size=batch_size, shuffle=True, **loader_options))
 weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in module.state_dict().items()}
 if trainer.global_rank == 0:
     torch.save({"weights": weights, "visits": visits.visits, "step": trainer.global_step}, out)

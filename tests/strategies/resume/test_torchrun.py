@@ -63,6 +63,7 @@ def test_a_rank_killed_while_writing_a_checkpoint(tmp_path: Path, uncut: dict[st
     assert skipped in result.output
     assert "cut while being written" in result.output
     assert f"resuming from {tmp_path}/ckpts/epoch=0-step=3.ckpt, saved at global step 3" in result.output
+    _assert_cut_one_moved_aside(tmp_path / "ckpts", result.output)
 
 
 def test_a_rank_killed_while_writing_a_sharded_checkpoint(
@@ -74,6 +75,33 @@ def test_a_rank_killed_while_writing_a_sharded_checkpoint(
     skipped = f"mgpu_fsdp: not resuming from {tmp_path}/ckpts/epoch=1-step=6.ckpt: it has no .metadata"
     assert skipped in result.output
     assert f"resuming from {tmp_path}/ckpts/epoch=0-step=3.ckpt, saved at global step 3" in result.output
+    _assert_cut_one_moved_aside(tmp_path / "ckpts", result.output)
+
+
+def _assert_cut_one_moved_aside(folder: Path, output: str) -> None:
+    """The cut step-6 checkpoint is renamed, so the step-6 save of the attempt that resumed took its name
+    (not ``-v1``) and was replaced by later ones: no cut file is left under a checkpoint's name."""
+    assert f"moved aside to {folder}/epoch=1-step=6.ckpt.incomplete" in output
+    assert (folder / "epoch=1-step=6.ckpt.incomplete").exists()
+    names = sorted(p.name for p in folder.glob("*.ckpt"))
+    assert "epoch=1-step=6.ckpt" not in names
+    assert not [name for name in names if "-v" in name]
+    assert names[-1] == "epoch=2-step=12.ckpt"
+
+
+@pytest.mark.parametrize(
+    ("workers", "every", "checkpoint"),
+    [("2", "3", "epoch=0-step=3.ckpt"), ("2p", "4", "epoch=0-step=4.ckpt")],
+    ids=["mid-epoch-workers", "epoch-end-persistent-workers"],
+)
+def test_a_rank_killed_with_loader_workers(
+    tmp_path: Path, uncut: dict[str, dict[str, Any]], workers: str, every: str, checkpoint: str
+) -> None:
+    """About 30 s each: loader workers draw their indices before Lightning sets the epoch; resumed from
+    the middle of epoch 0 or from its end, every sample still goes once through each epoch."""
+    result, out = _torchrun(tmp_path, "mgpu_ddp", "step", workers=workers, every=every)
+    assert f"resuming from {tmp_path}/ckpts/{checkpoint}" in result.output
+    _assert_as_uncut(out, uncut["mgpu_ddp"])
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
