@@ -82,7 +82,7 @@ class AttemptRecord(Callback):
     def folder_of(trainer: pl.Trainer) -> Path | None:
         """The first ``ModelCheckpoint``'s folder; ``None`` without one, or where Lightning writes no
         checkpoint (``fast_dev_run``)."""
-        if trainer.fast_dev_run:
+        if getattr(trainer, "fast_dev_run", False):  # set by Lightning outside __init__
             return None
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.dirpath:
