@@ -31,6 +31,7 @@ _LAZY = {
     "choose_strategy": "lightning_mgpu.strategies.auto",
     "StrategyChoice": "lightning_mgpu.strategies.auto",
     "DeviceMemoryMonitor": "lightning_mgpu.callbacks.memory",
+    "DeviceTimeMonitor": "lightning_mgpu.callbacks.time",
     "PlainStateDictExport": "lightning_mgpu.callbacks.export",
     "export_state_dict": "lightning_mgpu.checkpoint",
     "load_state_dict": "lightning_mgpu.checkpoint",

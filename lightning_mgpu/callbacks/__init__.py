@@ -2,6 +2,8 @@
 
 - ``memory.py``: ``DeviceMemoryMonitor``; ``memory_readings.py``: what it reads on each device;
   ``memory_report.py``: its table, JSON and OOM guidance;
+- ``time.py``: ``DeviceTimeMonitor``; ``time_clocks.py``: how it times the all-reduce and CUDA batches;
+  ``time_report.py``: its verdict, table and JSON;
 - ``export.py``: ``PlainStateDictExport``;
 - ``predictions.py``: ``PredictionCSV``, the runner's ``predictions.csv``;
 - ``_distributed.py``: the object all-gather the callbacks share.

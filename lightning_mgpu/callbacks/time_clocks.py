@@ -1,0 +1,126 @@
+"""How ``DeviceTimeMonitor`` times a batch: the DDP all-reduce's waiting, and CUDA events read later.
+
+- ``AllReduceTimer``: a DDP communication hook around the default all-reduce that notes when
+  the rank's last gradient bucket was handed over (its own backward done) and when the last
+  all-reduce completed; the difference is the time the rank was blocked on the others;
+- ``CudaStep``: one batch timed on the GPU by ``torch.cuda.Event`` pairs, read once they have
+  completed, so timing adds no synchronisation.
+"""
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Trainer
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["AllReduceTimer", "CudaStep"]
+
+log = logging.getLogger(__name__)
+
+Events = list[tuple[torch.cuda.Event, torch.cuda.Event]]
+
+
+class AllReduceTimer:
+    """The state of the timing communication hook of one ``DistributedDataParallel`` model."""
+
+    def __init__(self, group: Any, cuda: bool) -> None:
+        self.group = group
+        self.cuda = cuda
+        self.active = True
+        self._launched = 0.0
+        self._done = 0.0
+        self._start: torch.cuda.Event | None = None
+        self._stop: torch.cuda.Event | None = None
+
+    @classmethod
+    def attach(cls, trainer: Trainer, cuda: bool) -> "AllReduceTimer | None":
+        """Register the hook on the strategy's DDP model; ``None`` when there is none, or it has a hook."""
+        model = getattr(trainer.strategy, "model", None)
+        if not isinstance(model, DistributedDataParallel):
+            return None
+        if getattr(trainer.strategy, "_ddp_comm_hook", None) is not None:
+            log.debug("the strategy has a ddp_comm_hook: waiting for the other ranks is not measured")
+            return None
+        timer = cls(model.process_group, cuda)
+        try:
+            model.register_comm_hook(timer, _timed_allreduce)
+        except RuntimeError as err:  # one hook per model, registered before the first backward
+            log.debug("no timing hook on this DDP model (%s): waiting is not measured", err)
+            return None
+        return timer
+
+    def detach(self) -> None:
+        """DDP keeps a hook for good: from now on it only runs the default all-reduce."""
+        self.active = False
+
+    def begin_step(self) -> None:
+        self._launched = self._done = 0.0
+        self._start = self._stop = None
+
+    def end_step(self) -> float | Events:
+        """Seconds blocked on the other ranks in this batch; on CUDA the events that measure it."""
+        if self.cuda:
+            return [(self._start, self._stop)] if self._start is not None and self._stop is not None else []
+        return max(0.0, self._done - self._launched) if self._launched else 0.0
+
+    def launched(self) -> None:
+        # buckets are handed over in order on the training thread: the last call is the end of backward
+        if self.cuda:
+            self._start = _recorded()
+        else:
+            self._launched = time.perf_counter()
+
+    def completed(self, future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        if self.cuda:  # in a CUDA future's callback the current stream waits for the all-reduce
+            self._stop = _recorded()
+        else:
+            self._done = max(self._done, time.perf_counter())
+        return future.value()
+
+
+# the annotations are real objects (no ``from __future__ import annotations`` here): DDP compares them
+def _timed_allreduce(timer: AllReduceTimer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    if not timer.active:
+        return default_hooks.allreduce_hook(timer.group, bucket)
+    timer.launched()
+    return default_hooks.allreduce_hook(timer.group, bucket).then(timer.completed)
+
+
+@dataclass
+class CudaStep:
+    """One batch timed on the GPU: start and end events, and the all-reduce's events."""
+
+    start: torch.cuda.Event = field(default_factory=lambda: _recorded())
+    stop: torch.cuda.Event | None = None
+    wait: Events | None = None
+
+    def end(self, wait: float | Events | None) -> None:
+        self.stop = _recorded()
+        self.wait = None if wait is None else wait if isinstance(wait, list) else []
+
+    def done(self, block: bool) -> bool:
+        """Whether every event has completed, without waiting for the GPU unless ``block``."""
+        if self.stop is None:
+            return False
+        if block:
+            self.stop.synchronize()
+        return bool(self.stop.query()) and all(b.query() for _, b in self.wait or [])
+
+    def seconds(self) -> tuple[float, float | None]:
+        if self.stop is None:
+            raise RuntimeError("CudaStep.seconds() before end()")
+        step = self.start.elapsed_time(self.stop) / 1e3
+        if self.wait is None:
+            return step, None
+        return step, sum(a.elapsed_time(b) for a, b in self.wait) / 1e3
+
+
+def _recorded() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event

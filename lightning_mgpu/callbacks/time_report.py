@@ -1,0 +1,211 @@
+"""``DeviceTimeMonitor``'s report: plain per-rank totals in, the table, the verdict and the JSON out.
+
+- ``RankTime``: what one rank (one process, and its devices) spent over the fit, per phase;
+- ``verdict``: balanced, or the slowest rank, by how much, the phase it loses the time in and
+  what to try, decided from the totals alone;
+- ``table`` and ``summary_json``: what rank 0 logs and writes at the end of ``fit``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["RankTime", "Verdict", "summary_json", "table", "verdict"]
+
+# a rank's own time (data + work) this much above the others' median names it
+SLOWER_THRESHOLD = 0.10
+# one process alone: its loader is named when it waits this share of the time for batches
+DATA_SHARE_THRESHOLD = 0.25
+
+
+@dataclass(frozen=True)
+class RankTime:
+    """One rank's seconds over the training steps of a fit, per phase."""
+
+    rank: int
+    device: str
+    """The rank's device(s): ``cpu:rank1``, ``cuda:3``, ``cuda:0,cuda:1`` (``mgpu_dp``'s replicas)."""
+    steps: int
+    samples: int
+    """Rows of every batch the rank trained on (under ``mgpu_dp``: the whole batch of its replicas)."""
+    data_s: float
+    """Waiting for the next batch: from the end of a step to the start of the next."""
+    work_s: float
+    """Forward, backward and optimizer step, less ``wait_s``."""
+    wait_s: float | None
+    """Blocked in the gradient all-reduce after its own backward was done; ``None``: not measured."""
+
+    @property
+    def own_s(self) -> float:
+        """The time the rank needs by itself: its data and its work, without waiting for the others."""
+        return self.data_s + self.work_s
+
+    @property
+    def total_s(self) -> float:
+        return self.data_s + self.work_s + (self.wait_s or 0.0)
+
+    def share(self, seconds: float | None) -> float | None:
+        if seconds is None:
+            return None
+        return seconds / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def steps_per_s(self) -> float:
+        return self.steps / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.total_s if self.total_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Balanced (``rank is None``), or the rank that holds the others back and what to try."""
+
+    rank: int | None
+    device: str = ""
+    slower_by: float = 0.0
+    """How much longer its own time is than the other ranks' median: 0.4 is 40 % slower."""
+    phase: str = ""
+    """``"data loading"`` or ``"work"``; empty when balanced."""
+    advice: str = ""
+    note: str = ""
+    """What the verdict could not see (waiting not measured under this strategy)."""
+
+    def line(self) -> str:
+        """The one line rank 0 logs at the end of ``fit``."""
+        if self.rank is None:
+            text = "Time: balanced, no rank holds the others back"
+            text += f"; {self.advice}" if self.advice else "."
+        else:
+            slower = f" is {100 * self.slower_by:.0f} % slower than the others and" if self.slower_by else ""
+            text = (
+                f"Time: rank {self.rank} ({self.device}){slower} loses the time in {self.phase}."
+                f" Try: {self.advice}"
+            )
+        return f"{text} ({self.note})" if self.note else text
+
+
+def verdict(ranks: list[RankTime], accelerator: str = "cpu") -> Verdict:
+    """Name the rank that holds the others back, the phase it loses the time in and what to try.
+
+    - Every rank waits for the slowest at each gradient all-reduce, so each rank's own time
+      (data + work, without the waiting) is compared with the other ranks' median;
+    - a rank more than 10 % above it is named, with the phase (data loading or work) where its
+      excess is larger; otherwise the run is balanced;
+    - one process alone is named when it waits more than a quarter of its time for batches;
+    - where waiting is not measured (``wait_s is None``) work includes it, so only data loading
+      can single out a rank, and the verdict says so.
+    """
+    if not ranks:
+        return Verdict(rank=None, note="no training step ran")
+    unmeasured = len(ranks) > 1 and any(r.wait_s is None for r in ranks)
+    note = (
+        "waiting for the other ranks is not measured under this strategy; work includes it"
+        if unmeasured
+        else ""
+    )
+    if len(ranks) == 1:
+        only = ranks[0]
+        if (only.share(only.data_s) or 0.0) > DATA_SHARE_THRESHOLD:
+            return Verdict(
+                only.rank, only.device, 0.0, "data loading", _advice("data loading", only, accelerator)
+            )
+        return Verdict(rank=None)
+    key = (lambda r: r.data_s) if unmeasured else (lambda r: r.own_s)
+    slowest = max(ranks, key=key)
+    others = [r for r in ranks if r is not slowest]
+    base = statistics.median(key(r) for r in others)
+    slower_by = key(slowest) / base - 1 if base > 0 else 0.0
+    if unmeasured:  # data time alone: compare it with the whole step, not with a tiny loader time
+        total = statistics.median(r.total_s for r in ranks)
+        slower_by = (slowest.data_s - base) / total if total > 0 else 0.0
+    if slower_by <= SLOWER_THRESHOLD:
+        waits = [r.share(r.wait_s) or 0.0 for r in ranks]
+        advice = ""
+        if max(waits) > 0.3:
+            advice = (
+                f"{100 * max(waits):.0f} % of a step is the gradient all-reduce itself: fewer, larger steps"
+                " (a larger batch or accumulate_grad_batches) spend less of the time on it."
+            )
+        return Verdict(rank=None, advice=advice, note=note)
+    if unmeasured:
+        phase = "data loading"
+    else:
+        extra_data = slowest.data_s - statistics.median(r.data_s for r in others)
+        extra_work = slowest.work_s - statistics.median(r.work_s for r in others)
+        phase = "data loading" if extra_data >= extra_work else "work"
+    return Verdict(slowest.rank, slowest.device, slower_by, phase, _advice(phase, slowest, accelerator), note)
+
+
+def _advice(phase: str, rank: RankTime, accelerator: str) -> str:
+    if phase == "data loading":
+        return (
+            "give the DataLoader more workers (num_workers=, persistent_workers=True), pin_memory=True on"
+            f" GPUs, and check what its Dataset does for the samples rank {rank.rank} gets (slow files,"
+            " larger items, a per-rank shard)."
+        )
+    if accelerator == "cuda":
+        return (
+            f"look at {rank.device} (nvidia-smi: clocks, temperature, power, other processes on it) and at"
+            " the rows it gets per step; micro_batch_size= or a smaller batch on a smaller card evens it out."
+        )
+    return (
+        f"look at what else runs on rank {rank.rank}'s CPU cores (other processes, torch.set_num_threads),"
+        " at the rows it gets per step, and at anything its training_step does on that rank only."
+    )
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def table(ranks: list[RankTime], title: str = "Time per rank over the fit:") -> str:
+    """One row per rank: device, steps/s, data %, work %, waiting %, samples/s; then the run's samples/s."""
+    header = ["Rank", "Device", "Steps/s", "Data", "Work", "Waiting", "Samples/s"]
+    rows = [header] + [
+        [
+            str(r.rank),
+            r.device,
+            f"{r.steps_per_s:.2f}",
+            _percent(r.share(r.data_s)),
+            _percent(r.share(r.work_s)),
+            _percent(r.share(r.wait_s)),
+            f"{r.samples_per_s:.1f}",
+        ]
+        for r in ranks
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [title] if title else []
+    for row in rows:
+        cells = enumerate(zip(row, widths, strict=True))
+        lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in cells))
+    lines.append(f"Run: {run_samples_per_s(ranks):.1f} samples/s")
+    return "\n".join(lines)
+
+
+def run_samples_per_s(ranks: list[RankTime]) -> float:
+    """Every rank's samples over the longest rank's time: what the run trains per second."""
+    longest = max((r.total_s for r in ranks), default=0.0)
+    return sum(r.samples for r in ranks) / longest if longest > 0 else 0.0
+
+
+def summary_json(ranks: list[RankTime], found: Verdict) -> dict[str, Any]:
+    """``time_summary.json``: every rank's totals and shares, the run's samples/s and the verdict."""
+    return {
+        "ranks": [
+            {
+                **asdict(r),
+                "steps_per_s": r.steps_per_s,
+                "samples_per_s": r.samples_per_s,
+                "data_share": r.share(r.data_s),
+                "work_share": r.share(r.work_s),
+                "wait_share": r.share(r.wait_s),
+            }
+            for r in ranks
+        ],
+        "samples_per_s": run_samples_per_s(ranks),
+        "verdict": {**asdict(found), "line": found.line()},
+    }

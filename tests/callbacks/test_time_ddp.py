@@ -1,0 +1,117 @@
+"""DeviceTimeMonitor in real processes: a rank slowed in its Dataset or its training_step is named with
+that phase, a balanced run names none, and the table's seconds match the sleeps measured outside it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import REPO, run_script
+
+SCRIPT = (REPO / "tests" / "callbacks" / "time_fits.py").read_text()
+pytestmark = pytest.mark.slow
+
+
+def fits(tmp_path: Path, strategy: str, devices: int, *modes: str) -> tuple[dict[str, Any], str]:
+    """Run the fits in one launch; mode -> {"summary": rank 0's time_summary.json, "outside": per rank}."""
+    args = [str(tmp_path / "logs"), strategy, str(devices), *modes]
+    result = run_script(SCRIPT, tmp_path, args=args, timeout=600)
+    assert result.returncode == 0, result.output[-3000:]
+    found: dict[str, Any] = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("OUTSIDE "):
+            outside = json.loads(line.removeprefix("OUTSIDE "))
+            entry = found.setdefault(outside["mode"], {"outside": {}})
+            entry["outside"][outside["rank"]] = outside
+            if outside["rank"] == 0:
+                entry["summary"] = json.loads((Path(outside["log_dir"]) / "time_summary.json").read_text())
+                entry["log_dir"] = outside["log_dir"]
+    assert sorted(found) == sorted(modes), result.output[-3000:]
+    return found, result.output
+
+
+def within_10_percent(measured: float, outside: float) -> None:
+    assert measured == pytest.approx(outside, rel=0.10)
+
+
+def check_totals(run: dict[str, Any], steps: int, samples: int) -> None:
+    """Every rank's steps, samples and seconds as counted outside the monitor."""
+    for row in run["summary"]["ranks"]:
+        assert (row["steps"], row["samples"]) == (steps, samples)
+        seconds = row["data_s"] + row["work_s"] + (row["wait_s"] or 0.0)
+        within_10_percent(seconds, run["outside"][row["rank"]]["seconds"])
+
+
+def check_straggler(run: dict[str, Any], slept: str, phase: str) -> None:
+    """Rank 1 slept in ``slept`` ("data" or "work"): named with ``phase``; rank 0 waited as long."""
+    rank0, rank1 = run["summary"]["ranks"]
+    seconds = run["outside"][1][slept]
+    assert run["summary"]["verdict"]["rank"] == 1
+    assert run["summary"]["verdict"]["phase"] == phase
+    within_10_percent(rank1[f"{slept}_s"], seconds)
+    within_10_percent(rank0["wait_s"], seconds)  # in the all-reduce, for rank 1
+    check_totals(run, steps=8, samples=32)
+
+
+def test_ddp_data_and_work_stragglers_named_balanced_run_not(tmp_path: Path) -> None:
+    runs, output = fits(tmp_path, "mgpu_ddp", 2, "data", "work", "even")
+
+    check_straggler(runs["data"], "data", "data loading")
+    check_straggler(runs["work"], "work", "work")
+
+    even = runs["even"]
+    assert even["summary"]["verdict"]["rank"] is None
+    for row in even["summary"]["ranks"]:
+        within_10_percent(row["work_s"], even["outside"][row["rank"]]["work"])
+        assert row["wait_share"] < 0.2
+    check_totals(even, steps=8, samples=32)
+
+    # rank 0 prints the table and the verdict once per fit
+    assert output.count("Time per rank over the fit:") == 3
+    assert "Time: rank 1 (cpu:rank1) is" in output
+    assert "loses the time in data loading. Try: give the DataLoader more workers" in output
+    assert "Time: balanced, no rank holds the others back" in output
+
+    # every rank's window means reach rank 0's logger, each flush at its own step
+    with open(Path(even["log_dir"]) / "metrics.csv") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("time/samples_per_s")]
+    assert len(rows) == 3  # 8 batches, flushed every 3 and at the end
+    for rank in (0, 1):
+        for key in ("data_ms", "work_ms", "wait_ms", "samples_per_s"):
+            assert all(float(row[f"time/rank{rank}/{key}"]) >= 0 for row in rows)
+    assert sum(float(row["time/rank1/work_ms"]) for row in rows) > 3 * 150  # 200 ms slept per batch
+
+
+def test_fsdp_data_straggler_named_waiting_not_measured(tmp_path: Path) -> None:
+    runs, _ = fits(tmp_path, "mgpu_fsdp", 2, "data")
+    data = runs["data"]
+    rank0, rank1 = data["summary"]["ranks"]
+    verdict = data["summary"]["verdict"]
+    assert (verdict["rank"], verdict["phase"]) == (1, "data loading")
+    assert "not measured under this strategy" in verdict["line"]
+    assert rank0["wait_s"] is None
+    assert rank0["wait_share"] is None
+    within_10_percent(rank1["data_s"], data["outside"][1]["data"])
+    check_totals(data, steps=8, samples=32)
+
+
+def test_one_device_and_mgpu_dp_one_row_per_process(tmp_path: Path) -> None:
+    runs, _ = fits(tmp_path, "auto", 1, "data0")
+    (row,) = runs["data0"]["summary"]["ranks"]
+    verdict = runs["data0"]["summary"]["verdict"]
+    assert (verdict["rank"], verdict["phase"]) == (0, "data loading")  # most of its time waits for batches
+    within_10_percent(row["data_s"], runs["data0"]["outside"][0]["data"])
+    assert row["wait_s"] is None
+    check_totals(runs["data0"], steps=16, samples=64)
+
+    runs, _ = fits(tmp_path, "mgpu_dp", 2, "even")
+    (row,) = runs["even"]["summary"]["ranks"]  # the replicas are threads of this one process
+    assert runs["even"]["summary"]["verdict"]["rank"] is None
+    # each batch's two halves sleep at the same time, in the replicas' two threads
+    within_10_percent(row["work_s"], runs["even"]["outside"][0]["work"] / 2)
+    check_totals(runs["even"], steps=16, samples=64)
