@@ -10,10 +10,14 @@ earlier one defined or wrote. The first line of a block may say more:
   process of its own, as it must be when it starts DDP processes (Lightning's launcher runs the
   script again for every rank); ``exit status 1`` in that line says the script fails on purpose.
 
-A ```` ```text title="Output" ```` block after a Python block shows what it prints: each of its
-lines must appear within a line of the output, in order, ``...`` standing for any text (a progress
-bar may share the line, and numbers that vary from machine to machine are shown as ``...``) and any
-run of spaces for any other (tables keep their alignment on the page).
+A ```` ```text title="Output" ```` block after a Python block shows what it prints, line for line:
+the block must be the whole output, but for what varies from run to run and for cuts marked on the
+page. A line that is only ``...`` is a cut: it stands for any number of lines (Lightning's start-up
+lines, a traceback, another rank's lines). Within a line, ``...`` stands for any text (times, paths,
+addresses, memory figures, process ids), and a run of spaces for any other run of spaces, so tables
+keep their alignment on the page. Before comparing, the output loses its colours, its progress bars
+(a bar's updates share a line with whatever is printed next) and the file and line a warning names
+before its text; each ``\r`` ends a line, and blank lines are ignored on both sides.
 
 The page runs in one driver process (this module run as a script), which prints a marker line
 after every block; ``check_page`` runs it and checks every block's part of the output.
@@ -39,6 +43,16 @@ SCRIPT = "run as a script"
 MARKER = "@@@ block {index} exited {status} @@@"
 MARKER_LINE = re.compile(r"^@@@ block (\d+) exited (-?\d+) @@@$", flags=re.M)
 ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+# a tqdm bar as Lightning draws it: "Epoch 0:  25%|██▌       | 2/8 [00:00<00:00, 54.60it/s, v_num=0]"
+PROGRESS_BAR = re.compile(
+    r"(?:Sanity Checking|Training|Validation|Testing|Predicting|Epoch \d+)[^\r\n|]*:"  # the stage
+    r"[^\r\n|]*\|[^\r\n|]*\|[^\r\n\[]*\[[^\r\n\]]*\]"  # " 25%|██▌  | 2/8 [00:00<00:00, ...]"
+)
+# where a warning was raised, "/site-packages/lightning_mgpu/strategies/dp/step.py:78: ", which varies
+# with the install and the line numbers: the page shows the warning's text
+WARNING_SOURCE = re.compile(r"^\S+\.py:\d+: ")
+# an Output block's line that stands for any number of lines
+ELISION = "..."
 # what Lightning prints when an example forgets something a reader should copy right
 FORBIDDEN = {
     "is smaller than the logging interval": "pass Trainer(log_every_n_steps=...) below the batches per epoch",
@@ -111,23 +125,36 @@ def python_blocks(page: Path) -> list[Block]:
 def _line_pattern(shown: str) -> re.Pattern[str]:
     """``...`` stands for any text, a run of spaces for any other."""
     parts = (r"\s+".join(map(re.escape, part.split())) for part in shown.split("..."))
-    return re.compile(".*".join(parts))
+    return re.compile(r"\s*" + ".*".join(parts) + r"\s*")
+
+
+def output_lines(actual: str) -> list[str]:
+    """What a reader reads in ``actual``: no colours, no progress bars, no blank lines."""
+    text = PROGRESS_BAR.sub("", ANSI_COLOUR.sub("", actual))
+    lines = re.split(r"\r\n|\r|\n", text)
+    return [WARNING_SOURCE.sub("", line).rstrip() for line in lines if line.strip()]
 
 
 def unmatched_line(shown: str, actual: str) -> str | None:
-    """The first line of ``shown`` not found, in order, in ``actual``; ``None`` when all are."""
-    lines = [line.rstrip() for line in ANSI_COLOUR.sub("", actual).splitlines()]
-    at = 0
-    for want in (w.rstrip() for w in shown.splitlines()):
-        if not want.strip():
+    """The first line of ``shown`` that ``actual`` does not print where the page says; ``None`` when none.
+
+    Every line of the output must be matched by a line of ``shown``, in order, or fall in a cut
+    (a line that is only ``...``). An output that goes on after the block's last line, with no cut
+    there, is reported with the first line the page leaves out.
+    """
+    lines = output_lines(actual)
+    at = {0}  # where the output may stand after the block's lines so far
+    for want in (w.rstrip() for w in shown.splitlines() if w.strip()):
+        if want.strip() == ELISION:
+            at = set(range(min(at), len(lines) + 1))
             continue
         pattern = _line_pattern(want)
-        while at < len(lines) and not pattern.search(lines[at]):
-            at += 1
-        if at == len(lines):
+        at = {j + 1 for j in at if j < len(lines) and pattern.fullmatch(lines[j])}
+        if not at:
             return want
-        at += 1
-    return None
+    if len(lines) in at:
+        return None
+    return f"(the block ends, the output goes on with) {lines[min(at)]}"
 
 
 def _per_block(stdout: str) -> tuple[list[str], dict[int, int]]:
