@@ -105,7 +105,7 @@ class ReplicaStep:
         if not self._checked_compiled:
             self._checked_compiled = True
             self._warn_compiled(module)
-        chunks = scatter_batch(args[0], sizes, devices)
+        chunks = scatter_batch(args[0], sizes, devices, "mgpu_dp", module)
         replicas = replicate(module, devices)
         self._metrics.install(module, replicas, devices)
         manual = method == "training_step" and not module.automatic_optimization

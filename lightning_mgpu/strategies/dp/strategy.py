@@ -27,7 +27,10 @@ class MGPUDataParallelStrategy(MicroBatching, ParallelStrategy):
     """Data parallel training in one process: every step runs on a replica of the model per device.
 
     For each batch the strategy splits the batch along dim 0 (tensors inside nested tuples,
-    lists, dicts, namedtuples and dataclasses; anything else is handed to every replica),
+    lists, dicts, namedtuples and dataclasses, and lists or tuples of one item per row that hold
+    no tensor, such as string ids, where ``nn.DataParallel`` hands every replica the whole list;
+    anything else is handed to every replica; a list that is not one item per row is refused,
+    and ``split_batch_rows`` on the LightningModule cuts such batches, see ``MicroBatching``),
     replicates the LightningModule on each device, runs ``training_step`` (or the
     validation / test / predict step) of every replica on its chunk in parallel threads,
     and combines the results on the first device. The optimizer is your plain optimizer and

@@ -72,6 +72,14 @@ class MicroBatching(StrategyMixin):
     in ``predict_step``, whose batches Lightning gives the ranks in unequal numbers, each rank
     recovers alone, except under ``mgpu_fsdp``, whose passes gather collectively.
 
+    A micro-batch gets its rows of every tensor (dim 0) and of every list or tuple that holds no tensor
+    and one item per row (``default_collate``'s tuple of string ids); other values go whole to each.
+    A list or tuple that holds no tensor and not one item per row is refused at the first batch that
+    could be cut (under ``"auto"`` the first batch), before any out-of-memory, naming it. A
+    LightningModule that defines ``split_batch_rows(self, batch, sizes)`` cuts its batches itself: it
+    returns ``len(sizes)`` parts, part ``i`` holding the next ``sizes[i]`` rows
+    (``lightning_mgpu.strategies.split.batch.SplitsBatchRows``).
+
     What differs from an unsplit step: BatchNorm in training mode normalises each micro-batch
     with its own statistics; dropout draws other masks; under DDP the gradients are averaged
     once after the last micro-batch instead of during backward, and buffers are not broadcast

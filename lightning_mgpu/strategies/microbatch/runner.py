@@ -48,7 +48,13 @@ from lightning_mgpu.strategies.microbatch.grads import BatchGradients
 from lightning_mgpu.strategies.microbatch.host import CollectivePasses, MicroBatchHost
 from lightning_mgpu.strategies.microbatch.metrics import MicroBatchMetrics
 from lightning_mgpu.strategies.microbatch.sizes import MicroBatchSizes
-from lightning_mgpu.strategies.split.batch import combine_outputs, scatter_batch, split_rows, split_sizes
+from lightning_mgpu.strategies.split.batch import (
+    check_cuttable,
+    combine_outputs,
+    scatter_batch,
+    split_rows,
+    split_sizes,
+)
 from lightning_mgpu.strategies.split.logs import LogCapture, replay_logs
 
 __all__ = ["EVALUATION_STEPS", "MicroBatchOutOfMemoryError", "MicroBatchRunner"]
@@ -77,10 +83,6 @@ class _Done:
         if not self.counts:
             return None
         return torch.stack([c.to(torch.float64) for c in self.counts]).sum()
-
-
-def _detached(output: Any) -> Any:
-    return apply_to_collection(output, Tensor, lambda t: t.detach())
 
 
 def _where(trainer: Trainer, stage: str) -> str:
@@ -129,6 +131,7 @@ class MicroBatchRunner:
         self.strategy = strategy
         self.sizes = sizes
         self.stage = stage
+        self.feature = f"micro_batch_size under {strategy.strategy_name}"  # what cuts, for errors
         self.training = stage == "training_step"
         self._metrics = MicroBatchMetrics()
         self._grads: BatchGradients | None = None
@@ -142,9 +145,10 @@ class MicroBatchRunner:
         module = self.strategy.lightning_module
         assert module is not None
         self._grads = None  # a batch whose loss was None never reached backward
-        rows = split_rows(args[0], f"micro_batch_size under {self.strategy.strategy_name}")
+        rows = split_rows(args[0], self.feature)
         if rows is None or (not self.sizes.auto and self.sizes.rows(rows) >= rows):
             return step(*args, **kwargs)  # nothing to split: the step as without micro-batching
+        check_cuttable(args[0], rows, self.feature, module)  # now, not at an out-of-memory
         if self.training and self.sizes.auto and not self._estimated:
             self._estimated = True  # the estimate counts a training step: evaluation starts whole
             self._start_from_estimate(module, args[0], rows)
@@ -221,9 +225,8 @@ class MicroBatchRunner:
         """Where the device's memory is known, start ``"auto"`` at the size the estimate says fits."""
         self._metrics.begin(module)
         try:
-            with self._captured(
-                module, LogCapture(), 0
-            ):  # the estimate's steps log nothing, update no metric
+            # the estimate's steps log nothing, update no metric
+            with self._captured(module, LogCapture(), 0):
                 start = estimated_start(self.strategy, module, batch, rows)
         finally:
             self._metrics.forget_attempt()
@@ -255,7 +258,7 @@ class MicroBatchRunner:
     ) -> _Done:
         sizes = split_sizes(rows, parts)
         device = self.strategy.root_device
-        chunks = scatter_batch(args[0], sizes, [device] * len(sizes))
+        chunks = scatter_batch(args[0], sizes, [device] * len(sizes), self.feature, module)
         scaler = getattr(self.strategy.precision_plugin, "scaler", None)
         outputs, captures, counts = [], [], []
         self._metrics.begin(module)
@@ -284,7 +287,7 @@ class MicroBatchRunner:
             # a batch run again in small micro-batches can take long: the watchdog must see it move
             self.strategy.note_progress()
             counts.extend(seen.counts)
-            outputs.append(_detached(output))
+            outputs.append(apply_to_collection(output, Tensor, Tensor.detach))
             del output
         if counts and len(counts) != len(sizes):
             raise ValueError(

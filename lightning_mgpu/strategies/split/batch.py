@@ -5,8 +5,10 @@
 - ``split_sizes(rows, parts)`` spreads ``rows`` as evenly as possible over at most
   ``parts`` parts (never an empty part).
 - ``scatter_batch`` cuts every tensor along dim 0 and places chunk ``i`` on device ``i``;
-  0-dim tensors are copied to every device and anything that is not a tensor is handed to
-  every part unchanged.
+  0-dim tensors are copied to every device, a list or tuple of one item per row (``default_collate``'s
+  list of strings) is cut with the rows, and any other value is handed to every part unchanged; a
+  sequence that holds no tensor and not one item per row is refused, naming the LightningModule hook
+  that cuts such a batch (``SplitsBatchRows``); ``check_cuttable`` refuses it before any cut is needed.
 - ``combine_outputs`` turns the parts' step outputs into one output on the first device.
 
 Across GPUs the chunks move with ``torch.nn.parallel``'s ``Scatter``/``Gather`` functions;
@@ -19,14 +21,24 @@ import copy
 import dataclasses
 import functools
 import numbers
-from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
+from lightning_utilities.core.apply_func import apply_to_collection, is_dataclass_instance, is_namedtuple
 from torch import Tensor
 
-__all__ = ["combine_outputs", "scatter_batch", "split_rows", "split_sizes", "weighted_mean"]
+__all__ = [
+    "SPLIT_HOOK",
+    "SplitsBatchRows",
+    "check_cuttable",
+    "combine_outputs",
+    "scatter_batch",
+    "split_rows",
+    "split_sizes",
+    "weighted_mean",
+]
 
 
 def split_rows(batch: Any, feature: str) -> int | None:
@@ -84,21 +96,150 @@ def _split_tensor(tensor: Tensor, sizes: list[int], devices: Sequence[torch.devi
     return tensor.to(devices[0]).split(sizes)
 
 
-def scatter_batch(batch: Any, sizes: list[int], devices: Sequence[torch.device]) -> list[Any]:
-    """Cut ``batch`` into ``len(sizes)`` chunks along dim 0; chunk ``i`` lies on ``devices[i]``."""
+SPLIT_HOOK = "split_batch_rows"
+"""The LightningModule method that cuts a batch ``scatter_batch``'s rules cannot (``SplitsBatchRows``)."""
+
+
+@runtime_checkable
+class SplitsBatchRows(Protocol):
+    """A LightningModule that cuts its own batches into parts (micro-batches, ``mgpu_dp``'s replicas).
+
+    ``split_batch_rows(batch, sizes)`` returns ``len(sizes)`` parts in order, part ``i`` holding the
+    next ``sizes[i]`` rows of ``batch`` in the structure the step expects. The strategy moves each
+    part's tensors to its device.
+
+    Example::
+
+        def split_batch_rows(self, batch, sizes):
+            x, y, names = batch  # names: the dataset's class names, the same for every row
+            return [(xs, ys, names) for xs, ys in zip(x.split(sizes), y.split(sizes))]
+    """
+
+    def split_batch_rows(self, batch: Any, sizes: list[int]) -> Sequence[Any]: ...
+
+
+def _holds_tensor(obj: Any) -> bool:
+    found: list[bool] = []
+    apply_to_collection(obj, Tensor, lambda t: found.append(True))
+    return bool(found)
+
+
+def _rebuilt(mapping: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
+    if isinstance(mapping, defaultdict):
+        return type(mapping)(mapping.default_factory, items)
+    try:
+        return cast(Any, type(mapping))(items)
+    except TypeError:  # a mapping type that cannot be built from a dict
+        return items
+
+
+class _Cutter:
+    """One batch cut into ``len(sizes)`` parts: tensors along dim 0, per-row sequences with their rows."""
+
+    def __init__(
+        self, rows: int, sizes: list[int], cut_tensor: Callable[[Tensor], Sequence[Tensor]], feature: str
+    ) -> None:
+        self.rows, self.sizes, self.cut_tensor, self.feature = rows, sizes, cut_tensor, feature
+        self.starts = [sum(sizes[:i]) for i in range(len(sizes))]
+
+    def parts(self, obj: Any, path: str) -> list[Any]:
+        """``obj`` cut into one value per part; ``path`` names it in errors (``batch[2]``)."""
+        n = len(self.sizes)
+        if isinstance(obj, Tensor):
+            return list(self.cut_tensor(obj))
+        if is_dataclass_instance(obj):
+            fields = {
+                f.name: self.parts(getattr(obj, f.name), f"{path}.{f.name}")
+                for f in dataclasses.fields(obj)
+                if f.init  # a field the class derives itself is kept, as apply_to_collection keeps it
+            }
+            result = []
+            for i in range(n):
+                part = copy.copy(obj)
+                for name, values in fields.items():
+                    object.__setattr__(part, name, values[i])
+                result.append(part)
+            return result
+        if isinstance(obj, Mapping):
+            entries = {k: self.parts(v, f"{path}[{k!r}]") for k, v in obj.items()}
+            return [_rebuilt(obj, {k: v[i] for k, v in entries.items()}) for i in range(n)]
+        if is_namedtuple(obj):
+            fields_ = [self.parts(v, f"{path}.{name}") for name, v in zip(obj._fields, obj, strict=True)]
+            return [type(obj)(*(v[i] for v in fields_)) for i in range(n)]
+        if isinstance(obj, (list, tuple)):
+            if not _holds_tensor(obj):
+                if len(obj) == self.rows:  # one item per row: each part takes its rows' items
+                    return [obj[s : s + k] for s, k in zip(self.starts, self.sizes, strict=True)]
+                if any(not isinstance(item, (list, tuple)) for item in obj):
+                    raise self._ambiguous(obj, path)
+                # a sequence of per-row sequences (default_collate's transposition of a list field)
+            items = [self.parts(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+            return [type(obj)(v[i] for v in items) for i in range(n)]
+        return [obj] * n  # a per-batch value (a string, a number): whole to every part
+
+    def _ambiguous(self, obj: Sequence[Any], path: str) -> ValueError:
+        return ValueError(
+            f"{self.feature} cuts the batch's {self.rows} rows into parts, but {path} is a"
+            f" {type(obj).__name__} of {len(obj)} items, not one per row, so which items go with which"
+            f" rows is unknown. Define `{SPLIT_HOOK}(self, batch, sizes)` on the LightningModule to return"
+            " the parts (part i holds the next sizes[i] rows), or make it a tensor or a list of one item"
+            " per row."
+        )
+
+
+def _hook(module: Any) -> Callable[[Any, list[int]], Sequence[Any]] | None:
+    return getattr(module, SPLIT_HOOK, None) if module is not None else None
+
+
+def check_cuttable(batch: Any, rows: int, feature: str, module: Any = None) -> None:
+    """Refuse now a batch ``scatter_batch`` could not cut: a sequence without one item per row.
+
+    Nothing is checked when ``module`` cuts its batches itself (``split_batch_rows``).
+
+    Raises:
+        ValueError: naming the entry (``batch[2]``) and the hook that would cut it.
+    """
+    if _hook(module) is None:
+        _Cutter(rows, [rows], lambda t: [t], feature).parts(batch, "batch")
+
+
+def scatter_batch(
+    batch: Any,
+    sizes: list[int],
+    devices: Sequence[torch.device],
+    feature: str = "mgpu_dp",
+    module: Any = None,
+) -> list[Any]:
+    """Cut ``batch`` into ``len(sizes)`` chunks of ``sizes[i]`` rows; chunk ``i`` lies on ``devices[i]``.
+
+    - tensors are cut along dim 0 (0-dim tensors go whole to every chunk);
+    - a list or tuple holding no tensor with one item per row (``default_collate``'s list of strings)
+      is cut with the rows; one of per-row lists is cut list by list;
+    - any other value (a string, a number) goes whole to every chunk;
+    - ``module.split_batch_rows(batch, sizes)`` (``SplitsBatchRows``), where the module has it, cuts
+      instead, and its parts' tensors are moved to their devices.
+
+    Raises:
+        ValueError: for a list or tuple that holds no tensor and not one item per row (which items
+            go with which rows is unknown), naming it and the hook, or a hook that returns the wrong
+            number of parts.
+    """
     devices = list(devices)[: len(sizes)]
-    pieces: list[Sequence[Tensor]] = []
-
-    def cut(tensor: Tensor) -> Tensor:
-        pieces.append(_split_tensor(tensor, sizes, devices))
-        return tensor
-
-    apply_to_collection(batch, Tensor, cut)
-    chunks = []
-    for index in range(len(sizes)):
-        remaining = iter(pieces)
-        chunks.append(apply_to_collection(batch, Tensor, lambda _, r=remaining, i=index: next(r)[i]))
-    return chunks
+    hook = _hook(module)
+    if hook is None:
+        cutter = _Cutter(sum(sizes), sizes, lambda t: _split_tensor(t, sizes, devices), feature)
+        return cutter.parts(batch, "batch")
+    parts = hook(batch, list(sizes))
+    if not isinstance(parts, Sequence) or len(parts) != len(sizes):
+        got = f"{len(parts)} parts" if isinstance(parts, Sequence) else type(parts).__name__
+        raise ValueError(
+            f"{type(module).__name__}.{SPLIT_HOOK} returned {got} for sizes {sizes}: return a list of"
+            f" {len(sizes)} parts, part i holding the next sizes[i] rows"
+        )
+    return [
+        apply_to_collection(part, Tensor, lambda t, d=device: t.to(d))
+        for part, device in zip(parts, devices, strict=True)
+    ]
 
 
 def weighted_mean(values: Sequence[Tensor], weights: Sequence[float], device: torch.device) -> Tensor:
@@ -133,7 +274,8 @@ def _combine_tensors(values: list[Tensor], sizes: list[int], device: torch.devic
 def combine_outputs(values: list[Any], sizes: list[int], device: torch.device) -> Any:
     """One step output from the replicas' outputs, on ``device``.
 
-    - per-sample tensors (first dimension = the replica's chunk) are concatenated in order;
+    - per-sample tensors (first dimension = the replica's chunk) are concatenated in order, and so
+      are lists and tuples holding no tensor and one item per row (ids, as ``scatter_batch`` cut them);
     - floating-point tensors of equal shape (a mean loss, a mean metric) are averaged, each
       weighted by its replica's share of the batch, so a mean over chunks equals the mean
       over the whole batch;
@@ -173,6 +315,8 @@ def combine_outputs(values: list[Any], sizes: list[int], device: torch.device) -
             *(combine_outputs(list(items), sizes, device) for items in zip(*values, strict=True))
         )
     if isinstance(first, (list, tuple)):
+        if all(len(v) == n for v, n in zip(values, sizes, strict=True)) and not _holds_tensor(values):
+            return type(first)(item for v in values for item in v)  # one item per row, as cut
         if any(len(v) != len(first) for v in values):
             raise ValueError(
                 f"mgpu_dp: replicas returned sequences of different lengths: {[len(v) for v in values]}"

@@ -98,9 +98,9 @@ def test_nested_batches_are_split_and_other_values_shared(caplog: pytest.LogCapt
     with caplog.at_level(logging.DEBUG, logger="lightning_mgpu.strategies.dp"):
         fit(model, "mgpu_dp", 2, data, max_steps=1)
     assert "batch of 5 rows split over 2 of 2 devices as [3, 2]" in caplog.text  # the debug view
-    # tensors split along dim 0 (dataclass and namedtuple fields too); the list, the string
-    # and the 0-dim tensor reach every replica whole
-    assert sorted(model.seen) == [(2, 5, "fold-1", 2.0), (3, 5, "fold-1", 2.0)]
+    # tensors split along dim 0 (dataclass and namedtuple fields too), and the list of one id per row
+    # with them; the string and the 0-dim tensor reach every replica whole
+    assert sorted(model.seen) == [(2, 2, "fold-1", 2.0), (3, 3, "fold-1", 2.0)]
     assert max_difference(model, single) < ATOL
 
 

@@ -11,7 +11,13 @@ from torchmetrics.classification import BinaryAccuracy
 from torchmetrics.regression import MeanSquaredError
 
 from lightning_mgpu.strategies.ddp.strategy import MGPUDDPStrategy
-from lightning_mgpu.strategies.split.batch import combine_outputs, scatter_batch, split_rows, split_sizes
+from lightning_mgpu.strategies.split.batch import (
+    check_cuttable,
+    combine_outputs,
+    scatter_batch,
+    split_rows,
+    split_sizes,
+)
 from lightning_mgpu.strategies.split.logs import LogCapture, replay_logs
 from lightning_mgpu.strategies.split.metrics import merge_in_order
 
@@ -93,3 +99,23 @@ def test_a_batch_that_cannot_be_cut_names_micro_batching_under_mgpu_ddp() -> Non
         trainer.fit(TwoSizes(), loader)
     assert "mgpu_dp" not in str(caught.value)
     assert "replica" not in str(caught.value)
+
+
+def test_per_row_sequences_are_cut_with_their_rows_and_others_named() -> None:
+    x = torch.arange(6.0)
+    cpu = [torch.device("cpu")] * 2
+    batch = {"x": x, "ids": ("a", "b", "c", "d", "e", "f"), "tags": [["t0"] * 6, ["t1"] * 6], "k": "train"}
+    first, second = scatter_batch(batch, [4, 2], cpu)
+    assert first["ids"] == ("a", "b", "c", "d")
+    assert second["ids"] == ("e", "f")
+    assert second["tags"] == [["t0", "t0"], ["t1", "t1"]]  # default_collate's transposed list field
+    assert (first["k"], second["k"]) == ("train", "train")
+    # what the parts return with one item per row comes back whole and in order
+    combined = combine_outputs([{"ids": p["ids"]} for p in (first, second)], [4, 2], torch.device("cpu"))
+    assert combined["ids"] == batch["ids"]
+    with pytest.raises(
+        ValueError, match=r"mgpu_dp cuts the batch's 6 rows .* batch\['names'\] is a list of 3"
+    ):
+        scatter_batch({"x": x, "names": ["cat", "dog", "fish"]}, [3, 3], cpu)
+    with pytest.raises(ValueError, match=r"micro .* batch\[1\]\[0\] is a list of 2 items.*`split_batch_rows"):
+        check_cuttable((x, [["a", "b"]]), 6, "micro")
