@@ -8,6 +8,7 @@ folder holding files is refused before anything starts, so two runs never mix); 
 - ``checkpoints/``: ``ModelCheckpoint``'s files and, next to each, plain ``.safetensors`` weights;
 - ``memory_summary.json`` (the memory monitor's per-device peaks) and ``memory.png`` (its plot, when
   matplotlib is installed);
+- ``time_summary.json``: the time monitor's per-rank data loading, work and waiting, and its verdict;
 - ``predictions.csv`` for ``task: predict``.
 
 Under DDP every process runs this; Lightning's launcher passes the run folder to the processes
@@ -197,6 +198,7 @@ def summary(cfg: RunConfig, trainer: L.Trainer, run_dir: Path, seconds: float) -
         ]
     lines.append(f"written to {run_dir}/:")
     lines += [f"  {line}" for line in _describe_files(trainer, run_dir)]
+    lines += _time_lines(trainer)
     lines.append("peak memory:")
     lines += [f"  {line}" for line in _peak_memory_lines(trainer)]
     return "\n".join(lines)
@@ -235,8 +237,23 @@ def _describe_files(trainer: L.Trainer, run_dir: Path) -> list[str]:
             note = "memory of each device over the steps"
         elif path.name == "memory_summary.json":
             note = "each device's peak memory"
+        elif path.name == "time_summary.json":
+            note = "each rank's data loading, work and waiting time, and the slow rank"
         out.append(f"{rel}  {note}".rstrip())
     return out
+
+
+def _time_lines(trainer: L.Trainer) -> list[str]:
+    """The time monitor's table and verdict, when it timed this fit."""
+    from lightning_mgpu.callbacks.time import DeviceTimeMonitor
+    from lightning_mgpu.callbacks.time_report import table
+
+    callbacks = getattr(trainer, "callbacks", [])  # set at run time, unknown to type checkers
+    monitor = next((cb for cb in callbacks if isinstance(cb, DeviceTimeMonitor)), None)
+    if monitor is None or monitor.verdict is None:
+        return []
+    lines = [*table(monitor.totals, title="").splitlines(), monitor.verdict.line()]
+    return ["time per rank:", *(f"  {line}" for line in lines)]
 
 
 def _peak_memory_lines(trainer: L.Trainer) -> list[str]:

@@ -1,6 +1,7 @@
 """The ``callbacks`` section of a run config: one dataclass per callback, each with an ``enabled`` switch.
 
 - ``memory``: ``lightning_mgpu.DeviceMemoryMonitor`` (on by default);
+- ``time``: ``lightning_mgpu.DeviceTimeMonitor`` (on by default);
 - ``export``: ``lightning_mgpu.PlainStateDictExport``, plain weights next to each checkpoint (on);
 - ``checkpoint``: Lightning's ``ModelCheckpoint`` (on);
 - ``early_stopping``: Lightning's ``EarlyStopping`` (off).
@@ -14,7 +15,14 @@ from dataclasses import dataclass, field
 
 from lightning_mgpu.config.checks import at_least, one_of
 
-__all__ = ["CallbacksConfig", "CheckpointConfig", "EarlyStoppingConfig", "ExportConfig", "MemoryConfig"]
+__all__ = [
+    "CallbacksConfig",
+    "CheckpointConfig",
+    "EarlyStoppingConfig",
+    "ExportConfig",
+    "MemoryConfig",
+    "TimeConfig",
+]
 
 _MODES = ("min", "max")
 
@@ -41,6 +49,25 @@ class MemoryConfig:
         return at_least("every_n_steps", self.every_n_steps, 1) + at_least(
             "imbalance_threshold", self.imbalance_threshold, 1.0, " (1.0 is perfectly balanced)"
         )
+
+
+@dataclass
+class TimeConfig:
+    """``lightning_mgpu.DeviceTimeMonitor``: each rank's data loading, work and waiting; the slow rank named.
+
+    Example::
+
+        lightning-mgpu run digits callbacks.time.flush_every_n_steps=5
+    """
+
+    enabled: bool = True
+    """Turn the monitor on or off. It times training (``task: fit``) only."""
+    flush_every_n_steps: int = 25
+    """Gather every rank's times and log their means every this many training batches."""
+
+    def problems(self) -> list[str]:
+        """Impossible values in this section, one message each."""
+        return at_least("flush_every_n_steps", self.flush_every_n_steps, 1)
 
 
 @dataclass
@@ -123,6 +150,8 @@ class CallbacksConfig:
 
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     """Per-device memory monitor (on by default)."""
+    time: TimeConfig = field(default_factory=TimeConfig)
+    """Per-rank time monitor (on by default)."""
     export: ExportConfig = field(default_factory=ExportConfig)
     """Plain weights export (on by default)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -2,7 +2,8 @@
 
 - ``resolve_devices`` turns ``devices: auto`` (or ``-1``) into every visible GPU, or on a machine
   without one into one CPU process per core, at most ``CPU_DEVICE_CAP`` (4).
-- ``build_callbacks`` adds the memory monitor (its summary is ``<run_dir>/memory_summary.json``),
+- ``build_callbacks`` adds the memory monitor (its summary is ``<run_dir>/memory_summary.json``), the
+  time monitor (``<run_dir>/time_summary.json``),
   ``ModelCheckpoint`` (to ``<run_dir>/checkpoints``), the plain weights export (the network's
   weights next to each checkpoint and ``final.safetensors``) and early stopping as the
   ``callbacks`` section says.
@@ -169,6 +170,12 @@ def build_callbacks(cfg: RunConfig, run_dir: Path) -> list[Callback]:
             every_n_steps=mem.every_n_steps, imbalance_threshold=mem.imbalance_threshold, print_summary=False
         )
         callbacks.append(monitor)
+    if section.time.enabled:
+        from lightning_mgpu.callbacks.time import DeviceTimeMonitor
+
+        # the run's summary shows its table and verdict, so the callback's own print stays off
+        every = section.time.flush_every_n_steps
+        callbacks.append(DeviceTimeMonitor(flush_every_n_steps=every, print_summary=False))
     if section.export.enabled:
         from lightning_mgpu.callbacks.export import PlainStateDictExport
 

@@ -68,6 +68,13 @@ def test_run_folder_and_summary(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert f"written to {run_dir}/:" in summary
     for name in ("config.yaml", "metrics.csv", "checkpoints/last.ckpt", "memory.png", "memory_summary.json"):
         assert f"  {name}  " in summary
+
+    # the time monitor's totals count every training batch of both epochs; its table comes before the memory
+    times = json.loads((run_dir / "time_summary.json").read_text())
+    assert [(r["device"], r["steps"], r["samples"] > 0) for r in times["ranks"]] == [("cpu:rank0", 6, True)]
+    assert "  time_summary.json  each rank's data loading, work and waiting time" in summary
+    assert f"  {times['verdict']['line']}\npeak memory:" in summary
+    assert "time per rank:\n  Rank  Device" in summary
     assert "  checkpoints/last.safetensors  plain weights of last.ckpt" in summary
     assert "  checkpoints/final.safetensors  plain weights at the end of fit" in summary
     peak = memory["devices"][0]["peak_rss_bytes"]
