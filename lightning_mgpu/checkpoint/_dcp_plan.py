@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from lightning_mgpu.checkpoint._report import shown
+
 __all__ = ["DTYPES", "METADATA", "Chunk", "Index", "Record", "TensorEntry", "check_index", "regular_file"]
 
 log = logging.getLogger(__name__)
@@ -137,7 +139,7 @@ class _Checker:
         self._names: set[str] = set()  # file names found plain
 
     def fail(self, key: Any, problem: str) -> ValueError:
-        return ValueError(f"{self.index_path} is corrupt: entry {key!r} {problem}; {AGAIN}")
+        return ValueError(f"{self.index_path} is corrupt: entry {shown(key)} {problem}; {AGAIN}")
 
     def index(self) -> Index:
         loaded = self.loaded
@@ -193,7 +195,7 @@ class _Checker:
             length = self._count(key, getattr(info, "length", None), "byte length")
             transforms = getattr(info, "transform_descriptors", None) or ()
             if not isinstance(transforms, (list, tuple)) or not all(isinstance(t, str) for t in transforms):
-                raise self.fail(key, f"has storage extensions {transforms!r}, not a list of names")
+                raise self.fail(key, f"has storage extensions {shown(transforms)}, not a list of names")
             records[key, offsets] = Record(name, start, length, tuple(transforms))
         return records
 
@@ -217,12 +219,12 @@ class _Checker:
 
     def _count(self, key: str, value: Any, what: str) -> int:
         if type(value) is not int or value < 0:  # not a bool either
-            raise self.fail(key, f"has a {what} of {value!r}, not a count of bytes")
+            raise self.fail(key, f"has a {what} of {shown(value)}, not a count of bytes")
         return value
 
     def _counts(self, key: str, values: Any, what: str) -> tuple[int, ...]:
         if type(values) not in _SEQUENCES or [v for v in values if type(v) is not int or v < 0]:
-            raise self.fail(key, f"has a {what} of {values!r}, not a list of non-negative whole numbers")
+            raise self.fail(key, f"has a {what} of {shown(values)}, not a list of non-negative whole numbers")
         return tuple(values)
 
     def _files(self, records: _Records) -> None:
@@ -260,7 +262,7 @@ class _Checker:
         dtype = getattr(getattr(entry, "properties", None), "dtype", None)
         if not isinstance(dtype, torch.dtype) or dtype not in DTYPES:
             raise self.fail(
-                key, f"has dtype {dtype!r}, not a dtype of plain numbers, which this reader reads"
+                key, f"has dtype {shown(dtype)}, not a dtype of plain numbers, which this reader reads"
             )
         shape = self._counts(key, getattr(entry, "size", None), "shape")
         listed = getattr(entry, "chunks", None)
@@ -321,15 +323,15 @@ class _Checker:
                 or not raw
                 or not all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in raw)
             ):
-                raise self.fail(key, f"is placed at {raw!r}, not a list of names")
+                raise self.fail(key, f"is placed at {shown(raw)}, not a list of names")
             path = tuple(str(p) for p in raw)
-            shown = "/".join(path)
+            where = "/".join(path)
             if path in leaves:
                 raise self.fail(
-                    key, f"and entry {leaves[path]!r} are both saved as {shown}, so one would hide the other"
+                    key, f"and entry {leaves[path]!r} are both saved as {where}, so one would hide the other"
                 )
             if path in inner:
-                raise self.fail(key, f"is saved as {shown}, where entry {inner[path]!r} is saved inside it")
+                raise self.fail(key, f"is saved as {where}, where entry {inner[path]!r} is saved inside it")
             for depth in range(1, len(path)):
                 if path[:depth] in leaves:
                     raise self.fail(

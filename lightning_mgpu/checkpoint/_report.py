@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass, field
 
 # sizes read the same in every report of the package: ``"512 B"``, ``"3.40 KiB"``
 from lightning_mgpu.devices import format_bytes as human_size
 
-__all__ = ["LoadReport", "Shape", "human_size"]
+__all__ = ["LoadReport", "Shape", "human_size", "shown"]
 
 _SHOW = 10  # names listed per problem before "... and N more"
+
+_BOUNDED = reprlib.Repr()
+_BOUNDED.maxlevel, _BOUNDED.maxstring, _BOUNDED.maxother = 3, 80, 80
+_BOUNDED.maxlist = _BOUNDED.maxtuple = _BOUNDED.maxdict = _BOUNDED.maxset = 8
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` cut short: 3 levels deep, 8 items, 80 characters a string, whatever the file held.
+
+    A message never formats a value read from a file with plain ``repr``/``str``: a list nested
+    200,000 deep would raise ``RecursionError`` instead of the message.
+    """
+    return _BOUNDED.repr(value)
 
 
 class Shape(tuple[int, ...]):

@@ -33,6 +33,7 @@ from lightning_mgpu.checkpoint._prefixes import (
     strip_wrappers,
     wrapped_child,
 )
+from lightning_mgpu.checkpoint._report import shown
 from lightning_mgpu.checkpoint._safetensors import ORDER_KEY
 from lightning_mgpu.checkpoint._zip_check import Check
 
@@ -179,7 +180,7 @@ def _from_mapping(obj: Mapping[str, Any], where: str, key: str | None = None) ->
     candidates = [k for k in obj if isinstance(k, str) and is_state_dict(obj[k])]
     if len(candidates) == 1:
         return Source(OrderedDict(obj[candidates[0]]), where, "checkpoint", False, obj, candidates[0])
-    keys = ", ".join(repr(k) for k in list(obj)[:12]) + (", ..." if len(obj) > 12 else "")
+    keys = ", ".join(shown(k) for k in list(obj)[:12]) + (", ..." if len(obj) > 12 else "")
     if candidates:
         names = ", ".join(repr(k) for k in candidates)
         raise ValueError(

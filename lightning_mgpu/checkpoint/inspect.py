@@ -12,7 +12,7 @@ import torch
 
 from lightning_mgpu.checkpoint._dcp import ShardedFolder
 from lightning_mgpu.checkpoint._prefixes import WRAPPERS, plain_names, split_top
-from lightning_mgpu.checkpoint._report import Shape, human_size
+from lightning_mgpu.checkpoint._report import Shape, human_size, shown
 from lightning_mgpu.checkpoint._safetensors import ORDER_KEY, PREFIXES_KEY
 from lightning_mgpu.checkpoint._source import count_values, resolve
 
@@ -254,7 +254,7 @@ def _describe_checkpoint(
         ("global_step", "global step"),
     ):
         if key in checkpoint:
-            info.details.append(f"{label} {checkpoint[key]}")
+            info.details.append(f"{label} {shown(checkpoint[key])}")
     for key, value in checkpoint.items():
         if key in (weights_key, "pytorch-lightning_version", "epoch", "global_step"):
             continue
