@@ -1,4 +1,4 @@
-"""What DeviceMemoryMonitor costs per training step, logging every step, side by side.
+"""What DeviceMemoryMonitor and DeviceTimeMonitor cost per training step, logging every step, side by side.
 
 Usage::
 
@@ -6,13 +6,15 @@ Usage::
     python benchmarks/memory_overhead.py --devices 2      # mgpu_ddp: every step also all-gathers the ranks
 
 The same MLP trains with a CSVLogger and ``log_every_n_steps=1`` under each callback:
-``DeviceMemoryMonitor(every_n_steps=1)`` and Lightning's ``DeviceStatsMonitor``. Within
-each run the callback's per-step hooks run on odd batches only, so every step with the
+``DeviceMemoryMonitor(every_n_steps=1)``, ``DeviceTimeMonitor()`` (one gather every 25 batches),
+both together, and Lightning's ``DeviceStatsMonitor``. Within
+each run the callbacks' per-step hooks run on odd batches only, so every step with the
 callback has a neighbour without it, measured a few milliseconds apart: the paired
 difference cancels the load of a shared machine that separate runs cannot. Reported:
 
 - the median step without the callback (the baseline), the median paired difference
-  (step with minus the step before without) and the resulting step-time ratio;
+  (step with minus the step before without) and the resulting step-time ratio, with its noise
+  (about one standard error of the median: 1.57 x interquartile range / sqrt(pairs));
 - the time spent inside the callback's per-step hooks, measured directly, as a share of
   the baseline step;
 - the once-per-fit hooks (``on_train_start`` / ``_end``: layout exchange, table, JSON) in
@@ -37,10 +39,22 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mgpu import DeviceMemoryMonitor
+from lightning_mgpu import DeviceMemoryMonitor, DeviceTimeMonitor
 
 STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end")
-FIT_HOOKS = ("setup", "on_train_start", "on_train_end")
+FIT_HOOKS = ("setup", "on_train_start", "on_train_epoch_start", "on_train_end")
+CONFIGS = ("DeviceMemoryMonitor", "DeviceTimeMonitor", "both monitors", "DeviceStatsMonitor")
+
+
+def callbacks_of(config: str) -> list[Callback]:
+    memory = DeviceMemoryMonitor(every_n_steps=1, print_summary=False)
+    time_monitor = DeviceTimeMonitor(print_summary=False, summary_file=None)
+    return {
+        "DeviceMemoryMonitor": [memory],
+        "DeviceTimeMonitor": [time_monitor],
+        "both monitors": [memory, time_monitor],
+        "DeviceStatsMonitor": [DeviceStatsMonitor()],
+    }[config]
 
 
 class MLP(L.LightningModule):
@@ -96,11 +110,7 @@ def on_odd_batches_timed(callback: Callback, spent: list[float]) -> Callback:
 
 def one_run(config: str, args: argparse.Namespace, loader: DataLoader, log_dir: str) -> dict[str, Any]:
     clock, spent = StepClock(), [0.0, 0.0]
-    callback = (
-        DeviceMemoryMonitor(every_n_steps=1, print_summary=False)
-        if config == "DeviceMemoryMonitor"
-        else DeviceStatsMonitor()
-    )
+    callbacks = [on_odd_batches_timed(callback, spent) for callback in callbacks_of(config)]
     trainer = L.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu",
         devices=args.devices,
@@ -108,7 +118,7 @@ def one_run(config: str, args: argparse.Namespace, loader: DataLoader, log_dir: 
         max_steps=args.steps,
         logger=CSVLogger(log_dir, name=config),
         log_every_n_steps=1,
-        callbacks=[clock, on_odd_batches_timed(callback, spent)],
+        callbacks=[clock, *callbacks],
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -138,7 +148,7 @@ def main() -> None:
     n = args.steps * args.batch_size * args.devices
     data = TensorDataset(torch.randn(n, 256), torch.randint(0, 10, (n,)))
     loader = DataLoader(data, batch_size=args.batch_size)
-    configs = ("DeviceMemoryMonitor", "DeviceStatsMonitor")
+    configs = CONFIGS
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory() as log_dir:
         for _ in range(args.rounds):
@@ -150,11 +160,11 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pairs = sum(len(r["diffs"]) for r in runs[configs[0]])
     print(
-        f"memory callback overhead: {device}, {args.devices} process(es), MLP width {args.width},"
+        f"monitor overhead: {device}, {args.devices} process(es), MLP width {args.width},"
         f" batch {args.batch_size}, logging every step; {pairs} step pairs per callback"
         f" over {args.rounds} interleaved rounds"
     )
-    row = "{:<20} {:>16} {:>16} {:>12} {:>14} {:>10} {:>13}"
+    row = "{:<20} {:>16} {:>16} {:>18} {:>14} {:>10} {:>13}"
     print(
         row.format(
             "callback",
@@ -169,7 +179,9 @@ def main() -> None:
     hook_ms = {}
     for config in configs:
         base = statistics.median(x for r in runs[config] for x in r["without"])
-        diff = statistics.median(x for r in runs[config] for x in r["diffs"])
+        diffs = [x for r in runs[config] for x in r["diffs"]]
+        diff = statistics.median(diffs)
+        noise = _median_noise(diffs)
         hook_ms[config] = statistics.median(r["hook"] for r in runs[config])
         fit = statistics.median(r["fit"] for r in runs[config])
         print(
@@ -177,14 +189,23 @@ def main() -> None:
                 config,
                 f"{base * 1e3:.3f}",
                 f"{diff * 1e3:+.3f}",
-                f"{(base + diff) / base:.4f}",
+                f"{(base + diff) / base:.4f} ± {noise / base:.4f}",
                 f"{hook_ms[config] * 1e3:.4f}",
                 f"{100 * hook_ms[config] / base:.3f}%",
                 f"{fit * 1e3:.2f}",
             )
         )
-    ours, theirs = configs
-    print(f"hook time {ours} / {theirs}: {hook_ms[ours] / hook_ms[theirs]:.3f}")
+    theirs = configs[-1]
+    for ours in configs[:-1]:
+        print(f"hook time {ours} / {theirs}: {hook_ms[ours] / hook_ms[theirs]:.3f}")
+
+
+def _median_noise(values: list[float]) -> float:
+    """About one standard error of a median: 1.57 x interquartile range / sqrt(n) (McGill's notch)."""
+    if len(values) < 4:
+        return float("nan")
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return 1.57 * (q3 - q1) / len(values) ** 0.5
 
 
 if __name__ == "__main__":
