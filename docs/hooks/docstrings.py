@@ -6,6 +6,9 @@
   command is shell, anything else Python).
 - A role such as ``:func:`load_state_dict``` (``~`` keeping the last name of a dotted path) would show as
   the text ":func:" and, in a ``Returns:`` line, be read as a name: it becomes inline code.
+- A class's ``Args:`` list the arguments a user sets first: the keyword-only ones (``stall_timeout``,
+  ``micro_batch_size``, ``resume``, ...), then those in the order of the signature, where a strategy's
+  first ones are what the Trainer fills in (``accelerator``, ``parallel_devices``, ...).
 """
 
 from __future__ import annotations
@@ -38,6 +41,38 @@ def fenced(docstring: str) -> str:
     return _ROLE.sub(_code, _EXAMPLE.sub(fence, docstring + "\n").rstrip("\n"))
 
 
+def users_first(docstring: str, keyword_only: set[str]) -> str:
+    """``docstring`` with the ``Args:`` entries named in ``keyword_only`` moved to the top of the list."""
+    lines = docstring.split("\n")
+    try:
+        start = lines.index("Args:") + 1
+    except ValueError:
+        return docstring
+    end = start
+    while end < len(lines) and (lines[end].startswith(" ") or not lines[end].strip()):
+        end += 1
+    while end > start and not lines[end - 1].strip():  # the blank lines after the list stay after it
+        end -= 1
+    entries: list[list[str]] = []
+    for line in lines[start:end]:
+        if _ARG.match(line) or not entries:
+            entries.append([line])
+        else:
+            entries[-1].append(line)
+    first = [e for e in entries if _arg_name(e[0]) in keyword_only]
+    rest = [e for e in entries if _arg_name(e[0]) not in keyword_only]
+    reordered = [line for entry in first + rest for line in entry]
+    return "\n".join(lines[:start] + reordered + lines[end:])
+
+
+_ARG = re.compile(r"^    (\*{0,2}\w+)(?: \(.*\))?:")
+
+
+def _arg_name(line: str) -> str:
+    match = _ARG.match(line)
+    return match.group(1) if match else ""
+
+
 class MarkdownDocstrings(griffe.Extension):
     """Rewrites every object's docstring with :func:`fenced`."""
 
@@ -47,3 +82,10 @@ class MarkdownDocstrings(griffe.Extension):
         obj.docstring.value = fenced(obj.docstring.value)
         if "Example::" in obj.docstring.value:  # a warning fails `mkdocs build --strict`
             griffe.logger.warning(f"{obj.path}: an Example:: block that is not followed by an indented one")
+
+    def on_class_members(self, *, node: Any, cls: griffe.Class, agent: Any, **kwargs: Any) -> None:
+        init = cls.members.get("__init__")
+        if cls.docstring is None or not isinstance(init, griffe.Function):
+            return
+        keyword_only = {p.name for p in init.parameters if p.kind is griffe.ParameterKind.keyword_only}
+        cls.docstring.value = users_first(cls.docstring.value, keyword_only)
