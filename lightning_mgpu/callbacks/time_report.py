@@ -80,7 +80,11 @@ class Verdict:
             text = "Time: balanced, no rank holds the others back"
             text += f"; {self.advice}" if self.advice else "."
         else:
-            slower = f" is {100 * self.slower_by:.0f} % slower than the others and" if self.slower_by else ""
+            slower = ""
+            if self.slower_by >= 1:  # "496 % slower" reads worse than "6.0x as slow"
+                slower = f" is {1 + self.slower_by:.1f}x as slow as the others and"
+            elif self.slower_by > 0:
+                slower = f" is {100 * self.slower_by:.0f} % slower than the others and"
             text = (
                 f"Time: rank {self.rank} ({self.device}){slower} loses the time in {self.phase}."
                 f" Try: {self.advice}"

@@ -32,13 +32,16 @@ def test_slow_loader_names_its_rank_the_phase_and_the_fix() -> None:
 def test_slow_card_names_the_card_and_micro_batch_size() -> None:
     found = verdict([rank(0, 1.0, 9.0, 3.0), rank(1, 1.0, 12.0, 0.1)], accelerator="cuda")
     assert (found.rank, found.phase) == (1, "work")
+    assert "rank 1 (cuda:1) is 30 % slower than the others and loses the time in work" in found.line()
     assert "look at cuda:1 (nvidia-smi" in found.line()
     assert "micro_batch_size=" in found.line()
 
 
 def test_slow_cpu_rank_points_at_its_cores() -> None:
-    found = verdict([rank(0, 1.0, 9.0, 3.0), rank(1, 1.0, 12.0, 0.1)], accelerator="cpu")
+    slow = RankTime(1, "cpu:rank1", 100, 3200, 1.0, 39.0, 0.1)
+    found = verdict([rank(0, 1.0, 9.0, 30.0), slow], accelerator="cpu")
     assert (found.rank, found.phase) == (1, "work")
+    assert "rank 1 (cpu:rank1) is 4.0x as slow as the others and loses the time in work" in found.line()
     assert "rank 1's CPU cores" in found.line()
 
 
