@@ -1,7 +1,8 @@
 """Features that need a newer torch than the declared floor: refused when used, naming the version they need.
 
-``make test-compat`` runs these on the floor's torch. Where this torch has the feature the test is
-skipped: the feature's own tests run it there (``tests/strategies/microbatch/test_fsdp.py``).
+``make test-compat`` runs these on the floor's torch (2.6) and on 2.8. Where this torch has the feature the
+test is skipped: the feature's own tests run it there (``tests/strategies/fsdp/``,
+``tests/strategies/microbatch/test_fsdp.py``).
 """
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ import lightning as L
 import pytest
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MGPUFSDPStrategy
+from lightning_mgpu._torch_compat import FSDP_ON_CPU, FSDP_RESET_ITER_STATE
 
 
 class Net(L.LightningModule):
@@ -31,7 +32,22 @@ class Net(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-@pytest.mark.skipif(hasattr(FSDPModule, "reset_iter_state"), reason="this torch has reset_iter_state")
+def one_line(message: str, feature: str, since: str, instead: str) -> None:
+    assert message.startswith(f"{feature} needs torch>={since}"), message
+    assert f"this is torch {torch.__version__}" in message
+    assert instead in message
+    assert "\n" not in message
+
+
+@pytest.mark.skipif(FSDP_ON_CPU.present(), reason="this torch runs FSDP2 on CPU")
+def test_mgpu_fsdp_on_cpu_is_refused_inside_trainer_naming_torch_2_7() -> None:
+    with pytest.raises(RuntimeError) as refused:
+        L.Trainer(accelerator="cpu", devices=2, strategy="mgpu_fsdp", logger=False)
+    one_line(str(refused.value), "mgpu_fsdp on CPU", "2.7", "strategy='mgpu_ddp'")
+
+
+@pytest.mark.skipif(not FSDP_ON_CPU.present(), reason="this torch cannot run FSDP2 on CPU at all")
+@pytest.mark.skipif(FSDP_RESET_ITER_STATE.present(), reason="this torch has reset_iter_state")
 def test_auto_micro_batches_under_mgpu_fsdp_are_refused_at_the_first_step_naming_torch_2_13() -> None:
     model = Net()
     trainer = L.Trainer(
@@ -41,9 +57,7 @@ def test_auto_micro_batches_under_mgpu_fsdp_are_refused_at_the_first_step_naming
     data = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 1)), batch_size=8)
     with pytest.raises(RuntimeError) as refused:
         trainer.fit(model, data)
-    message = str(refused.value)
-    assert message.startswith("micro_batch_size='auto' under mgpu_fsdp needs torch>=2.13")
-    assert f"this is torch {torch.__version__}" in message
-    assert "use a fixed micro_batch_size" in message
-    assert "\n" not in message
+    one_line(
+        str(refused.value), "micro_batch_size='auto' under mgpu_fsdp", "2.13", "use a fixed micro_batch_size"
+    )
     assert model.steps == 0  # refused before the first batch ran, not after an out-of-memory

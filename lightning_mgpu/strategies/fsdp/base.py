@@ -15,6 +15,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_mgpu.strategies.fsdp.buffers import watch_buffers
+from lightning_mgpu.strategies.fsdp.gloo_average import average_gradients_exactly
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -38,6 +39,8 @@ class ShardingModelParallel(ModelParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self._shard_model(trainer)
+        # gloo on torch 2.7/2.8 sums where FSDP asks for an average (pytorch/pytorch#162338)
+        average_gradients_exactly(self.model, self.device_mesh["data_parallel"].get_group())
         watch_buffers(self.model)  # FSDP's own buffers say which one ran out (fsdp/buffers.py)
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)

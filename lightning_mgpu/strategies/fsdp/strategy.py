@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
+from lightning_mgpu._torch_compat import FSDP_ON_CPU, require
 from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.estimate.model_state import measure_model_state
 from lightning_mgpu.estimate.shard_plan import ShardingPlan, plan_sharding, validate_block_classes
@@ -114,6 +115,9 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
     Raises:
         TypeError: If ``block_classes``, ``reshard_after_forward``, ``cpu_offload`` or
             ``activation_checkpointing`` has the wrong type.
+        RuntimeError: Inside ``Trainer(...)``: CPU devices on torch 2.6, where FSDP2 cannot run on CPU.
+            In ``setup``: gloo on torch 2.7, whose reduce-scatter sums when asked to average
+            (``fsdp/gloo_average.py``; corrected on 2.8, right from 2.9).
         ValueError: Inside ``Trainer(...)``: ``cpu_offload`` on CPU devices, a
             ``reshard_after_forward`` count that does not divide the processes, or a precision
             FSDP2 cannot run. In ``setup``, before training: a model without parameters,
@@ -200,6 +204,8 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
 
     def _check_choices(self) -> None:
         devices = self.parallel_devices or []
+        if devices and all(d.type == "cpu" for d in devices):
+            require(FSDP_ON_CPU)
         if self.options.cpu_offload and devices and all(d.type == "cpu" for d in devices):
             raise ValueError(
                 f"{self.strategy_name}: cpu_offload=True keeps the model state in CPU memory while GPUs"

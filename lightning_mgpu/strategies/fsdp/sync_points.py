@@ -56,18 +56,13 @@ from torch.autograd import Variable
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
+from lightning_mgpu._torch_compat import FSDP_RESET_ITER_STATE, require
 from lightning_mgpu.strategies.fsdp.buffers import DTYPES, WatchedCollective, nothing_before, watch_buffers
 from lightning_mgpu.strategies.microbatch.agreement import Agreement
 
 __all__ = ["SyncPoints"]
 
 log = logging.getLogger(__name__)
-
-# FSDPModule.reset_iter_state, which resets a pass abandoned after an out-of-memory, is in torch from 2.13
-_NO_RESET = (
-    "micro_batch_size='auto' under mgpu_fsdp needs torch>=2.13 (FSDPModule.reset_iter_state), and this is"
-    f" torch {torch.__version__}: upgrade torch, or use a fixed micro_batch_size"
-)
 
 
 class _BackwardCheckpoint(torch.autograd.Function):
@@ -132,8 +127,7 @@ class SyncPoints:
                 " configure_model shards only parts of it: end configure_model with fully_shard(self), or"
                 " use a fixed micro_batch_size"
             )
-        if not hasattr(FSDPModule, "reset_iter_state"):
-            raise RuntimeError(_NO_RESET)  # refused at the first step, not after the first out-of-memory
+        require(FSDP_RESET_ITER_STATE)  # refused at the first step, not after the first out-of-memory
         if self._buffers_unwatched:
             self._buffers_unwatched = False
             rank_zero_warn(
@@ -157,10 +151,9 @@ class SyncPoints:
 
     def reset(self) -> None:
         """FSDP's per-pass state reset after a pass was abandoned (``FSDPModule.reset_iter_state``)."""
-        reset = getattr(self.root, "reset_iter_state", None) if isinstance(self.root, FSDPModule) else None
-        if reset is None:
-            raise RuntimeError(_NO_RESET)
-        reset()
+        require(FSDP_RESET_ITER_STATE)
+        assert isinstance(self.root, FSDPModule)  # watching() refused any other root
+        self.root.reset_iter_state()
         self._candidate = None  # an abandoned attempt teaches nothing
         # reset_iter_state leaves the gradients autograd already wrote to the gathered parameters:
         # they would be added to the next attempt's, so they are dropped here
