@@ -4,7 +4,8 @@
   ``TrainerConfig``, ``DataConfig``); the ``optimizer`` section lives in ``optimizer.py`` (a class
   path such as ``torch.optim.AdamW``, checked and built there) and the ``callbacks`` sections in
   ``callbacks.py``; ``checks.py`` holds the small value checks they share. Precision names come
-  from ``lightning_mgpu.precision``.
+  from ``lightning_mgpu.precision``. ``trainer.strategy`` (a name, or a mapping of the name and
+  the strategy's options) is checked against the strategy class's signature and built in ``strategy.py``.
 - ``parse.py``: finding a shipped config or a file, reading overrides, merging them.
 - ``validate.py``: unknown keys with "did you mean", wrong types, impossible values, in one error.
 - ``instantiate.py``: the recipe's module and data, callbacks, logger and Trainer; ``progress.py``:

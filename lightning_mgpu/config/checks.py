@@ -2,8 +2,7 @@
 
 - ``one_of``: a value from a fixed set of names;
 - ``at_least`` / ``minimums``: lower bounds of numbers, one field or several;
-- ``batch_limit``: Lightning's ``limit_*_batches`` (a count or a fraction);
-- ``micro_batch_size``: what the ``mgpu_*`` strategies take as ``micro_batch_size=``.
+- ``batch_limit``: Lightning's ``limit_*_batches`` (a count or a fraction).
 
 This module does not import torch.
 """
@@ -13,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["at_least", "batch_limit", "micro_batch_size", "minimums", "one_of"]
+__all__ = ["at_least", "batch_limit", "minimums", "one_of"]
 
 
 def one_of(name: str, value: str, allowed: Sequence[str]) -> list[str]:
@@ -62,18 +61,3 @@ def batch_limit(name: str, value: Any) -> list[str]:
     if isinstance(value, float) and 0.0 <= value <= 1.0:
         return []
     return [f"{name}: expected a batch count (int >= 0) or a fraction in [0.0, 1.0], got {value!r}"]
-
-
-def micro_batch_size(value: Any) -> list[str]:
-    """A number of rows >= 1, ``"auto"`` or ``None``: what ``MicroBatching`` accepts, checked without torch.
-
-    Example::
-
-        micro_batch_size(0)  # one message: not a positive number of rows, 'auto' or null
-    """
-    if value is None or value == "auto" or (type(value) is int and value >= 1):
-        return []
-    return [
-        "micro_batch_size: expected a positive number of rows, 'auto' (halve on out-of-memory) or null"
-        f" (off), got {value!r}"
-    ]

@@ -8,7 +8,7 @@
   weights next to each checkpoint and ``final.safetensors``) and early stopping as the
   ``callbacks`` section says.
 - ``build_trainer`` gives the Trainer a ``CSVLogger`` writing ``<run_dir>/metrics.csv`` and, with
-  ``trainer.micro_batch_size`` set, the registered strategy built with that ``micro_batch_size=``; when
+  strategy options (or ``trainer.micro_batch_size``) set, the registered strategy built with them; when
   standard output is not a terminal (``make demo > log``) progress comes as one line per epoch
   instead of a redrawn bar (``config/progress.py``), and Lightning's warnings about its own
   use of torch are hidden.
@@ -29,11 +29,11 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_mgpu.config.progress import hide_unactionable_warnings, progress_bar_for
 from lightning_mgpu.config.schema import CPU_DEVICE_CAP, RunConfig
+from lightning_mgpu.config.strategy import build_strategy
 
 __all__ = [
     "build_callbacks",
@@ -211,7 +211,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, callbacks: list[Callback]) -> L
     t = cfg.trainer
     accelerator, devices = resolve_devices(t.accelerator, t.devices)
     kwargs = {k: v for k, v in asdict(t).items() if k not in ("accelerator", "devices", "micro_batch_size")}
-    kwargs["strategy"] = _strategy(t.strategy, t.micro_batch_size)
+    kwargs["strategy"] = build_strategy(t.strategy, t.micro_batch_size)
     hide_unactionable_warnings()
     bar = progress_bar_for(sys.stdout) if t.enable_progress_bar else None
     callbacks = [*callbacks, bar] if bar is not None else callbacks
@@ -227,15 +227,3 @@ def build_trainer(cfg: RunConfig, run_dir: Path, callbacks: list[Callback]) -> L
         )
     except (MisconfigurationException, TypeError) as err:  # Lightning's words for a setting it refuses
         raise ValueError(f"trainer: {err}") from err
-
-
-def _strategy(name: str, micro_batch_size: int | str | None) -> str | Strategy:
-    """The strategy's name, or with micro-batches the registered strategy built with ``micro_batch_size=``."""
-    if micro_batch_size is None:
-        return name
-    import lightning_mgpu  # noqa: F401  registers the mgpu_* names
-
-    entry = StrategyRegistry[name]  # validation made sure it takes micro_batch_size
-    log.debug("trainer.strategy %s with micro_batch_size=%r", name, micro_batch_size)
-    strategy: Strategy = entry["strategy"](**entry["init_params"], micro_batch_size=micro_batch_size)
-    return strategy

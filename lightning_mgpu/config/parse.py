@@ -6,7 +6,8 @@
 - ``load(config, overrides)`` merges them, overrides last. Nothing is checked against the
   schema here; ``validate`` does that. The optimizer's older key ``name`` becomes ``_component_``
   in the file and in the overrides before they merge, so ``optimizer.name=sgd`` replaces the
-  file's class.
+  file's class; ``trainer.strategy: NAME`` is read as ``{name: NAME}`` for the merge, so
+  ``trainer.strategy.stall_timeout=60`` adds an option to the file's strategy.
 
 This module does not import torch.
 """
@@ -23,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_mgpu.config.optimizer import use_component_key
+from lightning_mgpu.config.strategy import as_mapping, name_only, name_override
 
 __all__ = ["config_dir", "find_config", "load", "parse_overrides", "shipped_configs"]
 
@@ -108,11 +110,14 @@ def load(config: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
         raise ValueError(f"{path} is not valid YAML: {_first_line(err)}") from err
     if not isinstance(loaded, DictConfig):
         raise ValueError(f"{path} must hold a mapping of sections (trainer:, model:, ...), not a list")
-    overridden = parse_overrides(overrides)
+    overridden = parse_overrides([name_override(item) for item in overrides])
     for layer in (loaded, overridden):  # per layer, so an override's `name` replaces the file's class
         if isinstance(layer.get("optimizer"), DictConfig):
             use_component_key(layer.optimizer)  # a clash within one layer is left for validation
-    return cast(DictConfig, OmegaConf.merge(loaded, overridden))
+    as_mapping(loaded)  # so trainer.strategy.stall_timeout=60 keeps the file's strategy name
+    merged = cast(DictConfig, OmegaConf.merge(loaded, overridden))
+    name_only(merged)
+    return merged
 
 
 def _first_line(err: BaseException) -> str:

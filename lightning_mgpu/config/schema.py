@@ -25,7 +25,7 @@ from lightning_mgpu.config.callbacks import (
     ExportConfig,
     MemoryConfig,
 )
-from lightning_mgpu.config.checks import at_least, batch_limit, micro_batch_size, minimums, one_of
+from lightning_mgpu.config.checks import at_least, batch_limit, minimums, one_of
 from lightning_mgpu.config.optimizer import OptimizerConfig
 from lightning_mgpu.precision import precision_names
 
@@ -63,8 +63,10 @@ class TrainerConfig:
 
     accelerator: str = "auto"
     """``cpu``, ``gpu`` (same as ``cuda``), ``mps``, or ``auto`` (a GPU when one is visible)."""
-    strategy: str = "mgpu_auto"
-    """A registered strategy: ``mgpu_auto`` (picks DDP, DP or one device), ``mgpu_ddp``, ``mgpu_dp``, ..."""
+    strategy: Any = "mgpu_auto"
+    """A registered strategy: ``mgpu_auto`` (picks DDP, DP or one device), ``mgpu_ddp``, ``mgpu_dp``, ...;
+    or a mapping of ``name:`` and any keyword the strategy's class takes, checked against its ``__init__``:
+    ``{name: mgpu_ddp, stall_timeout: 60, micro_batch_size: auto}`` (``config/strategy.py``)."""
     devices: Any = "auto"
     """``auto`` or ``-1`` (every visible GPU; without a GPU one CPU process per core, at most 4), a count
     such as ``2``, or GPU indices such as ``[0, 3]`` (on a machine without GPU give a count)."""
@@ -94,9 +96,9 @@ class TrainerConfig:
     gradient_clip_val: float | None = None
     """Clip gradients to this norm; ``null`` does not clip."""
     micro_batch_size: Any = None
-    """Passed to the ``mgpu_*`` strategy (``mgpu_ddp``, ``mgpu_dp``, ...): each batch runs forward and
-    backward in micro-batches of this many rows, one optimizer step per batch; ``auto`` runs whole batches
-    and halves them on out-of-memory; ``null``: off."""
+    """Short for ``trainer.strategy.micro_batch_size``, passed to the ``mgpu_*`` strategy: each batch runs
+    forward and backward in micro-batches of this many rows, one optimizer step per batch; ``auto`` runs
+    whole batches and halves them on out-of-memory; ``null``: off."""
     deterministic: bool = False
     """Ask torch for deterministic algorithms (slower on GPUs)."""
     num_sanity_val_steps: int = 0
@@ -125,7 +127,6 @@ class TrainerConfig:
         out += at_least("log_every_n_steps", self.log_every_n_steps, 1)
         out += at_least("accumulate_grad_batches", self.accumulate_grad_batches, 1)
         out += at_least("gradient_clip_val", self.gradient_clip_val, 0.0)
-        out += micro_batch_size(self.micro_batch_size)
         out += at_least("num_sanity_val_steps", self.num_sanity_val_steps, -1, " (-1 runs them all)")
         return out
 

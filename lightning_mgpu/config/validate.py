@@ -5,8 +5,8 @@
 - Wrong types: omegaconf's structured configs decide, the message says what was expected
   and what was given (``trainer.max_epochs: expected an integer, got 'ten'``).
 - Impossible values: each section's ``problems()`` (``optimizer.lr: must be > 0, got -1``),
-  the recipe name, the strategy name, and ``trainer.micro_batch_size`` with a strategy that
-  does not take it.
+  the recipe name, and ``trainer.strategy`` with its options, checked against the strategy
+  class's signature and by the strategy itself (``config/strategy.py``).
 
 All problems are collected and raised as one ``ConfigError`` (a ``ValueError``, which the
 command line prints without a traceback). Settings that are valid but do nothing in the run
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import inspect
 import logging
 import typing
 from typing import Any, cast
@@ -26,9 +25,9 @@ from typing import Any, cast
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
-from lightning_mgpu.config.checks import micro_batch_size
 from lightning_mgpu.config.optimizer import misplaced_arguments, use_component_key
-from lightning_mgpu.config.schema import RunConfig, TrainerConfig
+from lightning_mgpu.config.schema import RunConfig
+from lightning_mgpu.config.strategy import strategy_problems
 
 __all__ = ["ConfigError", "run_schema", "validate"]
 
@@ -106,8 +105,7 @@ def validate(raw: DictConfig, source: str = "config") -> RunConfig:
     # A refused key keeps its (valid) default, so value checks still cover every other key.
     cfg = cast(RunConfig, OmegaConf.to_object(typed))
     problems += _value_problems(cfg, "")
-    problems += _strategy_problems(cfg.trainer.strategy)
-    problems += _micro_batching_problems(cfg.trainer)
+    problems += strategy_problems(cfg.trainer.strategy, cfg.trainer.micro_batch_size)
     if not problems:  # cross-section checks assume each section is sound
         problems += _recipe_problems(cfg)
     if problems:
@@ -239,64 +237,3 @@ def _recipe_problems(cfg: RunConfig) -> list[str]:
     if cfg.task not in spec.tasks:
         return [f"task: recipe {spec.name} cannot {cfg.task}; it supports {', '.join(spec.tasks)}"]
     return list(spec.check(cfg))
-
-
-# Lightning 1.x names that Lightning 2 removed, and what to use instead
-_LIGHTNING_1X_STRATEGIES = {
-    "dp": "mgpu_dp (DataParallel in one process) or mgpu_ddp (one process per device)",
-    **dict.fromkeys(
-        ("ddp2", "ddp_cpu", "ddp_sharded", "ddp_sharded_spawn", "ddp_spawn_sharded", "horovod", "bagua"),
-        "mgpu_ddp (one process per device) or mgpu_dp (DataParallel in one process)",
-    ),
-}
-
-
-def _strategy_problems(strategy: str) -> list[str]:
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    import lightning_mgpu  # noqa: F401  registers the mgpu_* names
-
-    names = ["auto", *StrategyRegistry.available_strategies()]
-    if strategy in names:
-        return []
-    if strategy in _LIGHTNING_1X_STRATEGIES:
-        log.debug("trainer.strategy %r: a Lightning 1.x name, not a near miss of a 2.x one", strategy)
-        return [
-            f"trainer.strategy: {strategy!r} is a Lightning 1.x strategy that Lightning 2 removed;"
-            f" use {_LIGHTNING_1X_STRATEGIES[strategy]}"
-        ]
-    close = difflib.get_close_matches(strategy, names, n=1)
-    hint = f"did you mean {close[0]}? " if close else ""
-    mgpu = ", ".join(n for n in names if n.startswith("mgpu_"))
-    return [f"trainer.strategy: {strategy!r} is not a registered strategy; {hint}e.g. {mgpu}"]
-
-
-def _micro_batching_strategies() -> list[str]:
-    """The registered strategies whose class takes ``micro_batch_size=`` (``mgpu_ddp``, ``mgpu_dp``, ...)."""
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    import lightning_mgpu  # noqa: F401  registers the mgpu_* names
-
-    return [
-        name
-        for name in StrategyRegistry.available_strategies()
-        if "micro_batch_size" in inspect.signature(StrategyRegistry[name]["strategy"]).parameters
-    ]
-
-
-def _micro_batching_problems(trainer: TrainerConfig) -> list[str]:
-    """``trainer.micro_batch_size`` set for a (known) strategy that cannot run micro-batches."""
-    if trainer.micro_batch_size is None or micro_batch_size(trainer.micro_batch_size):
-        return []  # off, or a value that has its own message
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    takers = _micro_batching_strategies()
-    known = ("auto", *StrategyRegistry.available_strategies())
-    if trainer.strategy in takers or trainer.strategy not in known:
-        return []  # a name that is not a strategy has its own message
-    log.debug("trainer.strategy %r does not take micro_batch_size; these do: %s", trainer.strategy, takers)
-    return [
-        f"trainer.micro_batch_size: strategy {trainer.strategy!r} cannot run micro-batches; the strategies"
-        f" that take micro_batch_size are {', '.join(takers)} (set trainer.strategy to one of them), or set"
-        " trainer.micro_batch_size=null"
-    ]

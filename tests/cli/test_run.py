@@ -7,12 +7,14 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
 
+from lightning_mgpu import MGPUDDPStrategy, runner
 from lightning_mgpu.cli.main import main
 from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.recipes import RECIPES
@@ -225,3 +227,39 @@ def test_options_may_come_after_the_overrides(capsys: pytest.CaptureFixture[str]
     assert yaml.safe_load(capsys.readouterr().out)["trainer"]["devices"] == 2
     assert main(["run", "linear", "trainer.devices=2", "--print-confg"]) == 1
     assert "unknown option --print-confg; see lightning-mgpu run --help" in capsys.readouterr().err
+
+
+def test_strategy_options_from_a_config_file_and_the_command_line_reach_the_strategy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "mine.yaml"
+    config.write_text(
+        "# lightning-mgpu run mine.yaml\n"
+        "recipe: digits\n"
+        "trainer:\n"
+        "  strategy:\n"
+        "    name: mgpu_ddp\n"
+        "    stall_timeout: 60  # name a rank that makes no step for a minute\n"
+    )
+    options = ["trainer.strategy.micro_batch_size=2", "data.batch_size=8", "trainer.max_epochs=1"]
+    assert main(["run", str(config), *options, "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
+    assert printed == {"name": "mgpu_ddp", "stall_timeout": 60, "micro_batch_size": 2}
+
+    built: list[Any] = []
+    real = runner.build_trainer
+
+    def keep(*args: Any, **kwargs: Any) -> Any:  # the real Trainer, kept to look at its strategy
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(runner, "build_trainer", keep)
+    run_dir = tmp_path / "run"
+    assert main(["run", str(config), *SHORT, *options, f"run_dir={run_dir}"]) == 0
+    strategy = built[0].strategy
+    assert isinstance(strategy, MGPUDDPStrategy)
+    assert (strategy.stall_timeout, strategy.micro_batch_size) == (60, 2)
+    memory = json.loads((run_dir / "memory_summary.json").read_text())
+    assert memory["devices"][0]["micro_batch_size"] == 2  # the batches really ran in micro-batches of 2
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["strategy"]
+    assert saved == printed

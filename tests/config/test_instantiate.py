@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from lightning_mgpu import MGPUDDPStrategy
 from lightning_mgpu.config import load_config
 from lightning_mgpu.config.instantiate import build_trainer, resolve_devices
 from lightning_mgpu.config.schema import CPU_DEVICE_CAP
@@ -64,3 +66,21 @@ def test_micro_batch_size_reaches_the_strategy(strategy: str, tmp_path: Path) ->
         assert chosen.micro_batches.auto == (setting == "auto")
     off: Any = build_trainer(load_config("digits", two_cpus), tmp_path, []).strategy
     assert off.micro_batch_size is None
+
+
+def test_strategy_options_reach_the_strategy_as_its_init_takes_them(tmp_path: Path) -> None:
+    options = [
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "trainer.strategy={name: mgpu_ddp, stall_timeout: 60, timeout: 600}",
+        "trainer.strategy.find_unused_parameters=true",  # passed on to DistributedDataParallel
+    ]
+    chosen: Any = build_trainer(load_config("digits", options), tmp_path, []).strategy
+    assert isinstance(chosen, MGPUDDPStrategy)
+    assert chosen.stall_timeout == 60.0
+    assert chosen._timeout == datetime.timedelta(seconds=600)  # seconds in the config, a timedelta here
+    assert chosen._ddp_kwargs == {"find_unused_parameters": True}
+    fsdp = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy.name=mgpu_fsdp"]
+    checkpointed = load_config("digits", [*fsdp, "trainer.strategy.activation_checkpointing=true"])
+    sharded: Any = build_trainer(checkpointed, tmp_path, []).strategy
+    assert sharded.options.activation_checkpointing is True

@@ -211,19 +211,68 @@ def test_micro_batch_size_takes_rows_auto_or_null_and_only_where_a_strategy_take
     assert rows.trainer.micro_batch_size == 4
     auto = load_config("digits", ["trainer.strategy=mgpu_dp", "trainer.micro_batch_size=auto"])
     assert auto.trainer.micro_batch_size == "auto"
-    expected = (
-        "trainer.micro_batch_size: expected a positive number of rows, 'auto' (halve on out-of-memory)"
-        " or null (off)"
-    )
-    assert problems(["trainer.micro_batch_size=0"]) == [f"{expected}, got 0"]
-    assert problems(["trainer.micro_batch_size=2.5", "trainer.strategy=ddp"]) == [f"{expected}, got 2.5"]
-    assert problems(["trainer.micro_batch_size=true"]) == [f"{expected}, got True"]
+    # the strategies' own check (check_micro_batch_size) speaks, one rule for config and Python
+    expected = "trainer.micro_batch_size must be a positive number of rows, 'auto' (halve on out-of-memory)"
+    for overrides, given in (
+        (["trainer.micro_batch_size=0"], "got 0"),
+        (["trainer.micro_batch_size=2.5", "trainer.strategy=ddp"], "got 2.5"),
+        (["trainer.micro_batch_size=true"], "got True"),
+    ):
+        (message,) = problems(overrides)
+        assert message.startswith(expected)
+        assert message.endswith(given)
     for lightnings_own in ("ddp", "single_device", "auto"):
         (message,) = problems(["trainer.micro_batch_size=4", f"trainer.strategy={lightnings_own}"])
         takers = message.partition("the strategies that take micro_batch_size are ")[2].partition(" (")[0]
         assert message.startswith(
-            f"trainer.micro_batch_size: strategy '{lightnings_own}' cannot run micro-batches;"
+            f"trainer.micro_batch_size: strategy '{lightnings_own}' does not take micro_batch_size;"
         )
         assert message.endswith("(set trainer.strategy to one of them), or set trainer.micro_batch_size=null")
         assert {"mgpu_ddp", "mgpu_dp"} <= set(takers.split(", "))
         assert "ddp" not in takers.split(", ")
+
+
+def test_strategy_options_are_checked_against_the_strategy_class_all_at_once() -> None:
+    ddp = ["trainer.strategy=mgpu_ddp"]
+    assert problems([*ddp, "trainer.strategy.stall_timout=60", "trainer.max_epoch=3"]) == [
+        "trainer.max_epoch: unknown key; did you mean trainer.max_epochs?",
+        "trainer.strategy.stall_timout: mgpu_ddp takes no option stall_timout; did you mean stall_timeout?",
+    ]
+    wrong = problems([*ddp, "trainer.strategy.stall_timeout=sixty", "trainer.strategy.timeout=[1]"])
+    assert wrong == [
+        "trainer.strategy.stall_timeout: expected float | None, got 'sixty'",
+        "trainer.strategy.timeout: expected seconds | None, got [1]",
+    ]
+    (elsewhere,) = problems(["trainer.strategy=mgpu_dp", "trainer.strategy.stall_timeout=60"])
+    assert elsewhere.startswith("trainer.strategy.stall_timeout: strategy 'mgpu_dp' does not take")
+    assert "mgpu_ddp" in elsewhere.partition(" are ")[2]
+    # values go through the strategy's own checks: the same words as MGPUDDPStrategy(stall_timeout=-1)
+    (negative,) = problems([*ddp, "trainer.strategy.stall_timeout=-1"])
+    assert negative.startswith("trainer.strategy.stall_timeout must be a positive number of seconds")
+    (rows,) = problems([*ddp, "trainer.strategy.micro_batch_size=0"])
+    assert rows.startswith("trainer.strategy.micro_batch_size must be a positive number of rows")
+    both = problems([*ddp, "trainer.strategy.micro_batch_size=2", "trainer.micro_batch_size=2"])
+    assert both == ["trainer.micro_batch_size: trainer.strategy.micro_batch_size is set too; keep one"]
+    (not_a_name,) = problems(["trainer.strategy=[mgpu_ddp]"])
+    assert not_a_name.startswith("trainer.strategy: expected a strategy name such as mgpu_ddp, or a mapping")
+
+
+def test_a_strategy_mapping_merges_with_the_name_from_the_file_or_the_command_line() -> None:
+    added = load_config("digits", ["trainer.strategy.stall_timeout=60"]).trainer.strategy
+    assert added == {"name": "mgpu_auto", "stall_timeout": 60}  # digits.yaml names mgpu_auto
+    cfg = load_config(
+        "digits",
+        [
+            "trainer.strategy=mgpu_ddp",
+            "trainer.strategy.stall_timeout=60",
+            "trainer.strategy.find_unused_parameters=true",  # DistributedDataParallel's, through mgpu_ddp
+            "trainer.strategy.timeout=600",
+        ],
+    )
+    assert cfg.trainer.strategy == {
+        "name": "mgpu_ddp",
+        "stall_timeout": 60,
+        "find_unused_parameters": True,
+        "timeout": 600,
+    }
+    assert load_config("digits", ["trainer.strategy=mgpu_ddp"]).trainer.strategy == "mgpu_ddp"

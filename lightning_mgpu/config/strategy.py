@@ -1,0 +1,279 @@
+"""``trainer.strategy``: a registered name, or a mapping of that name and options of the strategy's class.
+
+A name alone (``strategy: mgpu_ddp``) gives the Trainer the registered strategy with its defaults. A
+mapping adds any keyword the strategy class's ``__init__`` takes, as ``MGPUDDPStrategy(...)`` would::
+
+    trainer:
+      strategy:
+        name: mgpu_ddp
+        stall_timeout: 60       # seconds without a step before a stalled rank is named
+        micro_batch_size: auto  # halve a batch that runs out of memory
+
+    lightning-mgpu run digits trainer.strategy.name=mgpu_ddp trainer.strategy.stall_timeout=60
+
+- ``strategy_problems`` checks the options against ``inspect.signature`` of the strategy class: an
+  unknown key gets "did you mean" (or the strategies that take it), a value its annotation refuses is
+  named; then the strategy is built once, so its own checks of the values speak
+  (``check_micro_batch_size``, the stall timeout's, ...). ``trainer.micro_batch_size``, the short form
+  of ``trainer.strategy.micro_batch_size``, goes through the same ``check_micro_batch_size``.
+- A ``timedelta`` option (``timeout``) takes seconds. Keywords ``mgpu_ddp`` (like Lightning's ``ddp``)
+  passes on to ``DistributedDataParallel`` are options too (``find_unused_parameters``, ...).
+- ``build_strategy`` makes what the Trainer's ``strategy=`` receives; ``as_mapping`` and ``name_override``
+  let an override such as ``trainer.strategy.stall_timeout=60`` merge into a config that names the
+  strategy alone, and ``name_only`` writes ``{name: NAME}`` back as ``NAME``.
+
+Importing this module does not import torch; checking or building a strategy does.
+"""
+
+from __future__ import annotations
+
+import datetime
+import difflib
+import inspect
+import logging
+import sys
+import types
+import typing
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from omegaconf import DictConfig
+
+if typing.TYPE_CHECKING:
+    from lightning.pytorch.strategies import Strategy
+
+__all__ = ["as_mapping", "build_strategy", "name_only", "name_override", "strategy_problems"]
+
+log = logging.getLogger(__name__)
+
+SHORT_FORM = "trainer.micro_batch_size"
+"""The one strategy option with a key of its own in the ``trainer`` section."""
+
+# Lightning 1.x names that Lightning 2 removed, and what to use instead
+_LIGHTNING_1X_STRATEGIES = {
+    "dp": "mgpu_dp (DataParallel in one process) or mgpu_ddp (one process per device)",
+    **dict.fromkeys(
+        ("ddp2", "ddp_cpu", "ddp_sharded", "ddp_sharded_spawn", "ddp_spawn_sharded", "horovod", "bagua"),
+        "mgpu_ddp (one process per device) or mgpu_dp (DataParallel in one process)",
+    ),
+}
+
+
+def as_mapping(layer: DictConfig) -> None:
+    """Write a config layer's ``trainer.strategy: NAME`` as ``{name: NAME}``, so layers merge key by key."""
+    trainer = layer.get("trainer")
+    if isinstance(trainer, DictConfig) and isinstance(trainer.get("strategy"), str):
+        trainer.strategy = {"name": trainer.strategy}
+
+
+def name_override(item: str) -> str:
+    """``trainer.strategy=NAME`` as ``trainer.strategy.name=NAME``, so an option given after it keeps NAME."""
+    key, _, value = item.partition("=")
+    if key.strip() == "trainer.strategy" and not value.lstrip().startswith("{"):
+        return f"trainer.strategy.name={value}"
+    return item
+
+
+def name_only(merged: DictConfig) -> None:
+    """Write ``trainer.strategy: {name: NAME}`` back as ``NAME``: how the config said it."""
+    trainer = merged.get("trainer")
+    strategy = trainer.get("strategy") if isinstance(trainer, DictConfig) else None
+    if isinstance(strategy, DictConfig) and list(strategy) == ["name"]:
+        trainer.strategy = strategy.name
+
+
+def strategy_problems(value: Any, micro_batch_size: Any) -> list[str]:
+    """What is wrong with ``trainer.strategy`` and ``trainer.micro_batch_size``, one message each.
+
+    Example::
+
+        strategy_problems({"name": "mgpu_ddp", "stall_timout": 60}, None)
+        # ['trainer.strategy.stall_timout: mgpu_ddp takes no option stall_timout; did you mean ...']
+    """
+    from lightning_mgpu.strategies.microbatch import check_micro_batch_size
+
+    out = _checked("trainer", ["micro_batch_size"], lambda: check_micro_batch_size(micro_batch_size))
+    named = isinstance(value, str) or (isinstance(value, dict) and isinstance(value.get("name"), str))
+    if not named:
+        return [
+            *out,
+            "trainer.strategy: expected a strategy name such as mgpu_ddp, or a mapping of name: and the"
+            f" strategy's options such as {{name: mgpu_ddp, stall_timeout: 60}}, got {value!r}",
+        ]
+    name, options = _split(value)
+    if problem := _name_problem(name):
+        return [*out, problem]
+    paths = {key: f"trainer.strategy.{key}" for key in options}
+    if micro_batch_size is not None and not out:
+        if "micro_batch_size" in options:
+            return [f"{SHORT_FORM}: trainer.strategy.micro_batch_size is set too; keep one"]
+        options["micro_batch_size"], paths["micro_batch_size"] = micro_batch_size, SHORT_FORM
+    cls, init_params = _registered(name)
+    params = _options(cls) if cls is not None else {}
+    for key, given in options.items():
+        if key not in params:
+            out.append(_not_taken(paths[key], name, key, list(params)))
+        elif (kind := _refused(given, params[key])) is not None:
+            out.append(f"{paths[key]}: expected {kind}, got {given!r}")
+    if not out and cls is not None and options:  # the strategy's own checks of the values
+        kwargs = {**init_params, **_converted(options, params)}
+        out += _checked("trainer.strategy", options, lambda: cls(**kwargs))
+    return out
+
+
+def build_strategy(value: str | dict[str, Any], micro_batch_size: int | str | None = None) -> str | Strategy:
+    """What the Trainer's ``strategy=`` gets: the name alone, or with options the strategy built with them.
+
+    Example::
+
+        build_strategy({"name": "mgpu_ddp", "stall_timeout": 60})  # MGPUDDPStrategy(stall_timeout=60)
+    """
+    name, options = _split(value)
+    if micro_batch_size is not None:
+        options["micro_batch_size"] = micro_batch_size
+    if not options:
+        return name
+    cls, init_params = _registered(name)
+    if cls is None:
+        raise ValueError(f"trainer.strategy: {name!r} takes no options; name a strategy such as mgpu_ddp")
+    log.debug("trainer.strategy %s with %s", name, options)
+    strategy: Strategy = cls(**init_params, **_converted(options, _options(cls)))
+    return strategy
+
+
+def _split(value: str | dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    if isinstance(value, str):
+        return value, {}
+    options = dict(value)
+    return options.pop("name"), options
+
+
+def _registered(name: str) -> tuple[type | None, dict[str, Any]]:
+    """The strategy class registered as ``name`` and the arguments the registration adds."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_mgpu  # noqa: F401  registers the mgpu_* names
+
+    if name not in StrategyRegistry:
+        return None, {}
+    return StrategyRegistry[name]["strategy"], StrategyRegistry[name]["init_params"]
+
+
+def _name_problem(name: str) -> str | None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    names = ["auto", *StrategyRegistry.available_strategies()]
+    if name in names:
+        return None
+    if name in _LIGHTNING_1X_STRATEGIES:
+        log.debug("trainer.strategy %r: a Lightning 1.x name, not a near miss of a 2.x one", name)
+        return (
+            f"trainer.strategy: {name!r} is a Lightning 1.x strategy that Lightning 2 removed;"
+            f" use {_LIGHTNING_1X_STRATEGIES[name]}"
+        )
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    mgpu = ", ".join(n for n in names if n.startswith("mgpu_"))
+    return f"trainer.strategy: {name!r} is not a registered strategy; {hint}e.g. {mgpu}"
+
+
+def _options(cls: type) -> dict[str, Any]:
+    """Each keyword of ``cls.__init__`` and its annotation (a string where it names a type-checker import)."""
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.nn.parallel import DistributedDataParallel
+
+    params = inspect.signature(cls).parameters
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    defining = next(k for k in cls.__mro__ if "__init__" in vars(k))  # its names are in that module
+    module = vars(sys.modules[defining.__module__])
+    out = {name: _resolve(p.annotation, module) for name, p in params.items() if p.kind in named}
+    if issubclass(cls, DDPStrategy) and any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        # DDPStrategy passes its other keywords to DistributedDataParallel, which takes these
+        wrapped = inspect.signature(DistributedDataParallel).parameters
+        out.update({n: p.annotation for n, p in wrapped.items() if n not in ("module", "device_ids", *out)})
+    return out
+
+
+def _resolve(annotation: Any, module: dict[str, Any]) -> Any:
+    if not isinstance(annotation, str):
+        return annotation
+    try:
+        return typing.get_type_hints(types.SimpleNamespace(__annotations__={"a": annotation}), module)["a"]
+    except (
+        NameError,
+        TypeError,
+    ):  # imported for type checkers only, e.g. Accelerator: no config value is one
+        return annotation
+
+
+def _refused(value: Any, hint: Any) -> str | None:
+    """``None`` when ``value`` fits the annotation ``hint``, else what it expects, as written."""
+    try:
+        _convert(value, hint)
+    except TypeError:
+        text = hint if isinstance(hint, str) else inspect.formatannotation(hint)
+        return text.replace("datetime.timedelta", "seconds").replace("timedelta", "seconds")
+    return None
+
+
+def _convert(value: Any, hint: Any) -> Any:
+    """``value`` as the annotation ``hint`` takes it (seconds become a ``timedelta``), or ``TypeError``."""
+    if hint is Any or hint is inspect.Parameter.empty:
+        return value
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        for member in typing.get_args(hint):
+            try:
+                return _convert(value, member)
+            except TypeError:
+                pass
+        raise TypeError(value)
+    if typing.get_origin(hint) is typing.Literal:
+        if value in typing.get_args(hint):
+            return value
+        raise TypeError(value)
+    plain = typing.get_origin(hint) or hint
+    number = type(value) in (int, float)
+    if plain is datetime.timedelta and number:
+        return datetime.timedelta(seconds=value)
+    if plain is float and number:
+        return float(value)
+    if plain is type(None) and value is None:
+        return value
+    if isinstance(plain, type) and isinstance(value, plain) and (type(value) is not bool or plain is bool):
+        return value
+    raise TypeError(value)
+
+
+def _converted(options: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    return {key: _convert(value, params[key]) for key, value in options.items()}
+
+
+def _checked(section: str, keys: Iterable[str], check: Callable[[], object]) -> list[str]:
+    """``check()``'s error as a problem of ``section``; a message that opens with one of the ``keys``
+    (``micro_batch_size must be ...``) gets the section's path in front of that key."""
+    try:
+        check()
+    except (ValueError, TypeError) as err:
+        return [f"{section}.{err}" if str(err).split(" ")[0] in keys else f"{section}: {err}"]
+    return []
+
+
+def _not_taken(path: str, name: str, key: str, params: list[str]) -> str:
+    """An option ``name`` does not take: the strategies that take it, else the closest option of ``name``."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    takers = [  # the names without preset arguments (ddp, not ddp_find_unused_parameters_true)
+        n
+        for n in StrategyRegistry.available_strategies()
+        if not StrategyRegistry[n]["init_params"] and key in _options(StrategyRegistry[n]["strategy"])
+    ]
+    if takers:
+        log.debug("trainer.strategy %r does not take %s; these do: %s", name, key, takers)
+        fix = f"set {path}=null" if path == SHORT_FORM else f"remove {path}"
+        return (
+            f"{path}: strategy {name!r} does not take {key}; the strategies that take {key} are"
+            f" {', '.join(takers)} (set trainer.strategy to one of them), or {fix}"
+        )
+    close = difflib.get_close_matches(key, params, n=1)
+    hint = f"did you mean {close[0]}?" if close else f"its options: {', '.join(params) or 'none'}"
+    return f"{path}: {name} takes no option {key}; {hint}"
