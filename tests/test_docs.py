@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import lightning_mgpu
-from tests.docs_examples import check_page, python_blocks
+from tests.docs_examples import check_page, output_lines, python_blocks, unmatched_line
 from tests.helpers import REPO
 from tests.test_readme import declared_floors, floor_rows
 
@@ -72,3 +72,24 @@ def test_install_page_states_the_declared_floors() -> None:
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=_page_id)
 def test_page_examples_run(page: Path, tmp_path: Path) -> None:
     check_page(page, tmp_path, skip=README_SCRIPTS)
+
+
+def test_output_block_is_the_whole_output() -> None:
+    """A block that leaves out a printed line fails; a '...' line is the only way to cut."""
+    printed = "loaded 4 entries from last.ckpt\n  prefixes: removed model.\n"
+    assert unmatched_line("loaded 4 entries from last.ckpt\n  prefixes: removed model.\n", printed) is None
+    missing = unmatched_line("loaded 4 entries from last.ckpt\n", printed)
+    assert missing is not None
+    assert "prefixes: removed model." in missing
+    assert unmatched_line("loaded 4 entries from last.ckpt\n...\n", printed) is None
+    assert unmatched_line("  prefixes: removed model.\n", printed) == "  prefixes: removed model."
+    assert unmatched_line("loaded ... entries from ...\n...\n", printed) is None  # '...' within a line
+
+
+def test_output_lines_drop_what_varies_with_the_machine() -> None:
+    """Progress bars, colours and a warning's file and line go; what the example prints stays."""
+    actual = (
+        "Epoch 0:  25%|██▌       | 2/8 [00:00<00:00, 54.60it/s, v_num=0]\x1b[1mdone\x1b[0m\r"
+        "/site-packages/lightning_mgpu/strategies/dp/step.py:78: mgpu_dp split a batch\n\n"
+    )
+    assert output_lines(actual) == ["done", "mgpu_dp split a batch"]
