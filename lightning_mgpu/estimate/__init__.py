@@ -1,6 +1,7 @@
 """Predict what a training or inference step needs on each device, before anything runs.
 
-- ``predict.py``: ``estimate_memory`` (public);
+- ``predict.py``: ``estimate_memory`` (public), and ``model_state_estimate``, the same before any batch
+  (``mgpu_auto``'s numbers);
 - ``memory_estimate.py``: the ``MemoryEstimate`` it returns, each strategy's peak from it (public);
 - ``shard_plan.py``: which submodules ``mgpu_fsdp`` shards as units (the strategy uses it too);
 - ``sharded.py``: what sharding leaves on each device: shards with padding, gathered units, the lower bound;

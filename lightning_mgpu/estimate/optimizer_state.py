@@ -6,9 +6,10 @@
   scalars (step counters) left out: what ``estimate_memory`` reports after its measured steps;
 - ``count_optimizer_state``: the state one optimizer step creates, without a batch or a forward:
   the optimizer is copied over meta tensors of its parameters' shapes (nothing is allocated), given
-  zero gradients and stepped once, and ``state_bytes`` counts what it made. Where that step cannot
-  run (an optimizer that reads values, needs a closure or sparse gradients), ``PER_PARAMETER_STATE``
-  gives the known state of torch's own optimizers instead.
+  zero gradients and stepped once, and ``state_bytes`` counts what it made; a second step measures the
+  temporaries a step allocates beside the state (``LiveBytes``), as ``estimate_memory``'s steps do.
+  Where that step cannot run (an optimizer that reads values, needs a closure or sparse gradients),
+  ``PER_PARAMETER_STATE`` gives the known state of torch's own optimizers instead.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu.estimate.batch import tensors
+from lightning_mgpu.estimate.live_bytes import LiveBytes
 from lightning_mgpu.estimate.measuring import quiet_lightning, unique_bytes
 
 __all__ = [
@@ -75,11 +77,14 @@ class OptimizerState:
         bytes: The state's tensors, scalars left out.
         optimizer: The optimizers' class names (``"AdamW"``); empty when there is none.
         note: How the bytes were found when not measured, or why they are not counted; empty when measured.
+        step_temporaries: The most a step after the first allocates for a moment beside the state
+            (``foreach``'s intermediate lists, measured on meta tensors); 0 when not measured.
     """
 
     bytes: int
     optimizer: str = ""
     note: str = ""
+    step_temporaries: int = 0
 
     @property
     def counted(self) -> bool:
@@ -175,14 +180,24 @@ def _meta_like(p: torch.Tensor, dtype: torch.dtype | None, local: bool) -> torch
     return torch.empty(p.shape, dtype=dtype, device="meta").requires_grad_(p.requires_grad)
 
 
-def _stepped_on_meta(opt: torch.optim.Optimizer, dtype: torch.dtype | None, local: bool) -> int:
+def _stepped_on_meta(opt: torch.optim.Optimizer, dtype: torch.dtype | None, local: bool) -> tuple[int, int]:
+    """The state one step creates, and the peak of what a later step allocates beside it (temporaries)."""
     leaf_of = {id(p): _meta_like(p, dtype, local) for group in opt.param_groups for p in group["params"]}
     copy = copy_optimizer(opt, leaf_of)
     for leaf in leaf_of.values():
         if leaf.requires_grad:
             leaf.grad = torch.zeros_like(leaf)
     copy.step()
-    return state_bytes([copy], torch.device("meta"))
+    # the second step, as every step after the first: what it allocates beyond the tensors that exist
+    # (tracked first, so an in-place update is not taken for a new tensor), as estimate_memory counts it
+    tracker = LiveBytes(torch.device("meta"))
+    leaves = list(leaf_of.values())
+    tracker.track_all(leaves + [leaf.grad for leaf in leaves if leaf.grad is not None])
+    tracker.track_all([t for s in copy.state.values() for t in tensors(s)])
+    before = tracker.live
+    with tracker, tracker.phase() as later:
+        copy.step()
+    return state_bytes([copy], torch.device("meta")), later["peak"] - before
 
 
 def _known(opt: torch.optim.Optimizer, dtype: torch.dtype | None, local: bool) -> int | None:
@@ -213,7 +228,8 @@ def count_optimizer_state(
       returns; one that fails to build is reported in ``note``, its state not counted;
     - each is copied over meta tensors of its parameters' shapes, in ``param_dtype`` for floating-point
       ones (a converting precision: ``bf16-true`` keeps the state in bfloat16 too), stepped once with
-      zero gradients, and its state counted by ``state_bytes``;
+      zero gradients, and its state counted by ``state_bytes``; stepped again, what that step allocates
+      beside the state is its ``step_temporaries``;
     - where that step fails, the known state of its class (``PER_PARAMETER_STATE``), if any.
 
     Args:
@@ -244,11 +260,12 @@ def count_optimizer_state(
             )
         return OptimizerState(0, note="not counted: configure_optimizers() returns no optimizer")
     names = ", ".join(type(o).__name__ for o in optimizers)
-    total, notes = 0, []
+    total, temporaries, notes = 0, 0, []
     for opt in optimizers:
         name = type(opt).__name__
         try:
-            total += _stepped_on_meta(opt, param_dtype, local)
+            state, step = _stepped_on_meta(opt, param_dtype, local)
+            total, temporaries = total + state, max(temporaries, step)  # the optimizers step in turn
             continue
         except Exception as err:  # an optimizer that reads values, wants a closure, sparse gradients, ...
             log.debug("%s cannot step on meta tensors (%s: %s)", name, type(err).__name__, err)
@@ -258,4 +275,4 @@ def count_optimizer_state(
         else:
             total += known
             notes.append(f"{name}'s known state per parameter: it cannot step on meta tensors")
-    return OptimizerState(total, names, "; ".join(notes))
+    return OptimizerState(total, names, "; ".join(notes), temporaries)

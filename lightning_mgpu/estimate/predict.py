@@ -19,6 +19,9 @@ plus the largest unit of ``mgpu_fsdp``'s sharding plan while it is gathered; see
 devices make the model fit under ``mgpu_fsdp``. The module's own weights, gradients,
 buffers and random state are left untouched.
 
+``model_state_estimate`` is the same estimate before any batch, from the model's shapes and its counted
+optimizer state: ``mgpu_auto`` weighs a model by its peaks, so the two never disagree on what fits.
+
 With ``inference=True`` it measures two forward passes in eval mode under ``torch.no_grad()``
 instead (what ``Trainer.predict`` and ``validate`` run): the parameters, buffers, the batch
 and the forward's live peak, with no gradients, optimizer state or saved activations.
@@ -38,12 +41,13 @@ from lightning_mgpu.devices import cuda_devices, parse_bytes
 from lightning_mgpu.estimate.inference import measure_inference
 from lightning_mgpu.estimate.measuring import MeasuredStep
 from lightning_mgpu.estimate.memory_estimate import STRATEGIES, MemoryEstimate
+from lightning_mgpu.estimate.optimizer_state import OptimizerState
 from lightning_mgpu.estimate.shard_plan import BlockClasses, plan_sharding
 from lightning_mgpu.estimate.sharded import parameter_rows, unit_bytes
 from lightning_mgpu.estimate.training import measure_steps
 from lightning_mgpu.precision import ALIASES, PRECISIONS, precision_names
 
-__all__ = ["STRATEGIES", "MemoryEstimate", "estimate_memory"]
+__all__ = ["STRATEGIES", "MemoryEstimate", "estimate_memory", "model_state_estimate"]
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +200,68 @@ def estimate_memory(
         optimizer_step=measured.optimizer_step.pair,
         notes=tuple(notes),
         inference=inference,
+        parameter_rows=rows,
+        unit_bytes=units,
+    )
+
+
+def model_state_estimate(
+    module: nn.Module,
+    state: OptimizerState,
+    *,
+    devices: int,
+    device_memory: int | None,
+    precision: str = "32-true",
+    block_classes: BlockClasses | None = None,
+) -> MemoryEstimate:
+    """The estimate of what the model alone needs, before any batch: ``mgpu_auto``'s numbers.
+
+    - parameters, buffers and gradients counted by their shapes, in the dtype ``precision`` keeps them in;
+    - ``state``: what ``count_optimizer_state`` counted, with its step's temporaries;
+    - forward and backward hold all of them (the last step's gradients live until backward), the
+      optimizer step holds them and its temporaries; nothing scales with a batch (activations come on
+      top), so ``peak(strategy, per_device_batch=0)`` is each strategy's peak by the arithmetic
+      ``estimate_memory``'s own report uses.
+
+    Args:
+        module: The model (meta tensors count by their shape; a sharded one by its global shape).
+        state: Its optimizer state, from ``count_optimizer_state`` in the same precision.
+        devices: Processes ``mgpu_fsdp`` shards over.
+        device_memory: Memory of one device, for ``devices_to_fit``.
+        precision: The Trainer's precision (unknown names keep the parameters' own dtype).
+        block_classes: As for ``estimate_memory``.
+    """
+    name = precision if precision in PRECISIONS else "32-true"
+    converted = PRECISIONS[name].parameters
+    param_dtype = getattr(torch, converted) if converted else None
+
+    def size(t: torch.Tensor) -> int:
+        itemsize = param_dtype.itemsize if param_dtype is not None and t.is_floating_point() else None
+        return t.numel() * (itemsize or t.element_size())
+
+    params = list(module.parameters())
+    parameters, buffers = sum(map(size, params)), sum(map(size, module.buffers()))
+    gradients = sum(size(p) for p in params if p.requires_grad)
+    held = parameters + buffers + gradients + state.bytes
+    rows, units = _sharding(module, param_dtype, name, block_classes)
+    return MemoryEstimate(
+        model=type(module).__name__,
+        batch_size=1,
+        devices=devices,
+        device_memory=device_memory,
+        measured_on="meta",
+        precision=name,
+        optimizer=state.optimizer or "none",
+        parameter_bytes=parameters,
+        buffer_bytes=buffers,
+        gradient_bytes=gradients,
+        optimizer_state_bytes=state.bytes,
+        batch_bytes_per_sample=0.0,
+        activation_bytes_per_sample=0.0,
+        output_bytes_per_sample=0.0,
+        forward_backward=(float(held), 0.0),
+        optimizer_step=(float(held + state.step_temporaries), 0.0),
+        notes=(state.note,) if state.note else (),
         parameter_rows=rows,
         unit_bytes=units,
     )

@@ -38,7 +38,9 @@ def test_the_count_is_what_estimate_memory_measures_after_its_steps(name: str, p
     estimate = estimate_memory(model, torch.randn(4, 64), optimizer=optimizer, precision=precision)
     dtype = torch.bfloat16 if precision == "bf16-true" else None
     counted = count_optimizer_state(model, optimizer=optimizer, param_dtype=dtype)
-    assert counted == OptimizerState(estimate.optimizer_state_bytes, type(optimizer).__name__)
+    assert counted == OptimizerState(
+        estimate.optimizer_state_bytes, type(optimizer).__name__, step_temporaries=counted.step_temporaries
+    )
     copies = {"sgd": 0, "momentum": 1, "adamw": 2, "amsgrad": 3, "rmsprop": 3, "adagrad": 1}[name]
     assert counted.bytes == copies * 33280 // (2 if dtype else 1)
 
@@ -64,7 +66,7 @@ def test_an_optimizer_that_cannot_step_on_meta_counts_by_its_class_known_state()
         measured.optimizer_state_bytes,
         "ClippingAdamW",
         "ClippingAdamW's known state per parameter: it cannot step on meta tensors",
-    )
+    )  # and no temporaries: they are measured by stepping
     assert counted.counted
 
 
@@ -85,3 +87,17 @@ def test_meta_parameters_count_by_their_shape() -> None:
         model = nn.Linear(1024, 1024, bias=False)  # 4 MiB, never allocated
     counted = count_optimizer_state(model, optimizer=torch.optim.Adam(model.parameters()))
     assert counted.bytes == 8 * 1024 * KiB
+
+
+@pytest.mark.parametrize("name", ["momentum", "adamw", "amsgrad", "rmsprop"])
+def test_the_step_s_temporaries_are_what_estimate_memory_s_step_holds_beside_the_model_state(
+    name: str,
+) -> None:
+    model = stack()
+    optimizer = OPTIMIZERS[name](model.parameters())
+    estimate = estimate_memory(model, torch.randn(4, 64), optimizer=optimizer)
+    held = estimate.parameter_bytes + estimate.gradient_bytes + estimate.optimizer_state_bytes
+    counted = count_optimizer_state(model, optimizer=optimizer)
+    assert counted.step_temporaries == estimate.optimizer_step[0] - held
+    # foreach's AdamW keeps one parameter-sized list for a moment; SGD's momentum updates in place
+    assert counted.step_temporaries == {"momentum": 0, "adamw": 33280}.get(name, counted.step_temporaries)

@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_mgpu.precision import FSDP_PRECISIONS
-from lightning_mgpu.strategies.auto.decide import StrategyChoice, with_micro_batching, with_resumption
+from lightning_mgpu.strategies.auto.decide import StrategyChoice, with_micro_batching, with_options
 from lightning_mgpu.strategies.auto.model_memory import (
     ModelMemory,
     model_memory,
@@ -121,8 +121,8 @@ class PendingChoice:
     device_memory: int
     world: int
     micro_batch_size: int | str | None
-    resumption: dict[str, Any] = field(default_factory=dict)
-    """``resume``, ``checkpoint_every`` and ``requeue_on_failure``, for ``mgpu_fsdp`` as for ``mgpu_ddp``."""
+    passed_on: dict[str, Any] = field(default_factory=dict)
+    """What ``mgpu_auto`` passes on (resumption, process group), for ``mgpu_fsdp`` as for ``mgpu_ddp``."""
 
 
 class PendingDDPStrategy(MGPUDDPStrategy):
@@ -170,7 +170,7 @@ def _second_look(strategy: MGPUDDPStrategy, model: pl.LightningModule, pending: 
         )
         return
     choice = with_micro_batching(pending.redecide(memory), pending.micro_batch_size)
-    choice = with_resumption(choice, pending.resumption)
+    choice = with_options(choice, pending.passed_on)
     if choice.strategy != "mgpu_fsdp":  # the same facts as the first decision: not expected
         log.debug("mgpu_auto keeps mgpu_ddp: %s", choice)
         return

@@ -43,12 +43,33 @@ from lightning_mgpu.strategies.auto.model_memory import (
     shortfall_reason,
 )
 
-__all__ = ["RESUMING_STRATEGIES", "StrategyChoice", "decide", "with_micro_batching", "with_resumption"]
+__all__ = [
+    "PROCESS_GROUP_OPTIONS",
+    "RESUMING_STRATEGIES",
+    "TAKES",
+    "StrategyChoice",
+    "decide",
+    "left_out",
+    "with_micro_batching",
+    "with_options",
+]
 
 log = logging.getLogger(__name__)
 
 RESUMING_STRATEGIES = ("mgpu_ddp", "mgpu_fsdp")
 """The choices that take ``resume``, ``checkpoint_every`` and ``requeue_on_failure``."""
+
+PROCESS_GROUP_OPTIONS = ("process_group_backend", "timeout", "stall_timeout")
+"""What ``mgpu_auto`` takes for the process group of the strategy it becomes."""
+
+_RESUMPTION_OPTIONS = ("resume", "checkpoint_every", "requeue_on_failure")
+TAKES: dict[str, tuple[str, ...]] = {
+    "mgpu_ddp": _RESUMPTION_OPTIONS + PROCESS_GROUP_OPTIONS,
+    "mgpu_fsdp": _RESUMPTION_OPTIONS + PROCESS_GROUP_OPTIONS,
+    "ddp_notebook": ("process_group_backend", "timeout"),  # Lightning's DDPStrategy: no watchdog
+}
+"""The options ``mgpu_auto`` passes on, by the choice that takes them; one device and ``mgpu_dp`` run in
+one process, without a process group, and take none of them."""
 
 
 @dataclass(frozen=True)
@@ -168,9 +189,17 @@ def with_micro_batching(choice: StrategyChoice, micro_batch_size: int | str | No
     return dataclasses.replace(choice, strategy="mgpu_dp", reason=reason, options=options)
 
 
-def with_resumption(choice: StrategyChoice, options: dict[str, Any]) -> StrategyChoice:
-    """``choice`` with ``options`` (``resume``, ``checkpoint_every``, ``requeue_on_failure``) among its
-    options, where the strategy takes them (:data:`RESUMING_STRATEGIES`); ``choice`` itself elsewhere."""
-    if choice.strategy not in RESUMING_STRATEGIES or not options:
+def with_options(choice: StrategyChoice, options: dict[str, Any]) -> StrategyChoice:
+    """``choice`` with those of ``options`` its strategy takes (:data:`TAKES`) among its options.
+
+    A value given here replaces the decision's own (``process_group_backend="gloo"`` without NCCL).
+    """
+    taken = {name: value for name, value in options.items() if name in TAKES.get(choice.strategy, ())}
+    if not taken:
         return choice
-    return dataclasses.replace(choice, options={**choice.options, **options})
+    return dataclasses.replace(choice, options={**choice.options, **taken})
+
+
+def left_out(choice: StrategyChoice, options: dict[str, Any]) -> list[str]:
+    """The names of ``options`` that ``choice``'s strategy does not take (:data:`TAKES`)."""
+    return [name for name in options if name not in TAKES.get(choice.strategy, ())]

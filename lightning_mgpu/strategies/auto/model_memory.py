@@ -1,13 +1,15 @@
 """What a model needs of one device, whole and sharded: the fact ``choose_strategy`` weighs it by.
 
-The arithmetic is the estimate's, with its numbers (``lightning_mgpu.estimate``): under ``mgpu_ddp`` the
-parameters, their gradients, DDP's gradient buckets (a second copy of the gradients) and the optimizer
-state, whole; under ``mgpu_fsdp`` the fullest device's shards of the parameters, gradients and optimizer
-state (``sharded.py``), plus the largest unit of its automatic sharding plan gathered. The optimizer
-state is what one step of the model's ``configure_optimizers()`` creates, counted on meta tensors by the
-counter ``estimate_memory`` uses (``optimizer_state.py``). A Trainer precision that converts the
-parameters (``bf16-true``, ``16-true``, ``64-true``) counts them, their gradients and their state at its
-size; ``bf16-mixed`` gathers the units in bfloat16. Activations come on top: they need a batch.
+The numbers are the estimate's (``lightning_mgpu.estimate.predict.model_state_estimate``, whose peaks
+``estimate_memory`` reports too): under ``mgpu_ddp`` the peak of a whole copy, the optimizer step's (the
+parameters, their gradients, DDP's gradient buckets, the optimizer state and the temporaries the step
+allocates beside it) or the backward's where larger; under ``mgpu_fsdp`` the fullest device's shards of
+them plus the largest unit of its automatic sharding plan gathered. The optimizer state is what one step
+of the model's ``configure_optimizers()`` creates, counted on meta tensors by the counter
+``estimate_memory`` uses (``optimizer_state.py``), its temporaries by a second step. A Trainer precision
+that converts the parameters (``bf16-true``, ``16-true``, ``64-true``) counts them, their gradients and
+their state at its size; ``bf16-mixed`` gathers the units in bfloat16. Activations come on top: they
+need a batch.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from typing import Any
 import torch
 
 from lightning_mgpu.devices import cuda_devices, format_bytes, parse_bytes
-from lightning_mgpu.estimate.optimizer_state import OptimizerState
-from lightning_mgpu.strategies.fsdp.need import sharded_model_need
+from lightning_mgpu.estimate.optimizer_state import OptimizerState, count_optimizer_state
+from lightning_mgpu.estimate.predict import model_state_estimate
+from lightning_mgpu.precision import PRECISIONS
+from lightning_mgpu.strategies.fsdp.need import without_trainer
 
 __all__ = [
     "ModelMemory",
@@ -36,10 +40,10 @@ class ModelMemory:
     """What a model needs of one device, whole and sharded, beside what the device has (bytes).
 
     Attributes:
-        whole: What ``mgpu_ddp`` puts on each device before any activation: parameters, gradients,
-            DDP's gradient buckets and optimizer state.
-        sharded: Under ``mgpu_fsdp``: the fullest device's shards of the parameters, gradients and
-            optimizer state, plus the largest unit gathered.
+        whole: The peak of ``mgpu_ddp`` on each device before any activation: parameters, gradients,
+            DDP's gradient buckets, optimizer state and its step's temporaries.
+        sharded: The peak under ``mgpu_fsdp``: the fullest device's shards of the parameters, gradients,
+            optimizer state and its step's temporaries, or the shards plus the largest unit gathered.
         device_memory: Memory of one device.
         world: Number of processes the shards are counted over.
         fewest_devices: The fewest processes whose shards fit a device; ``None`` when no count
@@ -86,17 +90,34 @@ def model_memory(
     """
     if next(iter(model.parameters()), None) is None:
         return ModelMemory(0, 0, device_memory, world, 1)
-    need, state = sharded_model_need(model, world, precision, optimizer=optimizer)
-    # DDP's all-reduce buckets hold a second copy of the gradients, as estimate_memory counts for mgpu_ddp
-    whole = need.state + need.gradients
-    fewest = need.devices_needed(device_memory)
-    return ModelMemory(whole, need.per_device, device_memory, world, fewest, state)
+    converted = PRECISIONS[precision].parameters if precision in PRECISIONS else None
+    with without_trainer(model):
+        state = count_optimizer_state(
+            model, optimizer=optimizer, param_dtype=getattr(torch, converted) if converted else None
+        )
+    estimate = model_state_estimate(
+        model, state, devices=world, device_memory=device_memory, precision=precision
+    )
+    whole = estimate.peak("mgpu_ddp", per_device_batch=0)
+    sharded = estimate.peak("mgpu_fsdp", per_device_batch=0)
+    fewest = estimate.devices_to_fit(per_device_batch=0)
+    return ModelMemory(whole, sharded, device_memory, world, fewest, state)
 
 
 def _contents(memory: ModelMemory) -> str:
     if memory.optimizer.bytes:
         return f"parameters, gradients and optimizer state ({memory.optimizer.optimizer})"
     return "parameters and gradients"
+
+
+def _peak(memory: ModelMemory) -> str:
+    temporaries = " and its optimizer step's temporaries" if memory.optimizer.step_temporaries else ""
+    return f"DDP's gradient buckets{temporaries}"
+
+
+def _sharded_peak(memory: ModelMemory) -> str:
+    temporaries = " or its optimizer step's temporaries" if memory.optimizer.step_temporaries else ""
+    return f"the largest unit gathered{temporaries}"
 
 
 def _on_top(memory: ModelMemory) -> str:
@@ -108,17 +129,17 @@ def _on_top(memory: ModelMemory) -> str:
 def fitting_reason(memory: ModelMemory) -> str:
     """Why a whole copy stays (``mgpu_ddp``), with the numbers."""
     return (
-        f"a whole copy of the {_contents(memory)} takes {format_bytes(memory.whole)} per device with DDP's"
-        f" gradient buckets, within the {format_bytes(memory.device_memory)} of a device ({_on_top(memory)})"
+        f"a whole copy of the {_contents(memory)} takes {format_bytes(memory.whole)} per device with"
+        f" {_peak(memory)}, within the {format_bytes(memory.device_memory)} of a device ({_on_top(memory)})"
     )
 
 
 def sharding_reason(memory: ModelMemory) -> str:
     """Why ``mgpu_fsdp`` was chosen, with the numbers."""
     return (
-        f"a whole copy of the {_contents(memory)} takes {format_bytes(memory.whole)} per device with DDP's"
-        f" gradient buckets, more than the {format_bytes(memory.device_memory)} of a device, but sharded they"
-        f" need {format_bytes(memory.sharded)} per device with the largest unit gathered ({_on_top(memory)})"
+        f"a whole copy of the {_contents(memory)} takes {format_bytes(memory.whole)} per device with"
+        f" {_peak(memory)}, more than the {format_bytes(memory.device_memory)} of a device, but sharded they"
+        f" need {format_bytes(memory.sharded)} per device with {_sharded_peak(memory)} ({_on_top(memory)})"
     )
 
 
@@ -134,9 +155,9 @@ def shortfall_reason(memory: ModelMemory) -> str:
         fix = f"use at least {memory.fewest_devices} devices (devices=, num_nodes=) or a lower precision"
     return (
         f"the model does not fit a device of {format_bytes(memory.device_memory)} even sharded: its"
-        f" {_contents(memory)} take {format_bytes(memory.whole)} whole with DDP's gradient buckets and"
-        f" {format_bytes(memory.sharded)} per device sharded over {memory.world} process(es) with the"
-        f" largest unit gathered ({_on_top(memory)}); {fix}"
+        f" {_contents(memory)} take {format_bytes(memory.whole)} whole with {_peak(memory)} and"
+        f" {format_bytes(memory.sharded)} per device sharded over {memory.world} process(es) with"
+        f" {_sharded_peak(memory)} ({_on_top(memory)}); {fix}"
     )
 
 

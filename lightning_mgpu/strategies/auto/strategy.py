@@ -27,6 +27,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry
@@ -37,11 +38,11 @@ from typing_extensions import override
 from lightning_mgpu.devices import format_bytes, parse_bytes
 from lightning_mgpu.strategies.auto.become import PendingChoice, PendingDDPStrategy, become
 from lightning_mgpu.strategies.auto.decide import (
-    RESUMING_STRATEGIES,
     StrategyChoice,
     decide,
+    left_out,
     with_micro_batching,
-    with_resumption,
+    with_options,
 )
 from lightning_mgpu.strategies.auto.facts import EnvironmentFacts
 from lightning_mgpu.strategies.auto.model_memory import device_memory_of, model_memory
@@ -160,6 +161,14 @@ class MGPUAutoStrategy(ParallelStrategy):
         requeue_on_failure: As for ``MGPUDDPStrategy``: requeue a SLURM job after a failed task.
             The three are passed on to ``mgpu_ddp`` and ``mgpu_fsdp``; the other choices (one device,
             ``mgpu_dp``, ``ddp_notebook``) run in one process, and a warning names those set.
+        process_group_backend: As for ``MGPUDDPStrategy``; replaces the ``"gloo"`` chosen where NCCL is
+            missing.
+        timeout: As for ``MGPUDDPStrategy``: how long a collective may wait.
+        stall_timeout: As for ``MGPUDDPStrategy``: seconds without progress before the watchdog stops
+            every rank. The three are passed on to ``mgpu_ddp`` and ``mgpu_fsdp``, and
+            ``process_group_backend`` and ``timeout`` to ``ddp_notebook``; a choice that does not take
+            one that was set (one device and ``mgpu_dp`` have no process group, ``ddp_notebook`` no
+            watchdog) warns, naming it, and runs without it. The chosen strategy checks their values.
 
     Raises:
         ValueError: a ``device_memory`` that is not a size, a ``micro_batch_size`` that is not a
@@ -187,12 +196,20 @@ class MGPUAutoStrategy(ParallelStrategy):
         resume: bool | None = DEFAULTS["resume"],
         checkpoint_every: int | timedelta | str | None = DEFAULTS["checkpoint_every"],
         requeue_on_failure: int = DEFAULTS["requeue_on_failure"],
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        stall_timeout: float | None = 300.0,
     ) -> None:
         super().__init__()
         self.facts = facts
         self.device_memory = None if device_memory is None else parse_bytes(device_memory)
         self.micro_batch_size = check_micro_batch_size(micro_batch_size)
         self.resumption = check_options(resume, checkpoint_every, requeue_on_failure)
+        values: dict[str, Any] = {"process_group_backend": process_group_backend, "timeout": timeout}
+        values["stall_timeout"] = stall_timeout
+        defaults = {"process_group_backend": None, "timeout": default_pg_timeout, "stall_timeout": 300.0}
+        # those given (not left at their defaults), passed on where taken
+        self.process_group = {name: value for name, value in values.items() if value != defaults[name]}
         self.num_nodes = 1
         self.choice: StrategyChoice | None = None
 
@@ -205,8 +222,8 @@ class MGPUAutoStrategy(ParallelStrategy):
         choice = with_micro_batching(
             decide(len(devices), self.num_nodes, device_type, facts), self.micro_batch_size
         )
-        self._warn_unused_resumption(choice)
-        choice = with_resumption(choice, self.resumption)
+        self._warn_left_out(choice)
+        choice = with_options(choice, self._passed_on())
         memory = device_memory_of(self.device_memory, device_type) if choice.strategy == "mgpu_ddp" else None
         if memory is None:
             rank_zero_info(f"mgpu_auto chose {choice.strategy}: {choice.reason}")
@@ -220,21 +237,29 @@ class MGPUAutoStrategy(ParallelStrategy):
             )
             redecide = functools.partial(decide, len(devices), self.num_nodes, device_type, facts)
             pending = PendingChoice(
-                redecide, memory, len(devices) * self.num_nodes, self.micro_batch_size, self.resumption
+                redecide, memory, len(devices) * self.num_nodes, self.micro_batch_size, self._passed_on()
             )
             become(self, choice, devices, strategy_class=PendingDDPStrategy)
             self.pending = pending  # self is a PendingDDPStrategy now
 
-    def _warn_unused_resumption(self, choice: StrategyChoice) -> None:
-        if choice.strategy in RESUMING_STRATEGIES:
+    def _passed_on(self) -> dict[str, Any]:
+        """What the chosen strategy gets where it takes it (``decide.TAKES``)."""
+        return {**self.resumption, **self.process_group}
+
+    def _warn_left_out(self, choice: StrategyChoice) -> None:
+        given = {name: value for name, value in self.resumption.items() if value != DEFAULTS[name]}
+        given.update(self.process_group)
+        unused = left_out(choice, given)
+        if not unused:
             return
-        given = [f"{name}={value!r}" for name, value in self.resumption.items() if value != DEFAULTS[name]]
-        if given:
-            rank_zero_warn(
-                f"mgpu_auto chose {choice.strategy}, which runs in one process and does not take"
-                f" {', '.join(given)}: they apply to mgpu_ddp and mgpu_fsdp. Pass `ckpt_path` to"
-                " `Trainer.fit` to resume this run."
-            )
+        it = "it" if len(unused) == 1 else "them"
+        resume = any(name in self.resumption for name in unused)
+        rank_zero_warn(
+            f"mgpu_auto chose {choice.strategy}, which does not take"
+            f" {', '.join(f'{name}={given[name]!r}' for name in unused)}: mgpu_ddp and mgpu_fsdp take {it},"
+            f" and this run goes on without {it}."
+            + (" Pass `ckpt_path` to `Trainer.fit` to resume this run." if resume else "")
+        )
 
     def _undecided(self) -> RuntimeError:
         return RuntimeError(

@@ -1,4 +1,4 @@
-"""What a device needs under ``mgpu_fsdp``, optimizer included: its refusal and ``mgpu_auto`` share it.
+"""The least a device needs under ``mgpu_fsdp``, optimizer included: what its refusal checks before sharding.
 
 ``sharded_model_need`` counts the fullest device's shards of the parameters, gradients and optimizer
 state, and the largest unit gathered (``lightning_mgpu.estimate.sharded``), in the dtypes the Trainer's

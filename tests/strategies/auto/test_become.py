@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -245,9 +246,10 @@ def test_a_small_gpt2_whose_adamw_state_fits_only_sharded_becomes_mgpu_fsdp_befo
     trainer.strategy.connect(TinyGPT2())
     assert type(trainer.strategy) is MGPUFSDPStrategy
     assert messages[-1].endswith(
-        "a whole copy of the parameters, gradients and optimizer state (AdamW) takes 4.15 MiB per device with"
-        " DDP's gradient buckets, more than the 2.50 MiB of a device, but sharded they need 1.85 MiB per"
-        " device with the largest unit gathered (activations come on top)"
+        "a whole copy of the parameters, gradients and optimizer state (AdamW) takes 4.98 MiB per device with"
+        " DDP's gradient buckets and its optimizer step's temporaries, more than the 2.50 MiB of a device,"
+        " but sharded they need 2.07 MiB per device with the largest unit gathered or its optimizer step's"
+        " temporaries (activations come on top)"
     )
 
 
@@ -294,3 +296,30 @@ def test_a_fit_under_mgpu_auto_with_resume_goes_on_from_the_run_s_newest_checkpo
         caplog.text
     )
     assert trainer.global_step == 6
+
+
+def test_the_process_group_options_reach_the_chosen_strategy_and_a_choice_without_one_warns() -> None:
+    options = {"process_group_backend": "gloo", "timeout": timedelta(minutes=3), "stall_timeout": 60}
+    ddp = _trainer(**options).strategy
+    assert type(ddp) is MGPUDDPStrategy
+    assert (ddp.process_group_backend, ddp._timeout, ddp.stall_timeout) == (
+        "gloo",
+        timedelta(minutes=3),
+        60.0,
+    )
+    # decided again once the model is known: mgpu_fsdp gets them too
+    pending = _trainer(device_memory=FITS_SHARDED, **options).strategy
+    pending.connect(Regressor())
+    assert type(pending) is MGPUFSDPStrategy
+    assert (pending.process_group_backend, pending._timeout, pending.stall_timeout) == (
+        "gloo",
+        timedelta(minutes=3),
+        60.0,
+    )
+    # one device has no process group: it runs, and says which options it goes on without
+    with pytest.warns(UserWarning, match=r"mgpu_auto chose single_device, which does not take") as warned:
+        assert type(_trainer(devices=1, stall_timeout=60).strategy) is not MGPUDDPStrategy
+    assert "stall_timeout=60: mgpu_ddp and mgpu_fsdp take it, and this run goes on without it." in str(
+        warned[0].message
+    )
+    assert "ckpt_path" not in str(warned[0].message)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from torch import nn
@@ -14,7 +15,6 @@ from torch import nn
 from lightning_mgpu import estimate_memory
 from lightning_mgpu.devices import parse_bytes
 from lightning_mgpu.estimate import STRATEGIES
-from lightning_mgpu.estimate.optimizer_state import OptimizerState
 from lightning_mgpu.strategies.auto import EnvironmentFacts, choose_strategy
 from lightning_mgpu.strategies.auto.model_memory import model_memory
 from tests.estimate.test_sharded import big_model  # 4 blocks of 4 MiB and a 2 MiB head, on meta
@@ -42,15 +42,20 @@ def test_a_model_whose_shards_alone_fit_gets_mgpu_fsdp_and_the_numbers() -> None
         "(optimizer state not counted: no optimizer given, and the model has no configure_optimizers;"
         " activations come on top)"
     ) in choice.reason
-    # given one, its state counts: Adam's two moments make 36 MiB more, 9 MiB more per device sharded
+    # given one, its state counts: Adam's two moments make 36 MiB more, and its step's temporaries 18 MiB;
+    # sharded, the step on the shards (72 + 18 MiB over 4) peaks above the shards with a block gathered
     optimizer = torch.optim.Adam(big_model().parameters())
     with_adam = choose_strategy(
         4, accelerator="cpu", facts=SCRIPT, model=big_model(), device_memory="24MiB", optimizer=optimizer
     )
-    assert "optimizer state (Adam) takes 90.00 MiB per device" in with_adam.reason
-    assert "they need 22.00 MiB per device with the largest unit gathered (activations come on top)" in (
-        with_adam.reason
-    )
+    assert (
+        "optimizer state (Adam) takes 108.00 MiB per device with DDP's gradient buckets and its optimizer"
+        " step's temporaries"
+    ) in with_adam.reason
+    assert (
+        "they need 22.50 MiB per device with the largest unit gathered or its optimizer step's temporaries"
+        " (activations come on top)"
+    ) in with_adam.reason
 
 
 def test_adamw_state_shards_a_small_gpt2_that_estimate_memory_fits_only_sharded() -> None:
@@ -61,15 +66,16 @@ def test_adamw_state_shards_a_small_gpt2_that_estimate_memory_fits_only_sharded(
     assert choice.strategy == "mgpu_fsdp"
     assert choice.reason == (
         "2 devices in a script: one process per device; a whole copy of the parameters, gradients and"
-        " optimizer state (AdamW) takes 4.15 MiB per device with DDP's gradient buckets, more than the"
-        " 2.50 MiB of a device, but sharded they need 1.85 MiB per device with the largest unit gathered"
-        " (activations come on top)"
+        " optimizer state (AdamW) takes 4.98 MiB per device with DDP's gradient buckets and its optimizer"
+        " step's temporaries, more than the 2.50 MiB of a device, but sharded they need 2.07 MiB per device"
+        " with the largest unit gathered or its optimizer step's temporaries (activations come on top)"
     )
-    # the same numbers as the estimate's; parameters and gradients alone (1.66 MiB) fit a device
+    # the estimate's numbers: its peaks before any activation (but the few bytes of a loss the estimate
+    # measured); parameters and gradients alone (1.66 MiB) fit a device
     memory = model_memory(model, 2, parse_bytes("2.5MiB"))
-    assert memory.optimizer == OptimizerState(estimate.optimizer_state_bytes, "AdamW")
-    assert memory.whole == estimate.model_state_bytes + estimate.gradient_bytes
-    assert memory.sharded == estimate.sharded_state_bytes(2) + estimate.largest_unit_bytes
+    assert (memory.optimizer.bytes, memory.optimizer.optimizer) == (estimate.optimizer_state_bytes, "AdamW")
+    assert memory.whole == pytest.approx(estimate.peak("mgpu_ddp", per_device_batch=0), abs=64)
+    assert memory.sharded == pytest.approx(estimate.peak("mgpu_fsdp", per_device_batch=0), abs=64)
     assert estimate.parameter_bytes + estimate.gradient_bytes < parse_bytes("2.5MiB")
 
 
@@ -125,12 +131,13 @@ def test_a_model_whose_shards_do_not_fit_either_keeps_mgpu_ddp_with_the_numbers(
 def test_the_precision_counts_the_bytes_the_parameters_and_their_state_will_take() -> None:
     model = big_model()  # 16 MiB of float32 blocks, 2 MiB head: 18 MiB of parameters
     adam = torch.optim.Adam(model.parameters())  # two moments: 36 MiB
-    # parameters, gradients, DDP's buckets and Adam's moments: 5 copies
-    assert model_memory(model, 4, 10**9, optimizer=adam).whole == 90 * MiB
-    assert model_memory(model, 4, 10**9, "bf16-true", adam).whole == 45 * MiB
-    assert model_memory(model, 4, 10**9, "64-true", adam).whole == 180 * MiB
-    mixed = model_memory(model, 4, 10**9, "bf16-mixed", adam)  # float32 shards, blocks gathered in bfloat16
-    assert (mixed.whole, mixed.sharded) == (90 * MiB, 18 * MiB + 2 * MiB)
+    # parameters, gradients, DDP's buckets, Adam's moments and its step's temporaries: 6 copies
+    assert model_memory(model, 4, 10**9, optimizer=adam).whole == 108 * MiB
+    assert model_memory(model, 4, 10**9, "bf16-true", adam).whole == 54 * MiB
+    assert model_memory(model, 4, 10**9, "64-true", adam).whole == 216 * MiB
+    # float32 shards, blocks gathered in bfloat16 (18 + 2 MiB): the step on the shards peaks higher
+    mixed = model_memory(model, 4, 10**9, "bf16-mixed", adam)
+    assert (mixed.whole, mixed.sharded) == (108 * MiB, (72 + 18) * MiB // 4)
 
 
 def test_a_model_without_parameters_yet_needs_nothing() -> None:
@@ -144,3 +151,33 @@ def test_a_model_without_parameters_yet_needs_nothing() -> None:
 
 def test_without_a_device_memory_on_cpu_the_model_changes_nothing() -> None:
     assert choose_strategy(4, accelerator="cpu", facts=SCRIPT, model=big_model()).strategy == "mgpu_ddp"
+
+
+class Wide(L.LightningModule):
+    """16 MiB of float32 weights trained by AdamW, whose foreach step holds one more copy for a moment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2048, 2048, bias=False, device="meta")
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.layer(batch).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters())
+
+
+def test_near_the_limit_mgpu_auto_and_the_estimate_agree_that_only_the_shards_fit() -> None:
+    # mgpu_ddp's optimizer step: 16 MiB of parameters, 16 of gradients and 16 of DDP's buckets, 32 of
+    # AdamW's moments and 16 of its step's temporaries: 96 MiB, more than the 90 of a device
+    estimate = estimate_memory(Wide(), torch.randn(4, 2048, device="meta"), devices=2, device_memory="90MiB")
+    assert estimate.largest_per_device_batch("mgpu_ddp") == 0
+    assert estimate.largest_per_device_batch("mgpu_fsdp") > 0
+    choice = choose_strategy(2, accelerator="cpu", facts=SCRIPT, model=Wide(), device_memory="90MiB")
+    assert choice.strategy == "mgpu_fsdp"
+    assert "takes 96.00 MiB per device with DDP's gradient buckets and its optimizer step's temporaries" in (
+        choice.reason
+    )
+    memory = model_memory(Wide(), 2, parse_bytes("90MiB"))
+    assert memory.whole == pytest.approx(estimate.peak("mgpu_ddp", per_device_batch=0), abs=64)
+    assert memory.sharded == pytest.approx(estimate.peak("mgpu_fsdp", per_device_batch=0), abs=64)

@@ -6,6 +6,7 @@ import json
 import logging
 import re
 import sys
+from datetime import timedelta
 
 import lightning as L
 import pytest
@@ -20,6 +21,7 @@ from lightning_mgpu.strategies.auto import (
     choose_strategy,
     decide,
 )
+from lightning_mgpu.strategies.auto.decide import left_out, with_options
 from lightning_mgpu.strategies.ddp.strategy import MGPUDDPStrategy
 from lightning_mgpu.strategies.dp.strategy import MGPUDataParallelStrategy
 from tests.helpers import run_script
@@ -298,3 +300,17 @@ def test_public_names() -> None:
     assert lightning_mgpu.StrategyChoice is StrategyChoice
     assert lightning_mgpu.MGPUAutoStrategy is MGPUAutoStrategy
     assert torch.distributed.is_available()  # the rules above were read from a real torch.distributed
+
+
+def test_the_options_mgpu_auto_passes_on_go_where_they_are_taken() -> None:
+    given = {"process_group_backend": "nccl", "timeout": timedelta(minutes=3), "stall_timeout": 60.0}
+    given["resume"] = True
+    ddp = StrategyChoice("mgpu_ddp", "a script", 2, options={"process_group_backend": "gloo"})
+    assert with_options(ddp, given).options == given  # given explicitly: it replaces the decision's gloo
+    assert left_out(ddp, given) == []
+    notebook = with_options(StrategyChoice("ddp_notebook", "a notebook", 2), given)
+    assert notebook.options == {"process_group_backend": "nccl", "timeout": timedelta(minutes=3)}
+    assert left_out(notebook, given) == ["stall_timeout", "resume"]
+    one = StrategyChoice("mgpu_dp", "one process", 2)
+    assert with_options(one, given) is one
+    assert left_out(one, given) == list(given)
