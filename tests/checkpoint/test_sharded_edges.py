@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import pickle
 import zipfile
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from lightning_mgpu import export_state_dict, inspect_checkpoint
 from lightning_mgpu.cli.main import main
@@ -56,3 +60,65 @@ def test_a_meta_pt_epoch_nested_200000_deep_is_shown_cut_short(
     assert main(["inspect", str(folder)]) == 0
     assert "global step 3" in capsys.readouterr().out
     export_state_dict(folder, tmp_path / "out.safetensors")
+
+
+def chunked(folder: Path, tensor: torch.Tensor, boxes: list[tuple[tuple[int, int], tuple[int, int]]]) -> Path:
+    """A folder holding ``tensor`` as entry ``w`` in the chunks ``boxes`` (``(offsets, sizes)``), each
+    saved from the tensor's values there, as ranks of a 2-D mesh would save it."""
+    dcp.save({"w": torch.zeros_like(tensor)}, checkpoint_id=folder)
+    metadata = pickle.loads((folder / ".metadata").read_bytes())  # the test's own file
+    (template,) = metadata.storage_data.values()
+    shard, chunks, storage = bytearray(), [], {}
+    for (row, col), (rows, cols) in boxes:
+        buffer = io.BytesIO()
+        torch.save(tensor[row : row + rows, col : col + cols].clone(), buffer)
+        offsets = torch.Size([row, col])
+        chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([rows, cols])))
+        storage[MetadataIndex("w", offsets)] = dataclasses.replace(
+            template, offset=len(shard), length=len(buffer.getvalue())
+        )
+        shard += buffer.getvalue()
+    (folder / template.relative_path).write_bytes(bytes(shard))
+    metadata.state_dict_metadata["w"].chunks = chunks
+    metadata.storage_data = storage
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    return folder
+
+
+def grid(n: int, size: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    return [((i * size, j * size), (size, size)) for i in range(n) for j in range(n)]
+
+
+def test_a_grid_of_chunks_is_read_exactly(tmp_path: Path) -> None:
+    values = torch.arange(40 * 40, dtype=torch.float32).reshape(40, 40)
+    folder = chunked(tmp_path / "ckpt", values, grid(20, 2))  # 400 chunks of 2 x 2
+    export_state_dict(folder, tmp_path / "w.safetensors")
+    torch.testing.assert_close(
+        safetensors.torch.load_file(tmp_path / "w.safetensors")["w"], values, rtol=0, atol=0
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        # over the next chunk's values and leaving its own column 8 unwritten: either is named
+        ("shifted", r"has chunks (at \[6, 9\] and \[6, 10\] that overlap|.* \(the value at \[[67], 8\]\))"),
+        (
+            "missing",
+            r"has chunks that leave part of its shape \[40, 40\] unwritten \(the value at \[38, 38\]\)",
+        ),
+        ("doubled", r"has chunks at \[0, 0\] and \[0, 0\] that overlap"),  # twice the values, no hole
+    ],
+)
+def test_chunks_that_overlap_or_leave_a_hole_are_refused(tmp_path: Path, change: str, message: str) -> None:
+    boxes = grid(20, 2)
+    if change == "shifted":
+        boxes[3 * 20 + 4] = ((6, 9), (2, 2))
+    elif change == "missing":
+        boxes.pop()
+    else:
+        boxes[1] = boxes[0]
+    folder = chunked(tmp_path / "ckpt", torch.ones(40, 40), boxes)
+    with pytest.raises(ValueError, match=r"\.metadata is corrupt: entry 'w' " + message):
+        export_state_dict(folder, tmp_path / "w.safetensors")
+    assert not (tmp_path / "w.safetensors").exists()
