@@ -2,7 +2,9 @@
 
 A Lightning checkpoint names its weights ``model.encoder.0.weight`` where the plain model expects
 ``encoder.0.weight``; a plain export going into a LightningModule needs the opposite; two
-LightningModules may call the attribute ``model`` and ``net``. Each way of mapping (as is, take off
+LightningModules may call the attribute ``model`` and ``net``. Exact names win first: when every
+model name is in the source as it is, the names are taken as they are (the rest of the source is
+unexpected), however well another way fits. Otherwise each way of mapping (as is, take off
 one top-level name, put one on, or both) is scored by how many names it makes meet; a mapping that
 makes both sides equal, with every shape equal too, wins, and two such mappings are an error naming
 only them (a way whose names fit but whose shapes cannot is never offered; when no way's shapes
@@ -81,7 +83,7 @@ def match_names(
             ``submodule=`` per way that takes one, else ``submodule_hint``.
     """
     target_set = set(target)
-    if set(source) == target_set:
+    if target_set <= set(source):  # never ``2.weight`` into ``0.weight`` when ``0.weight`` is there
         return Mapping()
     scored = []
     for mapping in _candidates(source, target_set):

@@ -113,6 +113,21 @@ def test_strict_false_loads_what_matches_and_reports_the_rest() -> None:
     assert torch.equal(target.state_dict()["3.weight"], source["3.weight"])
 
 
+def test_exact_names_win_over_a_prefix_swap(tmp_path: Path) -> None:
+    """A source of ``0.*`` and ``2.*`` into a model of ``0.*`` only: ``0.*`` loads as named, never
+    ``2.*`` renamed ``0.*`` (which fits the names, not the shapes)."""
+    source = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 5))
+    torch.save(source.state_dict(), tmp_path / "two.pt")
+    for given in (source.state_dict(), tmp_path / "two.pt"):
+        target = nn.Sequential(nn.Linear(2, 3))
+        report = load_state_dict(target, given, strict=False)
+        assert report.loaded == 2
+        assert sorted(report.unexpected) == ["2.bias", "2.weight"]
+        assert report.mismatched == []
+        assert report.removed_prefixes == report.added_prefixes == []
+        assert_same(target.state_dict(), {k: v for k, v in source.state_dict().items() if k.startswith("0.")})
+
+
 def test_batchnorm_weights_from_before_num_batches_tracked_load_like_torch(tmp_path: Path) -> None:
     trained = net(seed=1)
     trained[1].running_mean.fill_(0.5)
