@@ -102,20 +102,17 @@ class DeviceTimeMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         root = trainer.strategy.root_device
         replicas = replica_devices(trainer)
-        self._device = (
-            ",".join(device_label(trainer, d) for d in replicas)
-            if replicas and root.type == "cuda"
-            else device_label(trainer, root)
-            if root.type == "cuda"
-            else f"cpu:rank{trainer.global_rank}"
-        )
+        if root.type != "cuda":
+            self._device = f"cpu:rank{trainer.global_rank}"  # as DeviceMemoryMonitor names the process
+        else:
+            self._device = ",".join(device_label(trainer, d) for d in replicas or [root])
         self._cuda = root.type == "cuda"
         self._window, self._pending, self._batches, self.totals = _Window(), [], 0, []
         self._group = None
         if _distributed(trainer) and dist.get_backend() != "gloo":
             # the sums travel on the CPU: no copy from a GPU, no synchronisation
             self._group = dist.new_group(backend="gloo")
-        self._timer = AllReduceTimer.attach(trainer, self._cuda)
+        self._timer = AllReduceTimer.attach(trainer, root if self._cuda else None)
         self._mark = time.perf_counter()
 
     @override
@@ -132,7 +129,7 @@ class DeviceTimeMonitor(Callback):
         if self._timer is not None:
             self._timer.begin_step()
         if self._cuda:
-            self._pending.append(CudaStep())
+            self._pending.append(CudaStep(trainer.strategy.root_device))
 
     @override
     def on_train_batch_end(

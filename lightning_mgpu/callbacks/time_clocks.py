@@ -28,9 +28,10 @@ Events = list[tuple[torch.cuda.Event, torch.cuda.Event]]
 class AllReduceTimer:
     """The state of the timing communication hook of one ``DistributedDataParallel`` model."""
 
-    def __init__(self, group: Any, cuda: bool) -> None:
+    def __init__(self, group: Any, cuda: torch.device | None) -> None:
         self.group = group
         self.cuda = cuda
+        """The rank's CUDA device, timed with events; ``None`` on CPU (host clock)."""
         self.active = True
         self._launched = 0.0
         self._done = 0.0
@@ -38,7 +39,7 @@ class AllReduceTimer:
         self._stop: torch.cuda.Event | None = None
 
     @classmethod
-    def attach(cls, trainer: Trainer, cuda: bool) -> "AllReduceTimer | None":
+    def attach(cls, trainer: Trainer, cuda: torch.device | None) -> "AllReduceTimer | None":
         """Register the hook on the strategy's DDP model; ``None`` when there is none, or it has a hook."""
         model = getattr(trainer.strategy, "model", None)
         if not isinstance(model, DistributedDataParallel):
@@ -64,20 +65,20 @@ class AllReduceTimer:
 
     def end_step(self) -> float | Events:
         """Seconds blocked on the other ranks in this batch; on CUDA the events that measure it."""
-        if self.cuda:
+        if self.cuda is not None:
             return [(self._start, self._stop)] if self._start is not None and self._stop is not None else []
         return max(0.0, self._done - self._launched) if self._launched else 0.0
 
     def launched(self) -> None:
         # buckets are handed over in order on the training thread: the last call is the end of backward
-        if self.cuda:
-            self._start = _recorded()
+        if self.cuda is not None:
+            self._start = _recorded(self.cuda)
         else:
             self._launched = time.perf_counter()
 
     def completed(self, future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-        if self.cuda:  # in a CUDA future's callback the current stream waits for the all-reduce
-            self._stop = _recorded()
+        if self.cuda is not None:  # in a CUDA future's callback the current stream waits for the all-reduce
+            self._stop = _recorded(self.cuda)
         else:
             self._done = max(self._done, time.perf_counter())
         return future.value()
@@ -95,12 +96,16 @@ def _timed_allreduce(timer: AllReduceTimer, bucket: dist.GradBucket) -> torch.fu
 class CudaStep:
     """One batch timed on the GPU: start and end events, and the all-reduce's events."""
 
-    start: torch.cuda.Event = field(default_factory=lambda: _recorded())
+    device: torch.device
+    start: torch.cuda.Event = field(init=False)
     stop: torch.cuda.Event | None = None
     wait: Events | None = None
 
+    def __post_init__(self) -> None:
+        self.start = _recorded(self.device)
+
     def end(self, wait: float | Events | None) -> None:
-        self.stop = _recorded()
+        self.stop = _recorded(self.device)
         self.wait = None if wait is None else wait if isinstance(wait, list) else []
 
     def done(self, block: bool) -> bool:
@@ -120,7 +125,8 @@ class CudaStep:
         return step, sum(a.elapsed_time(b) for a, b in self.wait) / 1e3
 
 
-def _recorded() -> torch.cuda.Event:
+def _recorded(device: torch.device) -> torch.cuda.Event:
+    """An event recorded now on ``device``'s current stream (a callback's thread may have another device)."""
     event = torch.cuda.Event(enable_timing=True)
-    event.record()
+    event.record(torch.cuda.current_stream(device))
     return event
