@@ -19,8 +19,9 @@ pytestmark = pytest.mark.slow
 
 def fits(tmp_path: Path, strategy: str, devices: int, *modes: str) -> tuple[dict[str, Any], str]:
     """Run the fits in one launch; mode -> {"summary": rank 0's time_summary.json, "outside": per rank}."""
-    args = [str(tmp_path / "logs"), strategy, str(devices), *modes]
-    result = run_script(SCRIPT, tmp_path, args=args, timeout=600)
+    result = run_script(
+        SCRIPT, tmp_path, args=[str(tmp_path / "logs"), strategy, str(devices), *modes], timeout=600
+    )
     assert result.returncode == 0, result.output[-3000:]
     found: dict[str, Any] = {}
     for line in result.stdout.splitlines():
@@ -115,3 +116,15 @@ def test_one_device_and_mgpu_dp_one_row_per_process(tmp_path: Path) -> None:
     # each batch's two halves sleep at the same time, in the replicas' two threads
     within_10_percent(row["work_s"], runs["even"]["outside"][0]["work"] / 2)
     check_totals(runs["even"], steps=16, samples=64)
+
+
+def test_a_failing_rank_ends_the_run_as_without_the_monitor(tmp_path: Path) -> None:
+    args = [str(tmp_path / "logs"), "mgpu_ddp", "2", "fail"]
+    result = run_script(SCRIPT, tmp_path, args=args, timeout=600)
+    assert result.returncode != 0
+    # rank 1's error, and mgpu_ddp naming it on rank 0; nothing from the monitor in the way
+    assert "RuntimeError: rank 1 fails at batch 4" in result.output
+    assert "rank 1 (pid" in result.output
+    assert "callbacks/time" not in result.output
+    assert "OUTSIDE" not in result.output
+    assert not list(tmp_path.rglob("time_summary.json"))  # no summary of a fit that did not end

@@ -5,7 +5,8 @@ Usage::
     python time_fits.py LOG_DIR STRATEGY DEVICES MODE [MODE ...]
 
 ``MODE`` is ``data`` (rank 1's Dataset sleeps), ``work`` (rank 1's training_step sleeps),
-``even`` (every rank's training_step sleeps the same) or ``data0`` (rank 0's Dataset sleeps);
+``even`` (every rank's training_step sleeps the same), ``data0`` (rank 0's Dataset sleeps) or
+``fail`` (rank 1's fifth training_step raises, after the monitor's first gather);
 each mode is one fit. Every rank prints one ``OUTSIDE {json}`` line per fit: what it slept,
 and the seconds from the start of the epoch to the end of training.
 """
@@ -61,6 +62,8 @@ class Model(L.LightningModule):
         self.net = nn.Linear(8, 1)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.mode == "fail" and self.global_rank == 1 and batch_idx == 4:
+            raise RuntimeError("rank 1 fails at batch 4")
         if self.mode == "even" or (self.mode == "work" and self.global_rank == 1):
             sleep("work", SLEEP)
         x, y = batch
