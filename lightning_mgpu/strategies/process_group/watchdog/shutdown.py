@@ -1,8 +1,9 @@
 """How a rank's process ends once the run must stop, and how the launching process ends after a clean run.
 
-- ``stop_process``: prints the reason (and a stuck rank's Python stack), counts this rank
-  among those stopping, gives the other ranks and the child processes a moment to end, kills
-  the children still running and ends the process with ``os._exit``;
+- ``stop_process``: prints the reason in one line (when a rank failed by itself, the line the
+  main thread prints when its collective fails first) and a stuck rank's Python stack, counts
+  this rank among those stopping, gives the other ranks and the child processes a moment to
+  end, kills the children still running and ends the process with ``os._exit``;
 - ``wait_for_children``: at exit of the launching process after a clean run, waits for the
   ranks it started and ends with an error if one of them failed;
 - ``kill_children``: stops the child processes still running;
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import NoReturn
 
@@ -56,11 +57,15 @@ def stop_process(
 ) -> NoReturn:
     """Say why this rank stops, wait up to ``grace`` s for the others to read it, then end the process."""
     out = sys.stderr
-    out.write(f"[rank {rank}] lightning_mgpu: {verdict.message}\n")
+    if verdict.origin >= 0:  # the line the main thread prints when its collective fails first
+        traceback = f"Rank {verdict.origin} prints the traceback."
+        out.write(f"[rank {rank}] stopped because {verdict.message}. {traceback}\n")
+    else:
+        stopping = f"stopping this process (pid {os.getpid()}) so the run does not hang"
+        out.write(f"[rank {rank}] lightning_mgpu: {verdict.message}; {stopping}\n")
     if stuck:
         out.write(f"[rank {rank}] this rank is stuck here (main thread, innermost call last):\n")
         out.write(processes.main_thread_stack())
-    out.write(f"[rank {rank}] stopping this process (pid {os.getpid()}) so the run does not hang\n")
     out.flush()
     with contextlib.suppress(Exception):
         if run is not None:
@@ -120,9 +125,14 @@ class ExitSummary:
 
     Only that very exception is affected: any other uncaught exception, and one the user's
     code catches, is left alone.
+
+    Args:
+        claim: asked before printing: ``False`` when the watchdog already stops this process
+            and has said why, so that the rank prints one line, not two.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, claim: Callable[[], bool] = lambda: True) -> None:
+        self._claim = claim
         self._exception: BaseException | None = None
         self._line = ""
         self._traceback = True
@@ -144,6 +154,8 @@ class ExitSummary:
         if exception is not self._exception:
             previous(kind, exception, tb)
             return
+        if not self._claim():
+            return  # the watchdog ends this process and has said why
         sys.stderr.write(f"{self._line}\n")
         sys.stderr.flush()
         if self._traceback:

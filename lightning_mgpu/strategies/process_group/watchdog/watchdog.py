@@ -19,6 +19,11 @@ Once a reason to stop exists, the main thread gets ``GRACE`` seconds to end by i
 reason). After that the watchdog prints the reason, lets the other ranks read it, stops
 the child processes and ends the process with ``os._exit``. A stuck rank prints its
 Python stack and ends at once.
+
+One way out per failed run: the first to begin (the main thread's exit or the watchdog's stop)
+takes it, the other stays silent. The main thread's way stops this thread before rank 0's store
+goes with the process group: a store call failing while the interpreter shuts down aborts the
+process ("terminate called without an active exception", exit 134).
 """
 
 from __future__ import annotations
@@ -79,7 +84,8 @@ class Watchdog:
         self._exit_code = 1
         self._idleness = Idleness(wait_after=2 * INTERVAL, changed=time.monotonic())
         self._signals = SignalPipe()
-        self._exit_summary = shutdown.ExitSummary()
+        self._exit_owner: str | None = None  # "main" or "watchdog", once a failed run ends
+        self._exit_summary = shutdown.ExitSummary(claim=lambda: self._claim_exit("main"))
         self._dead_man = processes.DeadManSwitch()
         self._rank0_done = False
         self._progress: Callable[[], int] | None = None
@@ -156,11 +162,7 @@ class Watchdog:
         self._dead_man.disarm()
         self._ended_cleanly = run is not None and self._verdict is None
         if self._verdict is None or self._verdict.origin == self.rank:
-            self._stop.set()
-            self._signals.wake()
-            if self._thread is not None and self._thread is not threading.current_thread():
-                self._thread.join(timeout=2 * INTERVAL)
-            self._thread = None
+            self._stop_thread()
         self._signals.restore()
 
     # ------------------------------------------------------------- verdicts
@@ -222,9 +224,18 @@ class Watchdog:
         self._thread = threading.Thread(target=self._loop, name="lightning-mgpu-watchdog", daemon=True)
         self._thread.start()
 
+    def _stop_thread(self) -> None:
+        self._stop.set()
+        self._signals.wake()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * INTERVAL)
+        self._thread = None
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             signum = self._signals.wait(INTERVAL, self._stop)
+            if self._stop.is_set():
+                break
             try:
                 self._tick(time.monotonic(), signum)
             except Exception as err:  # the watchdog itself must never take the run down
@@ -342,8 +353,15 @@ class Watchdog:
         if verdict.origin == self.rank:
             return  # this rank's own error: it ends through the exception it raised
         stuck = self.rank in verdict.stuck
-        if stuck or now - self._verdict_at >= GRACE:
+        if (stuck or now - self._verdict_at >= GRACE) and self._claim_exit("watchdog"):
             self._exit(verdict, stuck)
+
+    def _claim_exit(self, who: str) -> bool:
+        """Whether ``who`` ends this process: the first to ask, once a failed run ends."""
+        with self._lock:
+            if self._exit_owner is None:
+                self._exit_owner = who
+            return self._exit_owner == who
 
     def _exit(self, verdict: Verdict, stuck: bool) -> None:
         run = self._run
@@ -356,9 +374,17 @@ class Watchdog:
             shutdown.wait_for_children(self.rank, self._local.children, tell_after=DEAD_AFTER)
 
     def _bound_exit(self) -> None:
-        """At interpreter exit after a failed run: end the process even if clean-up hangs."""
-        if self._verdict is not None:
-            self._dead_man.arm(GRACE + DEAD_AFTER, time.monotonic(), force=True)
+        """At interpreter exit after a failed run: end the process even if clean-up hangs; stop
+        this thread before the group is destroyed, or wait for its ``os._exit`` if it began first."""
+        if self._verdict is None:
+            return
+        self._dead_man.arm(GRACE + DEAD_AFTER, time.monotonic(), force=True)
+        if self._claim_exit("main"):
+            with self._lock:
+                self._run = None
+            self._stop_thread()
+        else:
+            time.sleep(2 * (GRACE + DEAD_AFTER))  # the watchdog's os._exit, or the switch's, ends it
 
 
 _WATCHDOG: Watchdog | None = None
