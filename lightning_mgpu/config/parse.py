@@ -7,7 +7,8 @@
   schema here; ``validate`` does that. The optimizer's older key ``name`` becomes ``_component_``
   in the file and in the overrides before they merge, so ``optimizer.name=sgd`` replaces the
   file's class; ``trainer.strategy: NAME`` is read as ``{name: NAME}`` for the merge, so
-  ``trainer.strategy.stall_timeout=60`` adds an option to the file's strategy.
+  ``trainer.strategy.stall_timeout=60`` adds an option to the file's strategy, and
+  ``trainer.strategy=OTHER`` starts from OTHER's defaults.
 
 This module does not import torch.
 """
@@ -24,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_mgpu.config.optimizer import use_component_key
-from lightning_mgpu.config.strategy import as_mapping, name_only, name_override
+from lightning_mgpu.config.strategy import align_strategy, name_only, name_override
 
 __all__ = ["config_dir", "find_config", "load", "parse_overrides", "shipped_configs"]
 
@@ -114,7 +115,7 @@ def load(config: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
     for layer in (loaded, overridden):  # per layer, so an override's `name` replaces the file's class
         if isinstance(layer.get("optimizer"), DictConfig):
             use_component_key(layer.optimizer)  # a clash within one layer is left for validation
-    as_mapping(loaded)  # so trainer.strategy.stall_timeout=60 keeps the file's strategy name
+    align_strategy(loaded, overridden)
     merged = cast(DictConfig, OmegaConf.merge(loaded, overridden))
     name_only(merged)
     return merged

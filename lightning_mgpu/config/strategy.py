@@ -18,9 +18,9 @@ mapping adds any keyword the strategy class's ``__init__`` takes, as ``MGPUDDPSt
   of ``trainer.strategy.micro_batch_size``, goes through the same ``check_micro_batch_size``.
 - A ``timedelta`` option (``timeout``) takes seconds. Keywords ``mgpu_ddp`` (like Lightning's ``ddp``)
   passes on to ``DistributedDataParallel`` are options too (``find_unused_parameters``, ...).
-- ``build_strategy`` makes what the Trainer's ``strategy=`` receives; ``as_mapping`` and ``name_override``
-  let an override such as ``trainer.strategy.stall_timeout=60`` merge into a config that names the
-  strategy alone, and ``name_only`` writes ``{name: NAME}`` back as ``NAME``.
+- ``build_strategy`` makes what the Trainer's ``strategy=`` receives; ``align_strategy`` and
+  ``name_override`` let an override such as ``trainer.strategy.stall_timeout=60`` merge into a config
+  that names the strategy alone, and ``name_only`` writes ``{name: NAME}`` back as ``NAME``.
 
 Importing this module does not import torch; checking or building a strategy does.
 """
@@ -37,17 +37,16 @@ import typing
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 if typing.TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
 
-__all__ = ["as_mapping", "build_strategy", "name_only", "name_override", "strategy_problems"]
+__all__ = ["align_strategy", "build_strategy", "name_only", "name_override", "strategy_problems"]
 
 log = logging.getLogger(__name__)
 
-SHORT_FORM = "trainer.micro_batch_size"
-"""The one strategy option with a key of its own in the ``trainer`` section."""
+_SHORT_FORM = "trainer.micro_batch_size"  # the one strategy option with a key in the trainer section
 
 # Lightning 1.x names that Lightning 2 removed, and what to use instead
 _LIGHTNING_1X_STRATEGIES = {
@@ -59,11 +58,21 @@ _LIGHTNING_1X_STRATEGIES = {
 }
 
 
-def as_mapping(layer: DictConfig) -> None:
-    """Write a config layer's ``trainer.strategy: NAME`` as ``{name: NAME}``, so layers merge key by key."""
-    trainer = layer.get("trainer")
-    if isinstance(trainer, DictConfig) and isinstance(trainer.get("strategy"), str):
+def align_strategy(file: DictConfig, overrides: DictConfig) -> None:
+    """Ready the file's ``trainer.strategy`` to merge with the overrides' (``name_override`` readied theirs).
+
+    - ``strategy: NAME`` becomes ``{name: NAME}``, so ``trainer.strategy.stall_timeout=60`` keeps NAME;
+    - overrides naming another strategy drop the file's options: they were for the file's strategy.
+    """
+    trainer = file.get("trainer")
+    if not isinstance(trainer, DictConfig):
+        return
+    if isinstance(trainer.get("strategy"), str):
         trainer.strategy = {"name": trainer.strategy}
+    new = OmegaConf.select(overrides, "trainer.strategy.name", default=None)
+    old = OmegaConf.select(file, "trainer.strategy.name", default=None)
+    if new is not None and new != old:
+        trainer.strategy = {"name": new}
 
 
 def name_override(item: str) -> str:
@@ -106,17 +115,22 @@ def strategy_problems(value: Any, micro_batch_size: Any) -> list[str]:
     paths = {key: f"trainer.strategy.{key}" for key in options}
     if micro_batch_size is not None and not out:
         if "micro_batch_size" in options:
-            return [f"{SHORT_FORM}: trainer.strategy.micro_batch_size is set too; keep one"]
-        options["micro_batch_size"], paths["micro_batch_size"] = micro_batch_size, SHORT_FORM
+            return [f"{_SHORT_FORM}: trainer.strategy.micro_batch_size is set too; keep one"]
+        options["micro_batch_size"], paths["micro_batch_size"] = micro_batch_size, _SHORT_FORM
     cls, init_params = _registered(name)
     params = _options(cls) if cls is not None else {}
     for key, given in options.items():
         if key not in params:
             out.append(_not_taken(paths[key], name, key, list(params)))
-        elif (kind := _refused(given, params[key])) is not None:
-            out.append(f"{paths[key]}: expected {kind}, got {given!r}")
+            continue
+        try:
+            options[key] = _convert(given, params[key])
+        except TypeError:
+            hint = params[key] if isinstance(params[key], str) else inspect.formatannotation(params[key])
+            hint = hint.replace("datetime.timedelta", "seconds")  # what a config gives for one
+            out.append(f"{paths[key]}: expected {hint}, got {given!r}")
     if not out and cls is not None and options:  # the strategy's own checks of the values
-        kwargs = {**init_params, **_converted(options, params)}
+        kwargs = {**init_params, **options}
         out += _checked("trainer.strategy", options, lambda: cls(**kwargs))
     return out
 
@@ -137,7 +151,8 @@ def build_strategy(value: str | dict[str, Any], micro_batch_size: int | str | No
     if cls is None:
         raise ValueError(f"trainer.strategy: {name!r} takes no options; name a strategy such as mgpu_ddp")
     log.debug("trainer.strategy %s with %s", name, options)
-    strategy: Strategy = cls(**init_params, **_converted(options, _options(cls)))
+    params = _options(cls)
+    strategy: Strategy = cls(**init_params, **{k: _convert(v, params[k]) for k, v in options.items()})
     return strategy
 
 
@@ -199,21 +214,8 @@ def _resolve(annotation: Any, module: dict[str, Any]) -> Any:
         return annotation
     try:
         return typing.get_type_hints(types.SimpleNamespace(__annotations__={"a": annotation}), module)["a"]
-    except (
-        NameError,
-        TypeError,
-    ):  # imported for type checkers only, e.g. Accelerator: no config value is one
-        return annotation
-
-
-def _refused(value: Any, hint: Any) -> str | None:
-    """``None`` when ``value`` fits the annotation ``hint``, else what it expects, as written."""
-    try:
-        _convert(value, hint)
-    except TypeError:
-        text = hint if isinstance(hint, str) else inspect.formatannotation(hint)
-        return text.replace("datetime.timedelta", "seconds").replace("timedelta", "seconds")
-    return None
+    except (NameError, TypeError):  # a name imported for type checkers only (Accelerator)
+        return annotation  # no config value is one
 
 
 def _convert(value: Any, hint: Any) -> Any:
@@ -244,10 +246,6 @@ def _convert(value: Any, hint: Any) -> Any:
     raise TypeError(value)
 
 
-def _converted(options: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    return {key: _convert(value, params[key]) for key, value in options.items()}
-
-
 def _checked(section: str, keys: Iterable[str], check: Callable[[], object]) -> list[str]:
     """``check()``'s error as a problem of ``section``; a message that opens with one of the ``keys``
     (``micro_batch_size must be ...``) gets the section's path in front of that key."""
@@ -269,7 +267,7 @@ def _not_taken(path: str, name: str, key: str, params: list[str]) -> str:
     ]
     if takers:
         log.debug("trainer.strategy %r does not take %s; these do: %s", name, key, takers)
-        fix = f"set {path}=null" if path == SHORT_FORM else f"remove {path}"
+        fix = f"set {path}=null" if path == _SHORT_FORM else f"remove {path}"
         return (
             f"{path}: strategy {name!r} does not take {key}; the strategies that take {key} are"
             f" {', '.join(takers)} (set trainer.strategy to one of them), or {fix}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -257,7 +259,12 @@ def test_strategy_options_are_checked_against_the_strategy_class_all_at_once() -
     assert not_a_name.startswith("trainer.strategy: expected a strategy name such as mgpu_ddp, or a mapping")
 
 
-def test_a_strategy_mapping_merges_with_the_name_from_the_file_or_the_command_line() -> None:
+def test_a_strategy_mapping_merges_with_the_name_from_the_file_or_the_command_line(tmp_path: Path) -> None:
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("recipe: digits\ntrainer:\n  strategy: {name: mgpu_ddp, stall_timeout: 60}\n")
+    more = load_config(mine, ["trainer.strategy.micro_batch_size=2"]).trainer.strategy
+    assert more == {"name": "mgpu_ddp", "stall_timeout": 60, "micro_batch_size": 2}
+    assert load_config(mine, ["trainer.strategy=mgpu_dp"]).trainer.strategy == "mgpu_dp"  # its defaults
     added = load_config("digits", ["trainer.strategy.stall_timeout=60"]).trainer.strategy
     assert added == {"name": "mgpu_auto", "stall_timeout": 60}  # digits.yaml names mgpu_auto
     cfg = load_config(
