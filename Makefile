@@ -3,11 +3,14 @@
 # make test-slurm -- the SLURM tests: a one-node cluster started for them (root; apt installs slurm-wlm)
 # make docs  -- install the docs extra into .venv, build the site in docs/ into site/ (mkdocs build --strict)
 # make test-compat -- a subset of the tests in fresh venvs at the declared floor (oldest Python, torch,
-#                     Lightning, ...) and at the newest releases; see tests/compat/run.sh (downloads torch's
-#                     CUDA wheels once into ~/.cache/uv: about 3 GB per torch version)
+#                     Lightning, ...), at torch 2.8 (gloo-sum) and at the newest releases; see
+#                     tests/compat/run.sh (downloads torch's CUDA wheels once into ~/.cache/uv: about 3 GB
+#                     per torch version, three versions)
 #
-# Torch: a CPU machine gets torch $(TORCH_VERSION) (the CPU build). A machine
-# with an NVIDIA driver keeps whatever CUDA torch the venv can already import:
+# Torch: the venv gets torch $(TORCH_VERSION) from your pip index. PyPI's Linux wheel is the CUDA build
+# (about 3 GB) on every machine; a CPU-only box asks for the CPU build, and a torch the venv can already
+# import is kept (docs/install.md):
+#   make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu   # the CPU build
 #   make venv SYSTEM_SITE_PACKAGES=1   # reuse the system's CUDA torch
 #   make venv TORCH_SPEC="torch==2.9.1" TORCH_INDEX=https://download.pytorch.org/whl/cu128
 
@@ -65,8 +68,8 @@ test: lint
 test-slurm: test-venv
 	$(BIN)/python -m pytest -m slurm tests/slurm $(PYTEST_ARGS)
 
-# COMPAT="floor" or "newest" runs one combination
-COMPAT ?= floor newest
+# COMPAT="floor", "gloo-sum" or "newest" runs one combination
+COMPAT ?= floor gloo-sum newest
 test-compat:
 	bash tests/compat/run.sh $(COMPAT)
 

@@ -24,7 +24,14 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["FSDP_FORCE_SUM", "FSDP_ON_CPU", "FSDP_RESET_ITER_STATE", "TorchFeature", "require"]
+__all__ = [
+    "FEATURES",
+    "FSDP_FORCE_SUM",
+    "FSDP_ON_CPU",
+    "FSDP_RESET_ITER_STATE",
+    "TorchFeature",
+    "require",
+]
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,9 @@ FSDP_RESET_ITER_STATE = TorchFeature(
     instead="use a fixed micro_batch_size",
     present=_fsdp_resets_iter_state,
 )
+
+FEATURES = (FSDP_ON_CPU, FSDP_FORCE_SUM, FSDP_RESET_ITER_STATE)
+"""Every feature above, for the test that each is present exactly from the release it names."""
 
 
 def require(feature: TorchFeature) -> None:

@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
 # make test-compat: the compat subset (tests/compat/subset.txt) in one fresh venv per combination.
 #
-#   floor   the oldest Python that pyproject.toml allows, and every dependency of the package and of
-#           its [plot,recipes] extras at the lowest version it allows (uv's --resolution lowest-direct:
-#           torch, Lightning, torchmetrics, omegaconf, safetensors, psutil, matplotlib, scikit-learn, pillow)
-#   newest  the newest Python on this machine ($COMPAT_NEWEST_PYTHON) and the newest release of everything
+#   floor     the oldest Python that pyproject.toml allows, and every dependency of the package and of
+#             its [plot,recipes] extras at the lowest version it allows (uv's --resolution lowest-direct:
+#             torch, Lightning, torchmetrics, omegaconf, safetensors, psutil, matplotlib, scikit-learn, pillow)
+#   gloo-sum  the floor, but torch $COMPAT_GLOO_SUM_TORCH: gloo's reduce-scatter sums when asked to average
+#             (pytorch/pytorch#162338) and mgpu_fsdp corrects it; FSDP2 runs on CPU from torch 2.7, so
+#             mgpu_fsdp's fits are checked here rather than on the floor's torch
+#   newest    the newest Python on this machine ($COMPAT_NEWEST_PYTHON) and the newest release of everything
 #
-# usage: tests/compat/run.sh [floor] [newest]        (both when none is named)
+# usage: tests/compat/run.sh [floor] [gloo-sum] [newest]        (all three when none is named)
 #
-# Each venv is built from nothing by uv, whose cache ($UV_CACHE_DIR, ~/.cache/uv by default) keeps every
-# downloaded wheel: PyPI's torch wheels come with their CUDA packages (about 3 GB to download per torch
-# version, 5-6 GB installed); from the cache uv hard-links them into a new venv in seconds. A combination
-# that passes has its venv removed; one that fails keeps it under $COMPAT_DIR for a look.
+# Each line of subset.txt names the combinations that run it. Each venv is built from nothing by uv, whose
+# cache ($UV_CACHE_DIR, ~/.cache/uv by default) keeps every downloaded wheel: PyPI's torch wheels come with
+# their CUDA packages (about 3 GB to download per torch version, 5-6 GB installed); from the cache uv
+# hard-links them into a new venv in seconds. A combination that passes has its venv removed; one that
+# fails keeps it under $COMPAT_DIR for a look.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 COMPAT_DIR=${COMPAT_DIR:-.compat}
 COMPAT_NEWEST_PYTHON=${COMPAT_NEWEST_PYTHON:-3.13}
+COMPAT_GLOO_SUM_TORCH=${COMPAT_GLOO_SUM_TORCH:-2.8.0}
 UV_VERSION=${UV_VERSION:-0.13.9}
 export UV_CACHE_DIR=${UV_CACHE_DIR:-$HOME/.cache/uv}
 export UV_PYTHON_DOWNLOADS=never UV_LINK_MODE=hardlink UV_NO_PROGRESS=1
@@ -44,17 +49,21 @@ if [ ! -x "$UV" ]; then
     "$COMPAT_DIR/uv-$UV_VERSION/bin/python" -m pip install -q "uv==$UV_VERSION"
 fi
 
-read -r -a SUBSET <<<"$(grep -vE '^\s*(#|$)' tests/compat/subset.txt | tr '\n' ' ')"
+subset_for() {  # the test ids of subset.txt's lines that name combination $1 (the last word is the test)
+    grep -vE '^\s*(#|$)' tests/compat/subset.txt | awk -v name="$1" '{for (i = 1; i < NF; i++) if ($i == name) print $NF}'
+}
 SUMMARY=()
 FAILED=0
 
-run_combination() {  # NAME PYTHON RESOLUTION
-    local name=$1 python=$2 resolution=$3 venv="$COMPAT_DIR/$1" start built versions status
+run_combination() {  # NAME PYTHON RESOLUTION [REQUIREMENT...]: extra requirements pin a dependency
+    local name=$1 python=$2 resolution=$3 venv="$COMPAT_DIR/$1" start built versions status subset
+    shift 3
     start=$(date +%s)
     rm -rf "$venv"
-    "$UV" venv -q --python "$python" "$venv"
-    "$UV" pip install -q --python "$venv/bin/python" --resolution "$resolution" -e ".[plot,recipes]"
-    "$UV" pip install -q --python "$venv/bin/python" "pytest>=8" "pytest-timeout>=2.2"  # test tools: newest
+    "$UV" venv -q --seed --python "$python" "$venv"  # --seed: pip, for test_pip_keeps_torch.py
+    "$UV" pip install -q --python "$venv/bin/python" --resolution "$resolution" -e ".[plot,recipes]" "$@"
+    # test tools: newest; setuptools for pip's offline --no-build-isolation check of this project
+    "$UV" pip install -q --python "$venv/bin/python" "pytest>=8" "pytest-timeout>=2.2" "setuptools>=77"
     built=$(($(date +%s) - start))
     versions=$("$venv/bin/python" -c '
 import platform, importlib.metadata as m
@@ -62,7 +71,8 @@ names = ["torch", "lightning", "torchmetrics", "omegaconf", "safetensors", "psut
 print(f"Python {platform.python_version()}", *(f"{n} {m.version(n)}" for n in names), sep=", ")')
     echo "== test-compat $name: $versions (venv built in ${built}s)"
     start=$(date +%s)
-    if "$venv/bin/python" -m pytest -p no:cacheprovider -q --disable-warnings "${SUBSET[@]}"; then
+    read -r -a subset <<<"$(subset_for "$name" | tr '\n' ' ')"
+    if "$venv/bin/python" -m pytest -p no:cacheprovider -q --disable-warnings "${subset[@]}"; then
         status=passed
         rm -rf "$venv"
     else
@@ -72,12 +82,15 @@ print(f"Python {platform.python_version()}", *(f"{n} {m.version(n)}" for n in na
     SUMMARY+=("$name: $versions; venv ${built}s, subset $(($(date +%s) - start))s: $status")
 }
 
-for combination in "${@:-floor newest}"; do
+for combination in "${@:-floor gloo-sum newest}"; do
     for name in $combination; do
         case $name in
             floor) run_combination floor "$(python_for "$(floor_python)")" lowest-direct ;;
+            gloo-sum)
+                run_combination gloo-sum "$(python_for "$(floor_python)")" lowest-direct "torch==$COMPAT_GLOO_SUM_TORCH"
+                ;;
             newest) run_combination newest "$(python_for "$COMPAT_NEWEST_PYTHON")" highest ;;
-            *) echo "test-compat: unknown combination '$name' (floor, newest)" >&2; exit 2 ;;
+            *) echo "test-compat: unknown combination '$name' (floor, gloo-sum, newest)" >&2; exit 2 ;;
         esac
     done
 done

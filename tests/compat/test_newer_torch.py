@@ -11,10 +11,11 @@ import lightning as L
 import pytest
 import torch
 from torch import nn
+from torch.torch_version import TorchVersion
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MGPUFSDPStrategy
-from lightning_mgpu._torch_compat import FSDP_ON_CPU, FSDP_RESET_ITER_STATE
+from lightning_mgpu._torch_compat import FEATURES, FSDP_ON_CPU, FSDP_RESET_ITER_STATE, TorchFeature
 
 
 class Net(L.LightningModule):
@@ -30,6 +31,12 @@ class Net(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("feature", FEATURES, ids=lambda feature: feature.name.split(" (")[0])
+def test_each_feature_is_found_exactly_from_the_release_it_names(feature: TorchFeature) -> None:
+    release = TorchVersion(torch.__version__.split("+")[0])
+    assert feature.present() == (release >= feature.since), (torch.__version__, feature.since, feature.needs)
 
 
 def one_line(message: str, feature: str, since: str, instead: str) -> None:
