@@ -29,7 +29,7 @@ def test_non_editable_install_runs_outside_the_checkout(tmp_path: Path) -> None:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for name in ("lightning_mgpu", "recipes"):
         shutil.copytree(REPO / name, src / name, ignore=ignore)
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "PYPI.md", "LICENSE", "MANIFEST.in"):
         shutil.copy(REPO / name, src / name)
     site = tmp_path / "site"
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
