@@ -40,6 +40,7 @@ _LAZY = {
     "estimate_memory": "lightning_mgpu.estimate",
     "MemoryEstimate": "lightning_mgpu.estimate",
     "plot_memory": "lightning_mgpu.plot",
+    "plot_time": "lightning_mgpu.plot",
     "global_mean": "lightning_mgpu.losses",
 }
 

@@ -1,4 +1,6 @@
-"""Draw per-device memory over the steps of a run from the metrics ``DeviceMemoryMonitor`` logged.
+"""Draw per-device memory over the steps of a run, and each rank's time over the fit.
+
+``plot_memory``: per-device memory over the steps, from the metrics ``DeviceMemoryMonitor`` logged.
 
 Reads ``memory/<device>/<field>_MiB`` columns from a CSVLogger ``metrics.csv`` (or rows
 given directly), draws one line per device and each device's limit (``total_MiB``)
@@ -7,11 +9,15 @@ process's hundreds of MiB of RSS do not flatten the KiB that ``mgpu_dp``'s CPU r
 for backward. Needs matplotlib (``pip install
 'lightning-mgpu[plot]'``); it is imported only here, and pyplot is never touched, so
 plotting changes no global matplotlib state.
+
+``plot_time``: one bar per rank, split into data loading, work and waiting for the other ranks,
+from ``DeviceTimeMonitor``'s ``time_summary.json``.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import math
 import os
@@ -22,7 +28,7 @@ from typing import Any
 
 from lightning_mgpu._atomic import atomic_write
 
-__all__ = ["find_metrics_csv", "output_png", "plot_memory", "read_memory_metrics"]
+__all__ = ["find_metrics_csv", "output_png", "plot_memory", "plot_time", "read_memory_metrics"]
 
 _KEY = re.compile(r"^memory/([^/]+)/([a-z_]+)_MiB$")
 # what to draw for each kind of device, in order of preference, and its panel's title
@@ -186,3 +192,69 @@ def _draw_panel(
 
 def _fields(series: dict[str, dict[str, list[tuple[int, float]]]]) -> str:
     return ", ".join(sorted({f for fields in series.values() for f in fields}))
+
+
+# what each bar segment shows, and its colour
+_PHASES = (
+    ("data_s", "data loading", "tab:orange"),
+    ("work_s", "work", "tab:blue"),
+    ("wait_s", "waiting", "0.75"),
+)
+
+
+def plot_time(summary: str | os.PathLike[str] | Mapping[str, Any], out_png: str | os.PathLike[str]) -> Any:
+    """Draw every rank's data loading, work and waiting as one stacked bar; returns the Figure.
+
+    Args:
+        summary: a ``time_summary.json`` path, a run folder holding one, or its content as a dict.
+        out_png: where to write the PNG; an existing folder gets ``time.png`` inside it.
+
+    Raises:
+        ImportError: if matplotlib is not installed.
+        FileNotFoundError: if there is no ``time_summary.json`` where ``summary`` points.
+        ValueError: if the summary holds no rank.
+
+    Example::
+
+        from lightning_mgpu import plot_time
+
+        fig = plot_time("runs/digits-1/time_summary.json", "time.png")
+    """
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise ImportError("plot_time needs matplotlib: pip install 'lightning-mgpu[plot]'") from err
+
+    data = summary if isinstance(summary, Mapping) else _read_time_summary(Path(summary))
+    ranks = list(data.get("ranks") or [])
+    if not ranks:
+        raise ValueError("the time summary holds no rank: no training batch ran under DeviceTimeMonitor")
+    fig = Figure(figsize=(9, 1.6 + 0.45 * len(ranks)), layout="constrained")
+    ax = fig.subplots()
+    labels = [f"rank {r['rank']} ({r['device']})" for r in ranks]
+    left = [0.0] * len(ranks)
+    for key, name, colour in _PHASES:
+        widths = [float(r.get(key) or 0.0) for r in ranks]
+        if any(r.get(key) is not None for r in ranks):
+            ax.barh(labels, widths, left=left, color=colour, label=name)
+            left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.invert_yaxis()  # rank 0 on top, as in the table
+    ax.set_xlabel("seconds over the fit")
+    ax.legend(loc="lower right", fontsize="small")
+    ax.grid(True, axis="x", alpha=0.3)
+    verdict = str((data.get("verdict") or {}).get("line", ""))
+    fig.suptitle(verdict.split(" Try:")[0], fontsize="medium", wrap=True)
+    out = Path(out_png)
+    out = out / "time.png" if out.is_dir() else out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(out) as file:
+        fig.savefig(file, format="png", dpi=100)
+    return fig
+
+
+def _read_time_summary(path: Path) -> Mapping[str, Any]:
+    file = path / "time_summary.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"no time summary at {file}: train with DeviceTimeMonitor (it writes one)")
+    loaded: Mapping[str, Any] = json.loads(file.read_text())
+    return loaded

@@ -8,7 +8,8 @@ folder holding files is refused before anything starts, so two runs never mix); 
 - ``checkpoints/``: ``ModelCheckpoint``'s files and, next to each, plain ``.safetensors`` weights;
 - ``memory_summary.json`` (the memory monitor's per-device peaks) and ``memory.png`` (its plot, when
   matplotlib is installed);
-- ``time_summary.json``: the time monitor's per-rank data loading, work and waiting, and its verdict;
+- ``time_summary.json``: the time monitor's per-rank data loading, work and waiting, and its verdict,
+  and ``time.png`` (one bar per rank, when matplotlib is installed);
 - ``predictions.csv`` for ``task: predict``.
 
 Under DDP every process runs this; Lightning's launcher passes the run folder to the processes
@@ -156,8 +157,8 @@ def run_job(cfg: RunConfig) -> int:
             os.environ.pop(RUN_DIR_ENV, None)
     if trainer.is_global_zero:
         seconds = time.monotonic() - start
-        plot_note = _plot_memory(cfg, trainer, run_dir)
-        print(summary(cfg, trainer, run_dir, seconds) + (f"\n{plot_note}" if plot_note else ""))
+        notes = [note for note in (_plot_memory(cfg, trainer, run_dir), _plot_time(run_dir)) if note]
+        print("\n".join([summary(cfg, trainer, run_dir, seconds), *notes]))
     return 0
 
 
@@ -173,6 +174,19 @@ def _plot_memory(cfg: RunConfig, trainer: L.Trainer, run_dir: Path) -> str:
         return f"no memory.png: {err}"
     except ValueError:  # too short a run to log memory (e.g. fewer steps than every_n_steps)
         return ""
+    return ""
+
+
+def _plot_time(run_dir: Path) -> str:
+    """Draw ``time.png`` from ``time_summary.json``; returns why not when it cannot."""
+    if not (run_dir / "time_summary.json").is_file():
+        return ""
+    from lightning_mgpu.plot import plot_time
+
+    try:
+        plot_time(run_dir / "time_summary.json", run_dir / "time.png")
+    except (ImportError, ValueError) as err:
+        return f"no time.png: {err}"
     return ""
 
 
@@ -239,6 +253,8 @@ def _describe_files(trainer: L.Trainer, run_dir: Path) -> list[str]:
             note = "each device's peak memory"
         elif path.name == "time_summary.json":
             note = "each rank's data loading, work and waiting time, and the slow rank"
+        elif path.name == "time.png":
+            note = "each rank's time as one bar: data loading, work, waiting"
         out.append(f"{rel}  {note}".rstrip())
     return out
 

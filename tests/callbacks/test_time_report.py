@@ -1,11 +1,13 @@
-"""DeviceTimeMonitor's verdict, table and JSON: plain per-rank totals in, what rank 0 shows out."""
+"""DeviceTimeMonitor's verdict, table, JSON and plot: plain per-rank totals in, what rank 0 shows out."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+from lightning_mgpu import plot_time
 from lightning_mgpu.callbacks.time_report import RankTime, summary_json, table, verdict
 
 
@@ -82,3 +84,21 @@ def test_table_and_json_show_every_rank_and_the_run() -> None:
 def test_no_step_no_verdict() -> None:
     assert verdict([]).rank is None
     assert table([]).splitlines()[-1] == "Run: 0.0 samples/s"
+
+
+def test_plot_one_bar_per_rank_split_by_phase(tmp_path: Path) -> None:
+    ranks = [rank(0, 1.0, 6.0, 3.0), rank(1, 4.0, 6.0, 0.1)]
+    fig = plot_time(summary_json(ranks, verdict(ranks)), tmp_path)
+    assert (tmp_path / "time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["data loading", "work", "waiting"]
+    # three segments per rank, each as long as that rank's seconds in the phase
+    assert [round(p.get_width(), 6) for p in ax.patches] == [1.0, 4.0, 6.0, 6.0, 3.0, 0.1]
+    assert fig._suptitle.get_text().startswith("Time: rank 1 (cuda:1) is")
+
+
+def test_plot_says_what_is_missing(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no time summary at .*train with DeviceTimeMonitor"):
+        plot_time(tmp_path, tmp_path / "time.png")
+    with pytest.raises(ValueError, match="holds no rank"):
+        plot_time({"ranks": []}, tmp_path / "time.png")

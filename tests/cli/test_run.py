@@ -77,6 +77,8 @@ def test_run_folder_and_summary(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "  time_summary.json  each rank's data loading, work and waiting time" in summary
     assert f"  {times['verdict']['line']}\npeak memory:" in summary
     assert "time per rank:\n  Rank  Device" in summary
+    assert (run_dir / "time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "  time.png  each rank's time as one bar" in summary
     assert "  checkpoints/last.safetensors  plain weights of last.ckpt" in summary
     assert "  checkpoints/final.safetensors  plain weights at the end of fit" in summary
     peak = memory["devices"][0]["peak_rss_bytes"]
