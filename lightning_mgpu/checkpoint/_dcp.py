@@ -38,7 +38,7 @@ from torch import nn
 from lightning_mgpu.checkpoint._dcp_chunk import Layout, chunk_layout, read_chunk, signals_held
 from lightning_mgpu.checkpoint._dcp_index import read_index
 from lightning_mgpu.checkpoint._dcp_plan import Chunk, Record
-from lightning_mgpu.checkpoint._io import read_file
+from lightning_mgpu.checkpoint._io import ReadError, read_file
 from lightning_mgpu.checkpoint._zip_check import Archive, ArchiveCheck, Window
 
 __all__ = ["FORMAT", "ShardedFolder", "Stored"]
@@ -206,7 +206,10 @@ class ShardedFolder:
 
     def _file(self, record: Record) -> BinaryIO:
         if record.file not in self._files:  # a plain name of the folder (_dcp_plan); a link is followed
-            self._files[record.file] = open(self.path / record.file, "rb", buffering=0)  # noqa: SIM115
+            try:
+                self._files[record.file] = open(self.path / record.file, "rb", buffering=0)  # noqa: SIM115
+            except OSError as err:
+                raise ReadError.of(self.path / record.file, err) from None
         return self._files[record.file]
 
     def _read_object(self, key: str) -> Any:

@@ -32,6 +32,7 @@ from typing import Any, BinaryIO, cast
 import torch
 
 from lightning_mgpu.checkpoint._dcp_plan import METADATA, Chunk
+from lightning_mgpu.checkpoint._io import ReadError
 from lightning_mgpu.checkpoint._zip_check import StoredRecord, Window, stored_records
 
 __all__ = ["Layout", "chunk_layout", "read_chunk", "signals_held"]
@@ -197,8 +198,11 @@ def _read_into(file: BinaryIO, path: Path, layout: Layout, buffer: torch.Tensor)
     view = memoryview(buffer.numpy().data).cast("B")
     done = 0
     while done < layout.nbytes:
-        file.seek(layout.start + done)
-        got = file.readinto(view[done:])  # type: ignore[attr-defined]
+        try:
+            file.seek(layout.start + done)
+            got = file.readinto(view[done:])  # type: ignore[attr-defined]
+        except OSError as err:
+            raise ReadError.of(path, err) from None
         if not got:
             raise ValueError(
                 f"{path} ended at byte {layout.start + done:,}, within values it held when checked: "

@@ -38,12 +38,22 @@ import torch
 from lightning_mgpu.checkpoint._safetensors import read_safetensors
 from lightning_mgpu.checkpoint._zip_check import RecordCheck
 
-__all__ = ["LoadedFile", "MappedFile", "read_file", "sniff"]
+__all__ = ["LoadedFile", "MappedFile", "ReadError", "read_file", "sniff"]
 
 _ZIP_MAGIC = b"PK\x03\x04"
 _PICKLE_PROTO = 0x80
 _UNSAFE_GLOBAL = re.compile(r"GLOBAL (\S+) was not an allowed global")
 _BLOCKED = re.compile(r"(\S+) whose module \S+ is blocked")
+
+
+class ReadError(OSError):
+    """Reading a source file failed: the message names that file, never the file being written."""
+
+    @classmethod
+    def of(cls, path: str | os.PathLike[str], err: OSError) -> ReadError:
+        error = cls(f"cannot read {path}: {err.strerror or err}")
+        error.errno = err.errno
+        return error
 
 
 @dataclass
@@ -355,7 +365,10 @@ class MappedFile:
         if position is None:
             return 0
         if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
+            try:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            except OSError as err:
+                raise ReadError.of(self.path, err) from None
         file.flush()
         out, total, done = file.fileno(), tensor.numel() * tensor.element_size(), 0
         copy_range = getattr(os, "copy_file_range", None)

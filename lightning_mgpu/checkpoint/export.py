@@ -13,6 +13,7 @@ import torch
 
 from lightning_mgpu._atomic import WritebackWriter, atomic_write
 from lightning_mgpu.checkpoint._dcp import ShardedFolder
+from lightning_mgpu.checkpoint._io import ReadError
 from lightning_mgpu.checkpoint._prefixes import WRAPPERS, add_prefix, split_top
 from lightning_mgpu.checkpoint._report import human_size
 from lightning_mgpu.checkpoint._safetensors import (
@@ -228,9 +229,10 @@ def export_state_dict(
             if src.check is not None:
                 src.check.verify(src.state_dict)
     except (OSError, RuntimeError) as err:
-        # torch.save reports a failed write as a RuntimeError raised while handling the OSError
+        # torch.save reports a failed write as a RuntimeError raised while handling the OSError;
+        # what failed reading a source says so itself (ReadError), the rest is the target's
         cause = err if isinstance(err, OSError) else err.__context__
-        if not isinstance(cause, OSError) or str(path) in str(cause):
+        if not isinstance(cause, OSError) or isinstance(cause, ReadError) or str(path) in str(cause):
             raise
         error = OSError(f"cannot write {path}: {cause.strerror or cause}")
         error.errno = cause.errno

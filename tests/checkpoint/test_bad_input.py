@@ -195,6 +195,40 @@ def test_disk_full_mid_write_keeps_the_old_file(tmp_path: Path) -> None:
     only_inputs_left(tmp_path, "weights.safetensors", "script.py")
 
 
+def test_a_source_that_cannot_be_read_while_writing_is_named_not_the_target(tmp_path: Path) -> None:
+    # chmod 000 stops no root; running out of file descriptors (RLIMIT_NOFILE) stops anyone: the
+    # export's own file gets one, the 12 shard files it then opens one by one cannot all
+    result = run_script(
+        """
+        import os, resource, torch
+        import torch.distributed.checkpoint as dcp
+        from lightning_mgpu import export_state_dict
+        values = {f"w{i}": torch.full((4,), float(i)) for i in range(12)}
+        dcp.save(values, storage_writer=dcp.FileSystemWriter("ckpt", single_file_per_rank=False))
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64 + max(map(int, os.listdir("/proc/self/fd"))), hard))
+        held = []
+        try:
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            pass
+        for _ in range(3):  # what reading the index needs, the export's own file, and one shard
+            os.close(held.pop())
+        try:
+            export_state_dict("ckpt", "out.safetensors")
+        except OSError as err:
+            print("refused", err.errno, err)
+        """,
+        tmp_path,
+    )
+    assert result.returncode == 0, result.output
+    assert "refused 24 cannot read ckpt/__0_" in result.stdout  # EMFILE
+    assert "Too many open files" in result.stdout
+    assert "out.safetensors" not in result.stdout
+    only_inputs_left(tmp_path, "ckpt", "script.py")
+
+
 def test_fallback_allowlist_for_torch_without_safe_globals(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
