@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 
+from lightning_mgpu.cli._errors import user_errors
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -65,15 +67,16 @@ def add_trust_pickle(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from lightning_mgpu.checkpoint import export_state_dict
 
-    report = export_state_dict(
-        args.checkpoint,
-        args.out,
-        submodule=args.submodule,
-        prefix="module." if args.dataparallel else "",
-        format=args.format,
-        dtype=args.dtype,
-        trust_pickle=args.trust_pickle,
-        key=args.key,
-    )
+    with user_errors(KeyError):  # --key or --submodule naming no entry
+        report = export_state_dict(
+            args.checkpoint,
+            args.out,
+            submodule=args.submodule,
+            prefix="module." if args.dataparallel else "",
+            format=args.format,
+            dtype=args.dtype,
+            trust_pickle=args.trust_pickle,
+            key=args.key,
+        )
     print(report)
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from lightning_mgpu.cli._errors import user_errors
 from lightning_mgpu.cli.export import add_key, add_trust_pickle
 
 
@@ -25,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from lightning_mgpu.checkpoint import inspect_checkpoint
 
-    info = inspect_checkpoint(args.file, trust_pickle=args.trust_pickle, key=args.key)
+    with user_errors(KeyError):  # --key naming no entry
+        info = inspect_checkpoint(args.file, trust_pickle=args.trust_pickle, key=args.key)
     print(info.render(max_per_group=None if args.all else 20))
     return 0

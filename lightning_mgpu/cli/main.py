@@ -4,7 +4,8 @@ Subcommand modules are imported only when their subcommand runs, so
 ``lightning-mgpu --help`` answers without importing torch. Each module provides
 ``add_arguments(parser)`` and ``run(args) -> int``.
 
-Errors a user can fix are printed as one line, without a traceback. Output whose reader stops
+Errors a user can fix (``_errors.USER_ERRORS``) are printed as one line, without a traceback;
+any other error is a bug and shows its traceback. Output whose reader stops
 early (``lightning-mgpu inspect --all f | head``) ends quietly with status 141, as a process ended
 by SIGPIPE does, and Ctrl-C prints one line and ends with status 130, as a shell reports SIGINT
 (files being written are removed first, see ``_atomic``).
@@ -19,6 +20,8 @@ import select
 import sys
 from collections.abc import Sequence
 
+from lightning_mgpu.cli._errors import USER_ERRORS
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("lightning_mgpu.cli.run", "train or predict with a recipe from a YAML config"),
@@ -29,9 +32,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("lightning_mgpu.cli.export", "export plain (or DataParallel) weights from a checkpoint"),
     "inspect": ("lightning_mgpu.cli.inspect", "show what a checkpoint or weights file holds"),
 }
-
-# Errors a user can fix; they are printed as one line, without a traceback.
-_USER_ERRORS = (OSError, ValueError, KeyError, TypeError)
 
 # the status of a process ended by SIGPIPE / SIGINT, as a shell reports it
 _SIGPIPE_EXIT = 128 + 13
@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # is still buffered goes to devnull so that the flush at exit does not fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return _SIGPIPE_EXIT
-    except _USER_ERRORS as err:
+    except USER_ERRORS as err:
         return _user_error(args.command, err)
     except KeyboardInterrupt:
         print(f"lightning-mgpu {args.command}: interrupted", file=sys.stderr)
@@ -85,8 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _user_error(command: str, err: Exception) -> int:
     if os.environ.get("LIGHTNING_MGPU_DEBUG"):
         raise err
-    message = err.args[0] if isinstance(err, KeyError) and err.args else err
-    print(f"lightning-mgpu {command}: error: {message}", file=sys.stderr)
+    print(f"lightning-mgpu {command}: error: {err}", file=sys.stderr)
     return 1
 
 

@@ -14,9 +14,9 @@ mistake is reported with every problem at once and no traceback.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from lightning_mgpu.cli._config_args import add_config_arguments, split_overrides
+from lightning_mgpu.cli._errors import user_errors
 
 
 def _options(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from lightning_mgpu.config import load_config
 
     config, overrides = split_overrides(args)
-    try:
+    with user_errors(ModuleNotFoundError):  # a recipe's optional dependency, e.g. scikit-learn or Pillow
         cfg = load_config(config, overrides)
         if args.print_config:
             from omegaconf import OmegaConf
@@ -43,6 +43,3 @@ def run(args: argparse.Namespace) -> int:
         from lightning_mgpu.runner import run_job
 
         return run_job(cfg)
-    except ModuleNotFoundError as err:  # a recipe's optional dependency, e.g. scikit-learn or Pillow
-        print(f"lightning-mgpu run: error: {err}", file=sys.stderr)
-        return 1
