@@ -1,7 +1,9 @@
 """Turn whatever the user has into one state_dict: a file, a (wrapped) module, a LightningModule, a dict.
 
 - a path is read safely (see ``_io``); a Lightning checkpoint gives its ``"state_dict"``;
-- a training checkpoint dict gives the one entry that is a state_dict (``"model_state_dict"``, ...);
+- a training checkpoint dict gives the one entry that is a state_dict (``"model_state_dict"``, ...),
+  and asks for ``key=`` when several are; an entry of nested dicts of tensors, as a sharded folder
+  keeps ``{"model": {"encoder": ...}}``, is one state_dict, its names joined with dots;
 - a module gives ``module.state_dict()``, whatever wraps it, and the exact prefixes of its wrappers;
 - a LightningModule, or a Lightning checkpoint, marks its keys as starting with the attribute that
   holds the model (``model.``), which export removes when there is one such attribute and keeps
@@ -164,8 +166,32 @@ def _from_file(path: Path, map_location: Any, trust_pickle: bool, key: str | Non
     return src
 
 
+def _weights(value: Any) -> OrderedDict[str, Any] | None:
+    """``value`` as a state_dict, nested mappings' names joined with dots; None unless it is one."""
+    if not isinstance(value, Mapping):
+        return None
+    out: OrderedDict[str, Any] = OrderedDict()
+    stack = [("", iter(value.items()))]
+    while stack:  # not recursive: a crafted file may nest deeper than Python's stack
+        prefix, items = stack[-1]
+        item = next(items, None)
+        if item is None:
+            stack.pop()
+            continue
+        key, inner = item
+        if not isinstance(key, str):
+            return None
+        if isinstance(inner, Mapping):
+            stack.append((prefix + key + ".", iter(inner.items())))
+        elif isinstance(inner, torch.Tensor) or key.endswith("_extra_state"):
+            out[prefix + key] = inner
+        else:
+            return None
+    return out
+
+
 def _weights_entry(value: Any) -> bool:
-    return is_state_dict(value) or (isinstance(value, Mapping) and not value)
+    return _weights(value) is not None
 
 
 def _from_mapping(obj: Mapping[str, Any], where: str, key: str | None = None) -> Source:
@@ -174,12 +200,14 @@ def _from_mapping(obj: Mapping[str, Any], where: str, key: str | None = None) ->
     if not obj or is_state_dict(obj):  # {}: the state_dict of a model without weights
         return Source(OrderedDict(obj), where, "state_dict")
     lightning = any(k in obj for k in _LIGHTNING_KEYS)
-    if _weights_entry(obj.get("state_dict")):
+    state_dict = _weights(obj.get("state_dict"))
+    if state_dict is not None:
         kind = "Lightning checkpoint" if lightning else "checkpoint"
-        return Source(OrderedDict(obj["state_dict"]), where, kind, lightning, obj, "state_dict")
-    candidates = [k for k in obj if isinstance(k, str) and is_state_dict(obj[k])]
+        return Source(state_dict, where, kind, lightning, obj, "state_dict")
+    found = {k: weights for k in obj if isinstance(k, str) and (weights := _weights(obj[k]))}
+    candidates = list(found)
     if len(candidates) == 1:
-        return Source(OrderedDict(obj[candidates[0]]), where, "checkpoint", False, obj, candidates[0])
+        return Source(found[candidates[0]], where, "checkpoint", False, obj, candidates[0])
     keys = ", ".join(shown(k) for k in list(obj)[:12]) + (", ..." if len(obj) > 12 else "")
     if candidates:
         names = ", ".join(repr(k) for k in candidates)
@@ -207,7 +235,7 @@ def _chosen_entry(obj: Mapping[str, Any], where: str, key: str) -> Source:
         )
     lightning = key == "state_dict" and any(k in obj for k in _LIGHTNING_KEYS)
     kind = "Lightning checkpoint" if lightning else "checkpoint"
-    return Source(OrderedDict(obj[key]), where, kind, lightning, obj, key)
+    return Source(_weights(obj[key]) or OrderedDict(), where, kind, lightning, obj, key)
 
 
 def count_values(state_dict: Mapping[str, Any]) -> int:

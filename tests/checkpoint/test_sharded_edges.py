@@ -12,6 +12,7 @@ import pytest
 import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from lightning_mgpu import export_state_dict, inspect_checkpoint
@@ -122,3 +123,31 @@ def test_chunks_that_overlap_or_leave_a_hole_are_refused(tmp_path: Path, change:
     with pytest.raises(ValueError, match=r"\.metadata is corrupt: entry 'w' " + message):
         export_state_dict(folder, tmp_path / "w.safetensors")
     assert not (tmp_path / "w.safetensors").exists()
+
+
+def test_a_folder_holding_several_state_dicts_asks_for_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    torch.manual_seed(0)
+    model, ema = (
+        nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1)),
+        nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1)),
+    )
+    folder = tmp_path / "ckpt"
+    dcp.save({"model": {"enc": model.state_dict()}, "step": 7, "ema": ema.state_dict()}, checkpoint_id=folder)
+
+    with pytest.raises(ValueError, match=r"several state_dicts \('model', 'ema'\); pass key='model'"):
+        export_state_dict(folder, tmp_path / "w.safetensors")
+    assert main(["export", str(folder), str(tmp_path / "w.safetensors")]) == 1
+    assert "--key model" in capsys.readouterr().err
+    assert not (tmp_path / "w.safetensors").exists()
+
+    export_state_dict(folder, tmp_path / "model.safetensors", key="model")  # nested names joined with dots
+    expected = {f"enc.{k}": v for k, v in model.state_dict().items()}
+    torch.testing.assert_close(
+        safetensors.torch.load_file(tmp_path / "model.safetensors"), expected, rtol=0, atol=0
+    )
+    export_state_dict(folder, tmp_path / "ema.safetensors", key="ema")
+    torch.testing.assert_close(
+        safetensors.torch.load_file(tmp_path / "ema.safetensors"), ema.state_dict(), rtol=0, atol=0
+    )
