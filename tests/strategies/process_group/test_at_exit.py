@@ -94,7 +94,7 @@ def test_a_failed_run_exits_1_with_one_line_from_rank_0(tmp_path: Path) -> None:
     assert "terminate called" not in result.output, result.output[-3000:]
     lines = rank0_lines(result.output)
     assert len(lines) == 1, result.output[-3000:]
-    assert "[rank 0] stopped because rank 1 (pid " in lines[0]
+    assert lines[0].startswith("[rank0]: [rank 0] stopped because rank 1 (pid "), lines
     assert lines[0].endswith("failed with RuntimeError: a bad sample on rank 1. Rank 1 prints the traceback.")
     report = tmp_path / "exit_rank0.txt"
     if report.exists():  # the main thread's way: the watchdog's thread stopped before the group went
@@ -115,6 +115,6 @@ def test_the_watchdogs_stop_and_the_main_threads_exit_do_not_race(tmp_path: Path
     assert "recvValue failed" not in rank0, rank0[-3000:]
     lines = rank0_lines(rank0)
     assert len(lines) == 1, rank0[-3000:]
-    # the watchdog's line (torch's "[rank0]: " marks the main thread's) is the one the main thread prints
-    assert lines[0].startswith("[rank 0] stopped because rank 1 (pid "), lines
+    # the watchdog's line is the one the main thread prints
+    assert lines[0].startswith("[rank0]: [rank 0] stopped because rank 1 (pid "), lines
     assert lines[0].endswith("failed with RuntimeError: a bad sample on rank 1. Rank 1 prints the traceback.")

@@ -57,9 +57,11 @@ def stop_process(
 ) -> NoReturn:
     """Say why this rank stops, wait up to ``grace`` s for the others to read it, then end the process."""
     out = sys.stderr
-    if verdict.origin >= 0:  # the line the main thread prints when its collective fails first
+    if verdict.origin >= 0:
+        # the line the main thread prints when its collective fails first, with the "[rank<N>]: "
+        # torch's excepthook puts in front of an uncaught exception's lines
         traceback = f"Rank {verdict.origin} prints the traceback."
-        out.write(f"[rank {rank}] stopped because {verdict.message}. {traceback}\n")
+        out.write(f"[rank{rank}]: [rank {rank}] stopped because {verdict.message}. {traceback}\n")
     else:
         stopping = f"stopping this process (pid {os.getpid()}) so the run does not hang"
         out.write(f"[rank {rank}] lightning_mgpu: {verdict.message}; {stopping}\n")
