@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_mgpu._words import counted
 from lightning_mgpu.devices import MiB, format_bytes
 
 # reading kind -> its fields, in the order they travel between ranks; all bytes
@@ -302,7 +303,10 @@ def oom_guidance(error: BaseException, ctx: OOMContext, readings: list[Reading])
     if b is not None:
         ok_text = f"the largest that finished a step so far is {ok}" if ok else "no step has finished yet"
         target = ok if ok and ok < b else max(1, b // 2)
-        lines.append(f"  - batch: {b} rows per device now; {ok_text}; try {target} rows per device.")
+        lines.append(
+            f"  - batch: {counted(b, 'row')} per device now; {ok_text};"
+            f" try {counted(target, 'row')} per device."
+        )
         steps = math.ceil(b * ctx.accumulate / target)
         loader = target * ctx.devices_used if ctx.strategy == "mgpu_dp" else target
         lines.append(

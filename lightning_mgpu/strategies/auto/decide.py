@@ -35,6 +35,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_mgpu._words import counted
 from lightning_mgpu.strategies.auto.facts import EnvironmentFacts
 from lightning_mgpu.strategies.auto.model_memory import (
     ModelMemory,
@@ -125,7 +126,8 @@ def decide(
         ):
             options["process_group_backend"] = "gloo"
             reason += "; NCCL is missing from this torch build, so the gloo backend is used"
-        log.debug("%d %s device(s) x %d node(s), %s", devices, device_type, num_nodes, facts)
+        where = f"{counted(devices, device_type + ' device')} x {counted(num_nodes, 'node')}"
+        log.debug("%s, %s", where, facts)
         log.debug("-> %s: %s", strategy, reason)
         return StrategyChoice(strategy, reason, devices, num_nodes, options)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from lightning_mgpu._words import counted
 from lightning_mgpu.devices import cuda_devices, format_bytes, parse_bytes
 from lightning_mgpu.estimate.optimizer_state import OptimizerState, count_optimizer_state
 from lightning_mgpu.estimate.predict import model_state_estimate
@@ -156,8 +157,9 @@ def shortfall_reason(memory: ModelMemory) -> str:
     return (
         f"the model does not fit a device of {format_bytes(memory.device_memory)} even sharded: its"
         f" {_contents(memory)} take {format_bytes(memory.whole)} whole with {_peak(memory)} and"
-        f" {format_bytes(memory.sharded)} per device sharded over {memory.world} process(es) with"
-        f" {_sharded_peak(memory)} ({_on_top(memory)}); {fix}"
+        f" {format_bytes(memory.sharded)} per device sharded over"
+        f" {counted(memory.world, 'process', 'processes')} with {_sharded_peak(memory)} ({_on_top(memory)});"
+        f" {fix}"
     )
 
 

@@ -19,6 +19,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_mgpu._words import counted
 from lightning_mgpu.losses import replica_step_context
 from lightning_mgpu.strategies.dp.lockstep import Lockstep, manual_optimization_hooks, record_exit
 from lightning_mgpu.strategies.dp.metrics import ReplicaMetrics
@@ -67,10 +68,10 @@ class ReplicaStep:
             return [0]
         sizes = split_sizes(rows, devices)
         log.debug(
-            "batch of %d rows split over %d of %d devices as %s",
-            rows,
+            "batch of %s split over %d of %s as %s",
+            counted(rows, "row"),
             len(sizes),
-            devices,
+            counted(devices, "device"),
             sizes,
         )
         if len(set(sizes)) > 1 and not self._warned_uneven:

@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_mgpu._words import counted, ranks
+
 __all__ = ["DESCRIPTION", "FATAL", "OK", "RETRY", "Agreement", "PeerOutOfMemory", "Shadow", "Verdict"]
 
 log = logging.getLogger(__name__)
@@ -143,8 +145,9 @@ class Agreement:
         description = [int(n) // announcing for n in summed.tolist()]
         if [n * announcing for n in description] != [int(n) for n in summed.tolist()] or self.shadow is None:
             raise RuntimeError(
-                f"rank {self.rank} left its pass after an out-of-memory error, and {announcing} rank(s)"
-                f" announced collectives it cannot run with them (summed description {summed.tolist()});"
+                f"rank {self.rank} left its pass after an out-of-memory error, and"
+                f" {counted(announcing, 'rank')} announced collectives it cannot run with them (summed"
+                f" description {summed.tolist()});"
                 " the run stops here rather than leave them waiting"
             )
         log.debug("rank %d runs the collective %s with the ranks still in their pass", self.rank, description)
@@ -157,7 +160,7 @@ class Agreement:
         vector = self._exchange(OK, None, at_end=False)
         if vector[: self.world].any():
             failed = [rank for rank, s in enumerate(vector[: self.world].tolist()) if s]
-            raise PeerOutOfMemory(f"rank(s) {failed} ran out of memory: this attempt is abandoned")
+            raise PeerOutOfMemory(f"{ranks(failed)} ran out of memory: this attempt is abandoned")
 
     def most(self, value: int) -> int:
         """The largest ``value`` over the ranks (the number of micro-batches every rank runs)."""

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_mgpu._words import counted
 from lightning_mgpu.estimate.predict import estimate_memory
 from lightning_mgpu.strategies.microbatch.host import MicroBatchHost
 
@@ -120,10 +121,10 @@ def estimated_start(
         return None
     start = start_from_estimate(estimate, rows, kind, replicas)
     log.info(
-        "micro_batch_size='auto': the estimate (%s) says %s of %d rows fit %s",
+        "micro_batch_size='auto': the estimate (%s) says %s of %s fit %s",
         kind,
         "all" if start is None else start,
-        rows,
+        counted(rows, "row"),
         device,
     )
     return start

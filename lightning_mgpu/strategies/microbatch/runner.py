@@ -40,6 +40,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_mgpu._words import counted, ranks
 from lightning_mgpu.losses import MicroCounts, micro_counts
 from lightning_mgpu.oom import is_out_of_memory
 from lightning_mgpu.strategies.microbatch.agreement import FATAL, OK, RETRY, Agreement, PeerOutOfMemory
@@ -190,7 +191,7 @@ class MicroBatchRunner:
                     if not (self.sizes.auto and is_out_of_memory(err)):
                         self._metrics.forget_attempt()
                         raise
-                    attempts.append(f"{tried} rows (out of memory in {self._phase})")
+                    attempts.append(f"{counted(tried, 'row')} (out of memory in {self._phase})")
                     status = self._recover(tried, rows, where)
                 if done is None:
                     self._drop(grads, lockstep)
@@ -203,7 +204,7 @@ class MicroBatchRunner:
                 break
             others = [rank for rank, s in verdict.statuses.items() if s != OK and rank != self._rank()]
             if others:
-                log.debug("rank(s) %s ran out of memory at %s: waiting for the rerun", others, where)
+                log.debug("%s ran out of memory at %s: waiting for the rerun", ranks(others), where)
             if lockstep is not None and done is not None:
                 done = None  # another rank failed after this one's last checkpoint: all run it again
                 self._drop(grads, lockstep)
@@ -216,7 +217,9 @@ class MicroBatchRunner:
         self.sizes.ran(rows, max(done.sizes))
         grown = self.sizes.succeeded()
         if grown is not None:
-            log.info("[rank %d] micro-batches grow to %d rows after clean batches", self._rank(), grown)
+            log.info(
+                "[rank %d] micro-batches grow to %s after clean batches", self._rank(), counted(grown, "row")
+            )
         # each micro-batch's share of a global_mean loss: the weight its gradients got
         shares = None if scale is None else [c * scale for c in done.counts]
         return self._combine(module, done, shares)
@@ -238,8 +241,8 @@ class MicroBatchRunner:
         parts = agreement.most(parts)
         if parts > rows:
             raise ValueError(
-                f"micro_batch_size: at {where} this rank has {rows} rows but another rank's batch needs"
-                f" {parts} micro-batches, and under {self.strategy.strategy_name}"
+                f"micro_batch_size: at {where} this rank has {counted(rows, 'row')} but another rank's batch"
+                f" needs {parts} micro-batches, and under {self.strategy.strategy_name}"
                 " every rank must run the same number. Give every rank batches of the same size (a"
                 " DistributedSampler does, with drop_last=True for the last batch)."
             )
@@ -338,14 +341,14 @@ class MicroBatchRunner:
         if self.sizes.out_of_memory(tried) is None:
             return FATAL
         log.warning(
-            "[rank %d] out of memory in %s at %s with micro-batches of %d rows: running the batch again"
-            " in micro-batches of %d rows (%d rows on this rank; the global batch is unchanged)",
+            "[rank %d] out of memory in %s at %s with micro-batches of %s: running the batch again"
+            " in micro-batches of %s (%s on this rank; the global batch is unchanged)",
             self._rank(),
             self._phase,
             where,
-            tried,
-            self.sizes.rows(rows),
-            rows,
+            counted(tried, "row"),
+            counted(self.sizes.rows(rows), "row"),
+            counted(rows, "row"),
         )
         return RETRY
 
@@ -364,7 +367,7 @@ class MicroBatchRunner:
                 " checkpointing) or shard the model (strategy='mgpu_fsdp')."
             )
         return MicroBatchOutOfMemoryError(
-            f"[rank {self._rank()}] stopping: rank(s) {failed} ran out of memory at {where} even"
+            f"[rank {self._rank()}] stopping: {ranks(failed)} ran out of memory at {where} even"
             " with micro-batches of 1 row; their error says what was tried"
         )
 

@@ -10,6 +10,8 @@ import logging
 import math
 from dataclasses import dataclass
 
+from lightning_mgpu._words import counted
+
 __all__ = ["MicroBatchSizes", "Shrink"]
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ class MicroBatchSizes:
         """Start ``"auto"`` at ``size`` rows instead of the whole batch (before any batch ran)."""
         if self.auto and self.size is None and self.failed is None:
             self.size = size
-            log.debug("first micro-batch size: %d rows", size)
+            log.debug("first micro-batch size: %s", counted(size, "row"))
 
     def rows(self, batch_rows: int) -> int:
         """Rows of the largest micro-batch a batch of ``batch_rows`` rows runs in."""
@@ -81,7 +83,9 @@ class MicroBatchSizes:
         if tried <= 1:
             return None
         self.size = tried // 2
-        log.debug("out of memory with %d rows: next %d, never %d or more again", tried, self.size, tried)
+        log.debug(
+            "out of memory with %s: next %d, never %d or more again", counted(tried, "row"), self.size, tried
+        )
         return Shrink(tried, self.size)
 
     def succeeded(self) -> int | None:
@@ -97,7 +101,12 @@ class MicroBatchSizes:
         grown = _largest_part(largest, min(self.size * 2, ceiling))
         if grown <= _largest_part(largest, self.size):
             return None
-        log.debug("%d clean batches: micro-batches of %d rows grow to %d", self.grow_after, self.size, grown)
+        log.debug(
+            "%s: micro-batches of %s grow to %d",
+            counted(self.grow_after, "clean batch", "clean batches"),
+            counted(self.size, "row"),
+            grown,
+        )
         self.size = None if self.failed is None and grown >= largest else grown
         return grown
 

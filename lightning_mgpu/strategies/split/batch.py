@@ -29,6 +29,8 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection, is_dataclass_instance, is_namedtuple
 from torch import Tensor
 
+from lightning_mgpu._words import counted
+
 __all__ = [
     "SPLIT_HOOK",
     "SplitsBatchRows",
@@ -179,11 +181,11 @@ class _Cutter:
 
     def _ambiguous(self, obj: Sequence[Any], path: str) -> ValueError:
         return ValueError(
-            f"{self.feature} cuts the batch's {self.rows} rows into parts, but {path} is a"
-            f" {type(obj).__name__} of {len(obj)} items, not one per row, so which items go with which"
-            f" rows is unknown. Define `{SPLIT_HOOK}(self, batch, sizes)` on the LightningModule to return"
-            " the parts (part i holds the next sizes[i] rows), or make it a tensor or a list of one item"
-            " per row."
+            f"{self.feature} cuts the batch's {counted(self.rows, 'row')} into parts, but {path} is a"
+            f" {type(obj).__name__} of {counted(len(obj), 'item')}, not one per row, so which items go with"
+            f" which rows is unknown. Define `{SPLIT_HOOK}(self, batch, sizes)` on the LightningModule to"
+            " return the parts (part i holds the next sizes[i] rows), or make it a tensor or a list of one"
+            " item per row."
         )
 
 

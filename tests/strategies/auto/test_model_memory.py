@@ -119,7 +119,7 @@ def test_a_model_whose_shards_do_not_fit_either_keeps_mgpu_ddp_with_the_numbers(
     assert choice.reason == (
         "2 devices in a script: one process per device; but the model does not fit a device of 16.00 MiB"
         " even sharded: its parameters and gradients take 54.00 MiB whole with DDP's gradient buckets and"
-        " 22.00 MiB per device sharded over 2 process(es) with the largest unit gathered (optimizer state not"
+        " 22.00 MiB per device sharded over 2 processes with the largest unit gathered (optimizer state not"
         " counted: no optimizer given, and the model has no configure_optimizers; activations come on top);"
         " use at least 4 devices (devices=, num_nodes=) or a lower precision"
     )  # over 3 devices the 1024 rows of each weight pad to 3 x 342: 12.02 MiB of shards and the 4 MiB block

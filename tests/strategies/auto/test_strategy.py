@@ -130,7 +130,7 @@ def test_the_debug_log_gives_the_facts_and_the_reason(caplog: pytest.LogCaptureF
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="mgpu_auto", **QUIET)
     assert type(trainer.strategy) is MGPUDDPStrategy
     debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
-    facts = "2 cpu device(s) x 1 node(s), EnvironmentFacts(interactive=False,"
+    facts = "2 cpu devices x 1 node, EnvironmentFacts(interactive=False,"
     assert any(m.startswith(facts) for m in debug), debug
     assert "-> mgpu_ddp: 2 devices in a script: one process per device" in debug, debug
     # and the strategy it became says how it will launch and which backend it takes

@@ -319,9 +319,9 @@ def assert_both_ranks_stopped(result: Any) -> None:
     assert (
         "[rank 1] out of memory at batch 0 of epoch 0 even with micro-batches of 1 row. Attempts on this"
         " rank: 8 rows (out of memory in forward); 4 rows (out of memory in forward); 2 rows (out of memory"
-        " in forward); 1 rows (out of memory in forward)." in result.output
+        " in forward); 1 row (out of memory in forward)." in result.output
     ), result.output
     assert (
-        "[rank 0] stopping: rank(s) [1] ran out of memory at batch 0 of epoch 0 even with micro-batches"
+        "[rank 0] stopping: rank 1 ran out of memory at batch 0 of epoch 0 even with micro-batches"
         " of 1 row" in result.output
     ), result.output
