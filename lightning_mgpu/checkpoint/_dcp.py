@@ -37,7 +37,7 @@ from torch import nn
 
 from lightning_mgpu.checkpoint._dcp_chunk import Layout, chunk_layout, read_chunk, signals_held
 from lightning_mgpu.checkpoint._dcp_index import read_index
-from lightning_mgpu.checkpoint._dcp_plan import Chunk, Record
+from lightning_mgpu.checkpoint._dcp_plan import Chunk, Record, in_folder
 from lightning_mgpu.checkpoint._io import ReadError, read_file
 from lightning_mgpu.checkpoint._zip_check import Archive, ArchiveCheck, Window
 
@@ -114,8 +114,11 @@ class ShardedFolder:
             for part in path[:-1]:
                 node = node.setdefault(part, {})
             node[path[-1]] = value
-        if (self.path / _LIGHTNING_META).is_file():
-            extra = read_file(self.path / _LIGHTNING_META, trust_pickle=self._trust_pickle).obj
+        meta = self.path / _LIGHTNING_META
+        if meta.is_symlink():
+            in_folder(self.path, meta)
+        if meta.is_file():
+            extra = read_file(meta, trust_pickle=self._trust_pickle).obj
             if isinstance(extra, Mapping):
                 entries.update((k, v) for k, v in extra.items() if k not in entries)
         log.debug("%s: %d tensors, top-level entries %s", self.path, len(tensors), list(entries))
@@ -205,7 +208,7 @@ class ShardedFolder:
         return chunk_layout(self._file(chunk.record), self.path / chunk.record.file, key, chunk, dtype)
 
     def _file(self, record: Record) -> BinaryIO:
-        if record.file not in self._files:  # a plain name of the folder (_dcp_plan); a link is followed
+        if record.file not in self._files:  # a plain name of the folder, no link out of it (_dcp_plan)
             try:
                 self._files[record.file] = open(self.path / record.file, "rb", buffering=0)  # noqa: SIM115
             except OSError as err:

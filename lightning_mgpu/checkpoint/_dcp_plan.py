@@ -13,10 +13,10 @@ index into an :class:`Index` of small frozen records, or raises naming the file 
   never larger than the bytes the folder holds for it, so nothing larger is ever allocated;
 - no two entries are placed at the same nested name, nor one inside another.
 
-A shard file may be a symbolic link, and is then read where it points, as the Hugging Face cache
-lays out its snapshots: a link is put there by whoever owns the folder, while the index, which may
-come from anywhere, can only name files of the folder. The unpickled objects are dropped once
-checked: time and memory grow linearly with the number of entries.
+A folder reads only itself: a shard, ``.metadata`` or ``meta.pt`` that is a symbolic link resolving
+outside the folder is refused (:func:`in_folder`), naming the link; a link to another file of the
+folder is followed. The unpickled objects are dropped once checked: time and memory grow linearly
+with the number of entries.
 """
 
 from __future__ import annotations
@@ -34,7 +34,17 @@ import torch
 
 from lightning_mgpu.checkpoint._report import shown
 
-__all__ = ["DTYPES", "METADATA", "Chunk", "Index", "Record", "TensorEntry", "check_index", "regular_file"]
+__all__ = [
+    "DTYPES",
+    "METADATA",
+    "Chunk",
+    "Index",
+    "Record",
+    "TensorEntry",
+    "check_index",
+    "in_folder",
+    "regular_file",
+]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +120,16 @@ def check_index(folder: Path, loaded: Any) -> Index:
             regular file; the message names the file and the entry.
     """
     return _Checker(folder, loaded).index()
+
+
+def in_folder(folder: Path, path: Path) -> None:
+    """Raise ValueError when ``path``, a name in ``folder``, is a link that resolves outside it."""
+    home, real = Path(os.path.realpath(folder)), Path(os.path.realpath(path))
+    if home not in real.parents:
+        raise ValueError(
+            f"{path} is a link to {real}, outside {folder}: a checkpoint folder is read only from its own "
+            "files, so it was not followed; copy that file into the folder in place of the link"
+        )
 
 
 def regular_file(path: Path, holds: str = "") -> os.stat_result:
@@ -243,6 +263,7 @@ class _Checker:
                 "rank's files included."
             )
         for name, ranges in sorted(spans.items()):
+            in_folder(self.folder, self.folder / name)
             size = regular_file(self.folder / name, _some([k for _, _, k in ranges])).st_size
             ranges.sort()
             reach, holder = 0, ""

@@ -235,6 +235,17 @@ def transposed(folder: Path) -> str | None:
     return appended(WEIGHT, (8, 0), values.t().contiguous().t())(folder)
 
 
+def linked_from_outside(name: str) -> Callable[[Path], str | None]:
+    """``name`` moved out of the folder, and a link to it left in its place: reading it would "work"."""
+
+    def change(folder: Path) -> None:
+        target = outside(folder) / f"{folder.name}-{name}"
+        (folder / name).rename(target)
+        (folder / name).symlink_to(target)
+
+    return files(change)
+
+
 def outside(folder: Path) -> Path:
     """The folder beside the variants' (``root/outside``), holding :data:`SECRET`."""
     return folder.parent.parent / "outside"

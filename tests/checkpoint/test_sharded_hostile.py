@@ -32,6 +32,7 @@ from tests.checkpoint._hostile import (
     edit,
     files,
     flip,
+    linked_from_outside,
     marker_of,
     outside,
     payload_chunk,
@@ -270,14 +271,11 @@ VARIANTS = [
         refused=False,
     ),
     Variant("chunk_savedtransposed", transposed, "", inspect_ok=True, refused=False),
-    # a shard linked from elsewhere, as the Hugging Face cache links its files: followed
-    Variant(
-        "shard_a_link_outside",
-        replace_with(M8, lambda p: p.symlink_to(outside(p.parent) / SECRET)),
-        "",
-        inspect_ok=True,
-        refused=False,
-    ),
+    # files linked from outside the folder, each a copy of what was there: a folder reads only itself
+    Variant("shard_a_link_outside", replace_with(M8, lambda p: p.symlink_to(outside(p.parent) / SECRET)), M8),
+    Variant("shard_moved_out_and_linked", linked_from_outside(M8), M8),
+    Variant("index_moved_out_and_linked", linked_from_outside(M0), M0),
+    Variant("meta_pt_moved_out_and_linked", linked_from_outside("meta.pt"), "meta.pt"),
 ]
 
 
@@ -326,7 +324,7 @@ def test_a_damaged_folder(
         assert command["code"] is not None, command["stderr"]
         assert "Traceback" not in command["stderr"], command["stderr"]
     assert load["traceback"] is None, load["traceback"]
-    assert result["outside"] == []  # a link in the folder is opened by its own name, inside it
+    assert result["outside"] == []  # nothing outside the folder is opened, through a link or not
     largest = max(v.numel() * v.element_size() for v in fsdp_run[1].values())
     assert result["largest"] <= largest
     assert not marker_of(folder).exists()  # no payload ran
