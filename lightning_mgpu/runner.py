@@ -13,7 +13,8 @@ folder holding files is refused before anything starts, so two runs never mix); 
 - ``predictions.csv`` for ``task: predict``.
 
 Under DDP every process runs this; Lightning's launcher passes the run folder to the processes
-it starts through ``LIGHTNING_MGPU_RUN_DIR``, and only rank 0 writes the config and the summary.
+it starts through ``LIGHTNING_MGPU_RUN_DIR``, and only rank 0 writes the config and returns the
+summary (``lightning-mgpu run`` prints it).
 
 A job SLURM requeued (``SLURM_RESTART_COUNT`` set, after a time limit's signal made Lightning
 save ``hpc_ckpt_<n>.ckpt`` in the run folder and requeue it) comes back to a run folder that holds
@@ -34,6 +35,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import OmegaConf
 
 from lightning_mgpu.callbacks.predictions import PredictionCSV
@@ -107,16 +109,15 @@ def continue_requeued(run_dir: Path, restarts: int) -> bool:
     if metrics.is_file():
         metrics.rename(run_dir / f"metrics-attempt{restarts}.csv")
     job = os.environ.get("SLURM_JOB_ID", "?")
-    print(
+    rank_zero_info(
         f"SLURM job {job} requeued ({restarts} time(s)): going on in {run_dir}, where its earlier attempt"
         " left its files; Lightning resumes from the newest hpc_ckpt_*.ckpt there"
     )
-    log.info("run folder %s: the requeued job's own, attempt %d", run_dir, restarts + 1)
     return True
 
 
-def run_job(cfg: RunConfig) -> int:
-    """Build everything ``cfg`` describes, run its task, print the summary (rank 0). Returns the exit code.
+def run_job(cfg: RunConfig) -> str | None:
+    """Build everything ``cfg`` describes and run its task; returns rank 0's closing summary, else ``None``.
 
     Raises:
         ValueError: settings Lightning refuses, or a global batch that does not divide over the processes.
@@ -158,8 +159,8 @@ def run_job(cfg: RunConfig) -> int:
     if trainer.is_global_zero:
         seconds = time.monotonic() - start
         notes = [note for note in (_plot_memory(cfg, trainer, run_dir), _plot_time(run_dir)) if note]
-        print("\n".join([summary(cfg, trainer, run_dir, seconds), *notes]))
-    return 0
+        return "\n".join([summary(cfg, trainer, run_dir, seconds), *notes])
+    return None
 
 
 def _plot_memory(cfg: RunConfig, trainer: L.Trainer, run_dir: Path) -> str:

@@ -8,14 +8,13 @@ import logging
 import math
 import os
 import re
-import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils._pytree import tree_flatten
 from typing_extensions import override
 
@@ -54,12 +53,13 @@ class DeviceMemoryMonitor(Callback):
       process, when it fails.
     - ``memory/imbalance`` is the largest device's peak divided by the mean; above
       ``imbalance_threshold`` it warns once, naming the likely cause in this run.
-    - At the end of ``fit`` rank 0 prints an ``nvidia-smi``-like table and writes the
+    - At the end of ``fit`` rank 0 logs an ``nvidia-smi``-like table (``rank_zero_info``,
+      on stderr unless logging is configured otherwise) and writes the
       same data to ``<trainer.log_dir>/memory_summary.json``; under a strategy given
       ``micro_batch_size=``, the rows per micro-batch each rank's last batch really ran in too.
     - When a step runs out of memory (``torch.cuda.OutOfMemoryError`` or ``MemoryError``)
-      the failing rank prints which device failed, what every device held (other ranks'
-      devices as last gathered) and options computed from the run; the original exception
+      the failing rank logs (``logging``, level ERROR) which device failed, what every device
+      held (other ranks' devices as last gathered) and options computed from the run; the original exception
       is then raised as usual. This path runs no collective, so it cannot hang: the other
       ranks stop when their next collective loses the failed rank (``mgpu_ddp`` names the rank that failed).
 
@@ -87,7 +87,7 @@ class DeviceMemoryMonitor(Callback):
         imbalance_threshold: warn once when ``memory/imbalance`` exceeds this.
         summary_file: JSON written at the end of fit, relative to ``trainer.log_dir``;
             ``None`` writes none.
-        print_summary: whether rank 0 prints the end-of-fit table.
+        print_summary: whether rank 0 logs the end-of-fit table.
         flush_every_n_steps: hand the readings taken so far to the loggers at the first log
             at least this many training batches after the previous hand-over (under DDP after
             one all-gather of every rank's readings). Batching keeps logging every step cheap
@@ -210,7 +210,7 @@ class DeviceMemoryMonitor(Callback):
             return
         rows, sizes = list(self.summary.devices.values()), self.summary.micro_batches
         if self.print_summary:
-            print(report.table(rows, "Device memory over the fit (peaks):", sizes), flush=True)
+            rank_zero_info(report.table(rows, "Device memory over the fit (peaks):", sizes))
         if self.summary_file is not None:
             _write_json(os.path.join(log_dir, self.summary_file), self.summary.as_json())
 
@@ -228,7 +228,7 @@ class DeviceMemoryMonitor(Callback):
             message = self._oom_message(trainer, exception)
         except Exception as err:  # pragma: no cover - defensive
             message = f"DeviceMemoryMonitor could not describe the out-of-memory error: {err!r}"
-        print(message, file=sys.stderr, flush=True)
+        log.error(message)  # from the rank that ran out
 
     def _oom_message(self, trainer: Trainer, exception: BaseException) -> str:
         local = self._read(trainer, reset_peak=False)

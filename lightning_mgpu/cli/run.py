@@ -42,4 +42,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         from lightning_mgpu.runner import run_job
 
-        return run_job(cfg)
+        closing = run_job(cfg)  # rank 0's summary; None on the other ranks
+    if closing is not None:
+        print(closing)
+    return 0

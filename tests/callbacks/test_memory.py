@@ -79,7 +79,7 @@ def dataset(n: int = 32) -> TensorDataset:
 
 
 def test_single_process_interval_final_log_and_summary_file(
-    tmp_path: Path, capsys: pytest.CaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     monitor = DeviceMemoryMonitor(every_n_steps=3, summary_file="mem.json", print_summary=False)
     trainer = fit(tmp_path, monitor, DataLoader(dataset(), batch_size=4), Small(), logger=CSVLogger(tmp_path))
@@ -91,7 +91,7 @@ def test_single_process_interval_final_log_and_summary_file(
     summary = json.loads((Path(trainer.log_dir) / "mem.json").read_text())
     assert summary["devices"][0]["device"] == "cpu:rank0"
     assert summary["logs"] == 3
-    assert "Device memory over the fit" not in capsys.readouterr().out
+    assert "Device memory over the fit" not in caplog.text
 
 
 def test_gradient_accumulation_logs_once_per_optimizer_step(tmp_path: Path) -> None:
@@ -108,7 +108,9 @@ def summary_logs(root: Path) -> int:
     return int(json.loads(next(root.rglob("memory_summary.json")).read_text())["logs"])
 
 
-def test_without_logger_warns_and_still_writes_summary(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_without_logger_warns_and_still_writes_summary(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     with pytest.warns(UserWarning, match="no logger"):
         fit(
             tmp_path,
@@ -118,11 +120,11 @@ def test_without_logger_warns_and_still_writes_summary(tmp_path: Path, capsys: p
             logger=False,
         )
     assert json.loads((tmp_path / "memory_summary.json").read_text())["devices"][0]["device"] == "cpu:rank0"
-    assert "| cpu:rank0 | CPU process |" in capsys.readouterr().out
+    assert "| cpu:rank0 | CPU process |" in caplog.text
 
 
 def test_out_of_memory_reports_batches_and_options_then_reraises(
-    tmp_path: Path, capsys: pytest.CaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     batches = [list(range(0, 2)), list(range(2, 6)), list(range(6, 14))]  # 2, 4, then 8 rows
     loader = DataLoader(dataset(16), batch_sampler=batches)
@@ -136,7 +138,7 @@ def test_out_of_memory_reports_batches_and_options_then_reraises(
         )
     # the readings of the steps before the failure still reach the logger, for the plot
     assert [int(r["step"]) for r in memory_rows(tmp_path)] == [0, 1]
-    err = capsys.readouterr().err
+    err = caplog.text
     assert "Out of memory on cpu:rank0 (rank 0) at step 2: MemoryError: cannot allocate memory" in err
     assert "| cpu:rank0 | CPU process |" in err
     assert (
@@ -147,14 +149,14 @@ def test_out_of_memory_reports_batches_and_options_then_reraises(
     assert "mgpu_ddp instead" not in err  # only offered to mgpu_dp runs
 
 
-def test_other_errors_print_no_guidance(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_other_errors_print_no_guidance(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     class Broken(Small):
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             raise ValueError("a bug")
 
     with pytest.raises(ValueError, match="a bug"):
         fit(tmp_path, DeviceMemoryMonitor(), DataLoader(dataset(8), batch_size=4), Broken(), logger=False)
-    assert "Out of memory" not in capsys.readouterr().err
+    assert "Out of memory" not in caplog.text
 
 
 def test_bad_arguments() -> None:
@@ -219,7 +221,7 @@ class OutOfMemoryOnThirdBatch(WideRows):
         return super().training_step(batch, batch_idx)
 
 
-def test_dp_out_of_memory_offers_mgpu_ddp(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_dp_out_of_memory_offers_mgpu_ddp(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -233,7 +235,7 @@ def test_dp_out_of_memory_offers_mgpu_ddp(tmp_path: Path, capsys: pytest.Capture
     )
     with pytest.raises(MemoryError, match="replica could not allocate"):
         trainer.fit(OutOfMemoryOnThirdBatch(), DataLoader(TensorDataset(torch.randn(32, 64)), batch_size=8))
-    err = capsys.readouterr().err
+    err = caplog.text
     assert "Out of memory on cpu:rank0 (rank 0) at step 2" in err
     assert "| cpu:replica0 | CPU replica |" in err
     assert "4 rows per device now; the largest that finished a step so far is 4" in err
@@ -305,7 +307,7 @@ def test_likely_causes_name_each_known_cause() -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_keys_table_and_oom(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_cuda_keys_table_and_oom(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     class Big(Small):
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             if batch_idx == 2:
@@ -324,7 +326,7 @@ def test_cuda_keys_table_and_oom(tmp_path: Path, capsys: pytest.CaptureFixture) 
     )
     with pytest.raises(torch.cuda.OutOfMemoryError):
         trainer.fit(Big(), loader)
-    err = capsys.readouterr().err
+    err = caplog.text
     assert "Out of memory on cuda:0 (rank 0) at step 2" in err
     assert f"| cuda:0 | {torch.cuda.get_device_name(0)} |" in err
     rows = memory_rows(tmp_path)

@@ -81,7 +81,7 @@ print("LOG_DIR", t.log_dir)
     assert "tensors kept on cpu:rank0 only" in result.output
     # one table, printed by rank 0, holding both ranks
     assert result.output.count("Device memory over the fit (peaks):") == 1
-    table = result.stdout.split("Device memory over the fit (peaks):")[1]
+    table = result.stderr.split("Device memory over the fit (peaks):")[1]  # logged, on stderr
     assert "| cpu:rank0 | CPU process |" in table
     assert "| cpu:rank1 | CPU process |" in table
     log_dir = Path(result.stdout.split("LOG_DIR ")[1].split()[0])

@@ -192,7 +192,7 @@ def test_the_memory_monitor_and_the_estimate_show_each_rank_half_of_the_model_st
     for rank in (0, 1):
         assert 0.45 * whole <= held[f"cpu:rank{rank}"] <= 0.55 * whole
         assert held[f"cpu:rank{rank}"] == sum(measured[rank]["local"].values())
-    assert "Model state (rank)" in result.stdout.split("Device memory over the fit (peaks):")[1]
+    assert "Model state (rank)" in result.stderr.split("Device memory over the fit (peaks):")[1]  # logged
     # the estimate's fullest rank, padding included, is rank 0's shards (less AdamW's six step counts)
     model = Reference()
     optimizer = torch.optim.AdamW(model.parameters())
