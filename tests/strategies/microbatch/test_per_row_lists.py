@@ -1,9 +1,9 @@
 """A per-row list in the batch (``default_collate``'s list of string ids) goes with its rows into every part.
 
-Under ``micro_batch_size`` (fixed, and under ``"auto"`` after a real out-of-memory) and over ``mgpu_dp``'s
-replicas each part's ids are its rows' ids; predictions bring them back whole and in order. A list that
-is not one item per row is refused at the first batch, before any out-of-memory, naming the entry and the
-``split_batch_rows`` hook, which then cuts the batch.
+Under ``micro_batch_size`` (fixed, and under ``"auto"`` after a real out-of-memory), on ``mgpu_ddp``'s
+ranks and over ``mgpu_dp``'s replicas each part's ids are its rows' ids; predictions bring them back whole
+and in order. A list that is not one item per row is refused at the first batch, before any
+out-of-memory, naming the entry and the ``split_batch_rows`` hook, which then cuts the batch.
 """
 
 from __future__ import annotations
@@ -172,3 +172,28 @@ def test_after_a_real_out_of_memory_the_halves_get_their_own_rows_ids(tmp_path: 
     # the whole batch's attempt holds all 8 ids; every half after it holds its own 4
     assert_ids_match_rows([tuple(p) for p in seen["parts"][1:]], 4)  # type: ignore[misc]
     assert_ids_match_rows([tuple(seen["parts"][0])], 8)  # type: ignore[list-item]
+
+
+DDP_SCRIPT = """
+import json, lightning as L
+from torch.utils.data import DataLoader
+from lightning_mgpu import MGPUDDPStrategy
+from tests.strategies.microbatch._models import QUIET
+from tests.strategies.microbatch.test_per_row_lists import IdModel, WithIds
+
+parts = []
+trainer = L.Trainer(
+    accelerator="cpu", devices=2, strategy=MGPUDDPStrategy(micro_batch_size=2), max_steps=2, **QUIET
+)
+trainer.fit(IdModel(parts), DataLoader(WithIds(), batch_size=4))
+json.dump(parts, open(f"parts_rank{trainer.global_rank}.json", "w"))
+"""
+
+
+def test_under_mgpu_ddp_each_rank_s_micro_batches_get_their_own_rows_ids(tmp_path: Path) -> None:
+    result = run_script(DDP_SCRIPT, tmp_path, timeout=240)
+    assert result.returncode == 0, result.output
+    for rank in (0, 1):
+        parts = __import__("json").loads((tmp_path / f"parts_rank{rank}.json").read_text())
+        assert len(parts) == 2 * 2  # two batches of 4 rows, each in micro-batches of 2
+        assert_ids_match_rows([tuple(p) for p in parts], 2)  # type: ignore[misc]
