@@ -123,6 +123,8 @@ def measure_steps(
     optimizers = [copy_optimizer(o, copies.leaf_of) for o in originals]
     tracker = LiveBytes(device)
     tracker.track_all(static + tensors(batch1))
+    # state some optimizers create when built (Adagrad's sums), before the counter started
+    tracker.track_all([t for o in optimizers for state in o.state.values() for t in tensors(state)])
     was_training = module.training
     module.train()
     try:
