@@ -37,8 +37,9 @@ from torch import nn
 
 from lightning_mgpu.checkpoint._dcp_chunk import Layout, chunk_layout, read_chunk, signals_held
 from lightning_mgpu.checkpoint._dcp_index import read_index
-from lightning_mgpu.checkpoint._dcp_plan import Chunk, Record, in_folder
-from lightning_mgpu.checkpoint._io import ReadError, read_file
+from lightning_mgpu.checkpoint._dcp_plan import Chunk, Record, regular_file
+from lightning_mgpu.checkpoint._io import read_file
+from lightning_mgpu.checkpoint._mapped import ReadError
 from lightning_mgpu.checkpoint._zip_check import Archive, ArchiveCheck, Window
 
 __all__ = ["FORMAT", "ShardedFolder", "Stored"]
@@ -116,7 +117,7 @@ class ShardedFolder:
             node[path[-1]] = value
         meta = self.path / _LIGHTNING_META
         if meta.is_symlink():
-            in_folder(self.path, meta)
+            regular_file(meta)  # within the folder
         if meta.is_file():
             extra = read_file(meta, trust_pickle=self._trust_pickle).obj
             if isinstance(extra, Mapping):

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lightning_mgpu.checkpoint._dcp_plan import METADATA, Index, check_index, in_folder, regular_file
+from lightning_mgpu.checkpoint._dcp_plan import METADATA, Index, check_index, regular_file
 
 __all__ = ["read_index"]
 
@@ -91,7 +91,6 @@ def _unpickle(folder: Path, trust_pickle: bool) -> Any:
             f"missing (it is written last, after the shards {', '.join(shards[:4])}"
             f"{', ...' * (len(shards) > 4)}), so the save did not finish; use another checkpoint"
         )
-    in_folder(folder, index)
     regular_file(index)
     try:
         data = index.read_bytes()  # from memory: a length the file claims can only come up short

@@ -14,7 +14,7 @@ index into an :class:`Index` of small frozen records, or raises naming the file 
 - no two entries are placed at the same nested name, nor one inside another.
 
 A folder reads only itself: a shard, ``.metadata`` or ``meta.pt`` that is a symbolic link resolving
-outside the folder is refused (:func:`in_folder`), naming the link; a link to another file of the
+outside the folder is refused (:func:`regular_file`), naming the link; a link to another file of the
 folder is followed. The unpickled objects are dropped once checked: time and memory grow linearly
 with the number of entries.
 """
@@ -34,17 +34,7 @@ import torch
 
 from lightning_mgpu.checkpoint._report import shown
 
-__all__ = [
-    "DTYPES",
-    "METADATA",
-    "Chunk",
-    "Index",
-    "Record",
-    "TensorEntry",
-    "check_index",
-    "in_folder",
-    "regular_file",
-]
+__all__ = ["DTYPES", "METADATA", "Chunk", "Index", "Record", "TensorEntry", "check_index", "regular_file"]
 
 log = logging.getLogger(__name__)
 
@@ -122,22 +112,17 @@ def check_index(folder: Path, loaded: Any) -> Index:
     return _Checker(folder, loaded).index()
 
 
-def in_folder(folder: Path, path: Path) -> None:
-    """Raise ValueError when ``path``, a name in ``folder``, is a link that resolves outside it."""
-    home, real = Path(os.path.realpath(folder)), Path(os.path.realpath(path))
-    if home not in real.parents:
-        raise ValueError(
-            f"{path} is a link to {real}, outside {folder}: a checkpoint folder is read only from its own "
-            "files, so it was not followed; copy that file into the folder in place of the link"
-        )
-
-
 def regular_file(path: Path, holds: str = "") -> os.stat_result:
-    """``path``'s status, following a link; raises ValueError unless it is a regular file.
-
-    ``holds`` says what the index places in it, for the message (``"'model.0.weight'"``).
+    """``path``'s status, following a link within its folder; raises ValueError unless it is a
+    regular file there. ``holds`` says what the index places in it (``"'model.0.weight'"``).
     """
     held = f" (where {METADATA} places {holds})" if holds else ""
+    folder, real = Path(os.path.realpath(path.parent)), Path(os.path.realpath(path))
+    if folder not in real.parents:
+        raise ValueError(
+            f"{path} is a link to {real}, outside {path.parent}: a checkpoint folder is read only from its "
+            "own files, so it was not followed; copy that file into the folder in place of the link"
+        )
     try:
         status = path.stat()
     except FileNotFoundError:
@@ -263,7 +248,6 @@ class _Checker:
                 "rank's files included."
             )
         for name, ranges in sorted(spans.items()):
-            in_folder(self.folder, self.folder / name)
             size = regular_file(self.folder / name, _some([k for _, _, k in ranges])).st_size
             ranges.sort()
             reach, holder = 0, ""
@@ -375,23 +359,19 @@ def _missing(path: Path) -> bool:
 
 def _cover_fault(chunks: list[Chunk], shape: tuple[int, ...]) -> tuple[Chunk, Chunk] | list[int] | None:
     """None when ``chunks`` (each inside ``shape``) cover it exactly once; else two that overlap, or
-    a value that none covers. Linear in the chunks (times 2^ndim), whatever their layout.
-
-    No two chunks are compared: each marks its 2^ndim corners +1 or -1 (odd corners -1), the
-    ndim-dimensional difference of its indicator, whose running sums give back how many chunks
-    hold each value. So the chunks cover the shape exactly once if and only if their marks add up to
-    the shape's own. Where they do not, one of the 2^ndim values next to that corner is held by no
-    chunk or by two, found in one pass over the chunks.
+    a value none covers. Linear in the chunks (times 2^ndim), whatever their layout: no two chunks
+    are compared. Each marks its corners +1 or -1 (the difference of its indicator, whose running
+    sums count the chunks holding each value), so they cover the shape exactly once if and only if
+    their marks add up to the shape's; else a value next to a wrong corner is held by none or two.
     """
     signs = [(-1) ** sum(corner) for corner in itertools.product((0, 1), repeat=len(shape))]
     marks: dict[tuple[int, ...], int] = {}
-    for offsets, sizes, weight in [(c.offsets, c.sizes, 1) for c in chunks] + [
-        ((0,) * len(shape), shape, -1)
+    for weight, offsets, sizes in [(1, c.offsets, c.sizes) for c in chunks] + [
+        (-1, (0,) * len(shape), shape)
     ]:
-        if all(sizes):
-            ends = [(o, o + s) for o, s in zip(offsets, sizes, strict=True)]
-            for vertex, sign in zip(itertools.product(*ends), signs, strict=True):
-                marks[vertex] = marks.get(vertex, 0) + weight * sign
+        ends = [(o, o + s) for o, s in zip(offsets, sizes, strict=True)]
+        for vertex, sign in zip(itertools.product(*ends), signs, strict=True) if all(sizes) else ():
+            marks[vertex] = marks.get(vertex, 0) + weight * sign
     wrong = next((vertex for vertex, count in marks.items() if count), None)
     if wrong is None:
         return None
@@ -399,11 +379,10 @@ def _cover_fault(chunks: list[Chunk], shape: tuple[int, ...]) -> tuple[Chunk, Ch
         point = [v - c for v, c in zip(wrong, corner, strict=True)]
         if not all(0 <= p < d for p, d in zip(point, shape, strict=True)):
             continue
-        holding = [
-            c
-            for c in chunks
-            if all(o <= p < o + s for o, s, p in zip(c.offsets, c.sizes, point, strict=True))
+        inside = [
+            all(o <= p < o + s for o, s, p in zip(c.offsets, c.sizes, point, strict=True)) for c in chunks
         ]
+        holding = [c for c, held in zip(chunks, inside, strict=True) if held]
         if len(holding) > 1:
             return holding[0], holding[1]
         if not holding:

@@ -167,7 +167,7 @@ def read_safetensors(
     """Read a safetensors file, restoring aliases of tied weights and the recorded key order.
 
     The library memory-maps the file: a tensor's pages are read only when it is used, and an
-    export copies them file-to-file (``_io.MappedFile``) without faulting them in.
+    export copies them file-to-file (``_mapped.MappedFile``) without faulting them in.
 
     Returns:
         ``(state_dict, metadata)``.

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from lightning_mgpu.checkpoint._dcp import FORMAT, ShardedFolder
-from lightning_mgpu.checkpoint._io import MappedFile, read_file
+from lightning_mgpu.checkpoint._io import read_file
+from lightning_mgpu.checkpoint._mapped import MappedFile
 from lightning_mgpu.checkpoint._prefixes import (
     find_wrappers,
     select,

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import pickle
+import random
 import zipfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from lightning_mgpu import export_state_dict, inspect_checkpoint
+from lightning_mgpu.checkpoint._dcp_plan import Chunk, Record, _cover_fault
 from lightning_mgpu.cli.main import main
 
 _MARK = "NESTED_HERE"
@@ -151,3 +155,35 @@ def test_a_folder_holding_several_state_dicts_asks_for_key(
     torch.testing.assert_close(
         safetensors.torch.load_file(tmp_path / "ema.safetensors"), ema.state_dict(), rtol=0, atol=0
     )
+
+
+def test_the_coverage_check_agrees_with_counting_every_value() -> None:
+    """On 2,000 random layouts of up to 6 chunks in 1 to 3 dimensions, exact cover or not as counting
+    every value says, and what it names is true: two chunks sharing a value, or a value in none."""
+    rng = random.Random(0)
+    record = Record("__0_0.distcp", 0, 0)
+    for _ in range(2000):
+        shape = tuple(rng.randint(1, 4) for _ in range(rng.randint(1, 3)))
+        chunks = []
+        for _ in range(rng.randint(0, 6)):
+            offsets = tuple(rng.randint(0, d - 1) for d in shape)
+            sizes = tuple(rng.randint(0, d - o) for o, d in zip(offsets, shape, strict=True))
+            chunks.append(Chunk(offsets, sizes, record))
+        counts = Counter(
+            point
+            for c in chunks
+            for point in itertools.product(
+                *(range(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))
+            )
+        )
+        exact = all(counts[point] == 1 for point in itertools.product(*map(range, shape)))
+        fault = _cover_fault(chunks, shape)
+        assert (fault is None) == exact, (shape, chunks)
+        if isinstance(fault, tuple):
+            a, b = fault
+            assert all(
+                x < y + t and y < x + s
+                for x, s, y, t in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
+            )
+        elif fault is not None:
+            assert counts[tuple(fault)] == 0
