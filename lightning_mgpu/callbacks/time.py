@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_mgpu._atomic import atomic_write
@@ -34,9 +37,11 @@ class DeviceTimeMonitor(Callback):
     - **waiting**: under DDP (``mgpu_ddp``), the time from the rank's last gradient bucket being
       ready (its own backward done) until the all-reduce of every bucket completed: blocked on
       the other ranks, plus the transfer. Measured by a DDP communication hook that wraps the
-      default all-reduce (none is registered when the strategy was given ``ddp_comm_hook=``). Not
-      measured under ``mgpu_fsdp`` (its collectives run inside forward and backward) nor in a
-      single process (``mgpu_dp``, one device): there it is shown as ``-``, and work includes it;
+      default all-reduce (none is registered when the strategy was given ``ddp_comm_hook=``); other
+      collectives in a step (``self.log(..., sync_dist=True)``, ``mgpu_ddp``'s look at the first
+      batch) count as work. Not measured under ``mgpu_fsdp`` (its collectives run inside forward
+      and backward) nor in a single process (``mgpu_dp``, one device): there it is shown as ``-``,
+      and work includes it;
     - **work**: from the start to the end of the batch (forward, backward, optimizer step), less
       the waiting. On CUDA the batch is timed on the GPU with ``torch.cuda.Event`` pairs read
       once they have completed, a few batches later: the monitor adds no synchronisation.
@@ -44,10 +49,11 @@ class DeviceTimeMonitor(Callback):
     Under ``mgpu_dp`` the one process and all its replicas are one row (replicas run each batch
     together, so they finish together); ``samples`` is then the whole batch.
 
-    Every ``flush_every_n_steps`` batches one all-gather of each rank's sums for the window (a
-    handful of numbers, on a gloo group on CUDA) brings them to rank 0, whose loggers get
-    the window's means at its last step; its time is counted in no phase. At the end of ``fit``
-    rank 0 prints a table (rank, device, steps/s, data %, work %, waiting %, samples/s) and one
+    Every ``flush_every_n_steps`` batches one asynchronous all-gather of each rank's sums for the
+    window (five numbers, on a gloo group on CUDA) brings them to rank 0 while the next window
+    trains; rank 0's loggers then get the window's means at its last step. At the end of ``fit``
+    rank 0 logs (``rank_zero_info``, on stderr unless logging is configured otherwise) a table
+    (rank, device, steps/s, data %, work %, waiting %, samples/s) and one
     verdict line: balanced, or the slowest rank, how much slower it is, the phase it loses the
     time in and what to try (``time_report.verdict``); the same goes to
     ``<trainer.log_dir>/time_summary.json``.
@@ -60,7 +66,7 @@ class DeviceTimeMonitor(Callback):
         flush_every_n_steps: gather and log every this many training batches (one collective each).
         summary_file: JSON written at the end of fit, relative to ``trainer.log_dir``;
             ``None`` writes none.
-        print_summary: whether rank 0 prints the end-of-fit table and verdict.
+        print_summary: whether rank 0 logs the end-of-fit table and verdict.
 
     Raises:
         ValueError: if ``flush_every_n_steps`` is not a positive integer.
@@ -91,6 +97,8 @@ class DeviceTimeMonitor(Callback):
         self._window = _Window()
         self._pending: list[CudaStep] = []
         self._group: Any = None
+        self._labels: list[str] = []  # every rank's device(s), by rank
+        self._inflight: tuple[Any, list[torch.Tensor], int] | None = None  # gather, its parts, its step
         self._mark = 0.0
         self._start = 0.0
         self._batches = 0
@@ -112,6 +120,10 @@ class DeviceTimeMonitor(Callback):
         if _distributed(trainer) and dist.get_backend() != "gloo":
             # the sums travel on the CPU: no copy from a GPU, no synchronisation
             self._group = dist.new_group(backend="gloo")
+        self._labels, self._inflight = [self._device], None
+        if _distributed(trainer):
+            self._labels = [""] * dist.get_world_size()
+            dist.all_gather_object(self._labels, self._device, group=self._group)
         self._timer = AllReduceTimer.attach(trainer, root if self._cuda else None)
         self._mark = time.perf_counter()
 
@@ -151,8 +163,10 @@ class DeviceTimeMonitor(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._cuda:
             self._read_cuda(block=True)  # the fit is over: waiting for the last events costs no step
-        if self._batches % self.flush_every_n_steps != 0 or self._window.steps:
-            self._flush(trainer)
+        # every rank must decide alike: on CUDA the windows hold what events finished late, which varies
+        if self._batches % self.flush_every_n_steps != 0 or self._cuda:
+            self._flush(trainer, last=True)
+        self._finish_gather(trainer)
         if self._timer is not None:
             self._timer.detach()
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank calls it
@@ -161,7 +175,7 @@ class DeviceTimeMonitor(Callback):
         accelerator = "cuda" if self._cuda else "cpu"
         self.verdict = report.verdict(self.totals, accelerator)
         if self.print_summary:
-            print(report.table(self.totals) + "\n" + self.verdict.line(), flush=True)
+            rank_zero_info(report.table(self.totals) + "\n" + self.verdict.line())
         if self.summary_file is not None:
             path = os.path.join(log_dir, self.summary_file)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -181,31 +195,48 @@ class DeviceTimeMonitor(Callback):
             step = self._pending.pop(0)
             self._window.add(*step.seconds())
 
-    def _flush(self, trainer: Trainer) -> None:
-        """One all-gather of every rank's window; rank 0 adds them to the totals and logs their means."""
+    def _flush(self, trainer: Trainer, last: bool = False) -> None:
+        """Hand this window over: used here in one process, after an asynchronous all-gather under DDP.
+
+        The gather of a handful of numbers runs while the next window trains and is read at the next
+        hand-over (or the end of fit), so no rank waits there for a slower one.
+        """
         mine, self._window = self._window, _Window()
-        everyone = [(trainer.global_rank, self._device, mine)]
-        if _distributed(trainer):
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, everyone[0], group=self._group)
-            everyone = sorted(gathered, key=lambda item: item[0])
+        # the step Lightning's own logging uses; at the end of fit it already counts the last batch
+        step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
+        step = max(0, (trainer.global_step if step is None else step) - int(last))
+        if not _distributed(trainer):
+            self._use(trainer, [mine], step)
+            return
+        self._finish_gather(trainer)
+        vector = torch.tensor(mine.vector(), dtype=torch.float64)
+        parts = [torch.empty_like(vector) for _ in self._labels]
+        work = dist.all_gather(parts, vector, group=self._group, async_op=True)
+        self._inflight = (work, parts, step)
+
+    def _finish_gather(self, trainer: Trainer) -> None:
+        if self._inflight is None:
+            return
+        work, parts, step = self._inflight
+        self._inflight = None
+        work.wait()
+        self._use(trainer, [_Window.from_vector(part.tolist()) for part in parts], step)
+
+    def _use(self, trainer: Trainer, windows: list[_Window], step: int) -> None:
+        """Rank 0 adds every rank's window to the totals and logs the window's means."""
         if not trainer.is_global_zero:
             return
         totals = {r.rank: r for r in self.totals}
         values: dict[str, float] = {}
-        for rank, device, window in everyone:
+        for rank, (device, window) in enumerate(zip(self._labels, windows, strict=True)):
             empty = RankTime(rank, device, 0, 0, 0.0, 0.0, None if window.wait is None else 0.0)
             totals[rank] = window.added_to(totals.get(rank, empty))
             values.update(window.metrics(f"time/rank{rank}"))
         self.totals = [totals[r] for r in sorted(totals)]
-        longest = max(w.seconds for _, _, w in everyone)
-        values["time/samples_per_s"] = (
-            sum(w.samples for _, _, w in everyone) / longest if longest > 0 else 0.0
-        )
-        # the step Lightning's own logging uses
-        step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
+        longest = max(w.seconds for w in windows)
+        values["time/samples_per_s"] = sum(w.samples for w in windows) / longest if longest > 0 else 0.0
         for logger in trainer.loggers:
-            logger.log_metrics(values, step=max(0, (trainer.global_step if step is None else step) - 1))
+            logger.log_metrics(values, step=step)
 
 
 @dataclass
@@ -239,6 +270,14 @@ class _Window:
             work_s=total.work_s + self.work,
             wait_s=wait,
         )
+
+    def vector(self) -> list[float]:
+        return [self.steps, self.samples, self.data, self.work, math.nan if self.wait is None else self.wait]
+
+    @classmethod
+    def from_vector(cls, values: list[float]) -> _Window:
+        steps, samples, data, work, wait = values
+        return cls(int(steps), int(samples), data, work, None if math.isnan(wait) else wait)
 
     def metrics(self, prefix: str) -> dict[str, float]:
         """The window's means per batch in ms, and its samples per second."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +25,21 @@ def fits(tmp_path: Path, strategy: str, devices: int, *modes: str) -> tuple[dict
     )
     assert result.returncode == 0, result.output[-3000:]
     found: dict[str, Any] = {}
-    for line in result.stdout.splitlines():
-        if line.startswith("OUTSIDE "):
-            outside = json.loads(line.removeprefix("OUTSIDE "))
-            entry = found.setdefault(outside["mode"], {"outside": {}})
-            entry["outside"][outside["rank"]] = outside
-            if outside["rank"] == 0:
-                entry["summary"] = json.loads((Path(outside["log_dir"]) / "time_summary.json").read_text())
-                entry["log_dir"] = outside["log_dir"]
-    assert sorted(found) == sorted(modes), result.output[-3000:]
+    for match in re.finditer(r"OUTSIDE (\{[^{}]*\})", result.stdout):
+        outside = json.loads(match.group(1))
+        entry = found.setdefault(outside["mode"], {"outside": {}})
+        entry["outside"][outside["rank"]] = outside
+        if outside["rank"] == 0:
+            entry["summary"] = json.loads((Path(outside["log_dir"]) / "time_summary.json").read_text())
+            entry["log_dir"] = outside["log_dir"]
+    assert sorted(found) == sorted(modes), result.stdout[-3000:]
+    assert all(len(entry["outside"]) == devices_of(strategy, devices) for entry in found.values())
     return found, result.output
+
+
+def devices_of(strategy: str, devices: int) -> int:
+    """How many processes print: mgpu_dp's replicas are threads of one."""
+    return 1 if strategy == "mgpu_dp" else devices
 
 
 def within_10_percent(measured: float, outside: float) -> None:
@@ -56,7 +62,7 @@ def check_straggler(run: dict[str, Any], slept: str, phase: str) -> None:
     assert run["summary"]["verdict"]["phase"] == phase
     within_10_percent(rank1[f"{slept}_s"], seconds)
     within_10_percent(rank0["wait_s"], seconds)  # in the all-reduce, for rank 1
-    check_totals(run, steps=8, samples=32)
+    check_totals(run, steps=32, samples=128)
 
 
 def test_ddp_data_and_work_stragglers_named_balanced_run_not(tmp_path: Path) -> None:
@@ -70,7 +76,7 @@ def test_ddp_data_and_work_stragglers_named_balanced_run_not(tmp_path: Path) -> 
     for row in even["summary"]["ranks"]:
         within_10_percent(row["work_s"], even["outside"][row["rank"]]["work"])
         assert row["wait_share"] < 0.2
-    check_totals(even, steps=8, samples=32)
+    check_totals(even, steps=32, samples=128)
 
     # rank 0 prints the table and the verdict once per fit
     assert output.count("Time per rank over the fit:") == 3
@@ -81,11 +87,11 @@ def test_ddp_data_and_work_stragglers_named_balanced_run_not(tmp_path: Path) -> 
     # every rank's window means reach rank 0's logger, each flush at its own step
     with open(Path(even["log_dir"]) / "metrics.csv") as f:
         rows = [row for row in csv.DictReader(f) if row.get("time/samples_per_s")]
-    assert len(rows) == 3  # 8 batches, flushed every 3 and at the end
+    assert len(rows) == 11  # 32 batches, flushed every 3 and at the end
     for rank in (0, 1):
         for key in ("data_ms", "work_ms", "wait_ms", "samples_per_s"):
             assert all(float(row[f"time/rank{rank}/{key}"]) >= 0 for row in rows)
-    assert sum(float(row["time/rank1/work_ms"]) for row in rows) > 3 * 150  # 200 ms slept per batch
+    assert all(float(row["time/rank1/work_ms"]) > 75 for row in rows)  # 100 ms slept per batch
 
 
 def test_fsdp_data_straggler_named_waiting_not_measured(tmp_path: Path) -> None:
@@ -98,7 +104,7 @@ def test_fsdp_data_straggler_named_waiting_not_measured(tmp_path: Path) -> None:
     assert rank0["wait_s"] is None
     assert rank0["wait_share"] is None
     within_10_percent(rank1["data_s"], data["outside"][1]["data"])
-    check_totals(data, steps=8, samples=32)
+    check_totals(data, steps=32, samples=128)
 
 
 def test_one_device_and_mgpu_dp_one_row_per_process(tmp_path: Path) -> None:
@@ -108,14 +114,14 @@ def test_one_device_and_mgpu_dp_one_row_per_process(tmp_path: Path) -> None:
     assert (verdict["rank"], verdict["phase"]) == (0, "data loading")  # most of its time waits for batches
     within_10_percent(row["data_s"], runs["data0"]["outside"][0]["data"])
     assert row["wait_s"] is None
-    check_totals(runs["data0"], steps=16, samples=64)
+    check_totals(runs["data0"], steps=64, samples=256)
 
     runs, _ = fits(tmp_path, "mgpu_dp", 2, "even")
     (row,) = runs["even"]["summary"]["ranks"]  # the replicas are threads of this one process
     assert runs["even"]["summary"]["verdict"]["rank"] is None
     # each batch's two halves sleep at the same time, in the replicas' two threads
     within_10_percent(row["work_s"], runs["even"]["outside"][0]["work"] / 2)
-    check_totals(runs["even"], steps=16, samples=64)
+    check_totals(runs["even"], steps=64, samples=256)
 
 
 def test_a_failing_rank_ends_the_run_as_without_the_monitor(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_mgpu import DeviceTimeMonitor
 
-SLEEP = 0.2  # seconds per batch of 4 that a slow rank sleeps: far above the compute
+SLEEP = 0.1  # seconds per batch of 4 that a slow rank sleeps: far above the compute
 SLEPT = {"data": 0.0, "work": 0.0}
 
 
@@ -47,7 +47,7 @@ class Data(Dataset):
         self.mode = mode
 
     def __len__(self) -> int:
-        return 64
+        return 256
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if (self.mode, rank()) in (("data", 1), ("data0", 0)):
@@ -108,7 +108,9 @@ def fit(log_dir: str, strategy: str, devices: int, mode: str) -> None:
         "seconds": clock.seconds,
         "log_dir": trainer.log_dir,
     }
-    print("OUTSIDE", json.dumps({**outside, **SLEPT}), flush=True)
+    # one write: the two ranks share the pipe, and a line written in pieces may interleave
+    sys.stdout.write(f"OUTSIDE {json.dumps({**outside, **SLEPT})}\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
