@@ -72,10 +72,13 @@ def stop_process(
     with contextlib.suppress(Exception):
         if run is not None:
             run.stopping()
+    # rank 0 holds the store: it waits for the ranks that read the reason there (not the dead ones, nor
+    # the one that failed by itself and ends through its own exception) to count themselves stopping
+    silent = {*verdict.dead, verdict.origin} - {rank, -1}
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         children_done = all(p.poll() is not None for p in children.values())
-        expected = run.world_size - 1 - len(verdict.dead) if run is not None else 0
+        expected = run.world_size - 1 - len(silent) if run is not None else 0
         others_done = run is None or rank != 0 or run.stopped() >= expected
         if children_done and others_done:
             break
