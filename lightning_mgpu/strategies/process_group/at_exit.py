@@ -15,7 +15,9 @@ handler then lets the other threads run while the interpreter is whole (:func:`_
 until none is runnable, at most :data:`SETTLE_SECONDS`).
 
 Registered before the watchdog joins the run (``Watchdog.attach``), it runs after the watchdog's
-own exit guard, which bounds a destroy that hangs on a lost peer after a failed run.
+own exit guard, which bounds a destroy that hangs on a lost peer after a failed run and stops the
+watchdog's thread first: a store call of that thread failing once the group (and with it rank 0's
+store) is gone would abort the process the same way.
 """
 
 from __future__ import annotations
