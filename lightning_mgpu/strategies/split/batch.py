@@ -196,12 +196,13 @@ def _hook(module: Any) -> Callable[[Any, list[int]], Sequence[Any]] | None:
 def check_cuttable(batch: Any, rows: int, feature: str, module: Any = None) -> None:
     """Refuse now a batch ``scatter_batch`` could not cut: a sequence without one item per row.
 
-    Nothing is checked when ``module`` cuts its batches itself (``split_batch_rows``).
+    Nothing is checked in a batch of one row, which is never cut, or when ``module`` cuts its batches
+    itself (``split_batch_rows``).
 
     Raises:
         ValueError: naming the entry (``batch[2]``) and the hook that would cut it.
     """
-    if _hook(module) is None:
+    if rows > 1 and _hook(module) is None:
         _Cutter(rows, [rows], lambda t: [t], feature).parts(batch, "batch")
 
 
