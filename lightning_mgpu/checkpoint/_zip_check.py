@@ -2,7 +2,7 @@
 
 ``torch.load`` does not check them, so a flipped bit in a tensor's bytes loads as a wrong value
 without a word. ``zipfile`` does, for stored and compressed records alike, reading each one in
-pieces of 1 MiB (:func:`damaged_records`); the checks here only say which tensors a damaged record
+pieces of 1 MiB; the checks here only say which tensors a damaged record
 holds:
 
 - :class:`RecordCheck`: a ``.pt`` / ``.ckpt`` file; a damaged record is named by the tensors whose
@@ -34,16 +34,7 @@ from typing import Any, BinaryIO, Protocol
 
 import torch
 
-__all__ = [
-    "Archive",
-    "ArchiveCheck",
-    "Check",
-    "RecordCheck",
-    "StoredRecord",
-    "Window",
-    "damaged_records",
-    "stored_records",
-]
+__all__ = ["Archive", "ArchiveCheck", "Check", "RecordCheck", "StoredRecord", "Window", "stored_records"]
 
 logger = logging.getLogger(__name__)
 
@@ -129,12 +120,9 @@ def stored_records(file: BinaryIO, start: int = 0, length: int | None = None) ->
     return records
 
 
-def damaged_records(archive: zipfile.ZipFile) -> list[tuple[str, str]]:
-    """``(record, what is wrong)`` for each record that ``zipfile`` finds does not match its CRC-32.
-
-    Every record is read through ``zipfile``, stored or compressed, 1 MiB at a time, whatever size
-    it claims.
-    """
+def _damaged(archive: zipfile.ZipFile) -> list[str]:
+    """The records that ``zipfile``, reading each 1 MiB at a time, stored or compressed, finds do not
+    match their CRC-32."""
     damaged = []
     for info in archive.infolist():
         try:
@@ -142,7 +130,8 @@ def damaged_records(archive: zipfile.ZipFile) -> list[tuple[str, str]]:
                 while record.read(_CHUNK):
                     pass
         except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError) as err:
-            damaged.append((info.filename, str(err) or type(err).__name__))
+            logger.debug("%s: %s", info.filename, err)
+            damaged.append(info.filename)
     return damaged
 
 
@@ -214,7 +203,7 @@ class RecordCheck(Check):
 
     def _check(self) -> list[StoredRecord]:
         with zipfile.ZipFile(self.path) as archive:
-            damaged = {name for name, _ in damaged_records(archive)}
+            damaged = set(_damaged(archive))
             logger.debug(
                 "%s: %d records checked, %d damaged", self.path, len(archive.infolist()), len(damaged)
             )
@@ -285,7 +274,7 @@ class ArchiveCheck(Check):
     def _archive(file: BinaryIO, archive: Archive) -> list[tuple[Archive, str, bool]]:
         try:
             with zipfile.ZipFile(Window(file, archive.start, archive.length)) as opened:
-                return [(archive, f"record {name}", True) for name, _ in damaged_records(opened)]
+                return [(archive, f"record {name}", True) for name in _damaged(opened)]
         except (zipfile.BadZipFile, struct.error, ValueError, OSError) as err:
             return [(archive, str(err) or type(err).__name__, False)]
 
