@@ -93,3 +93,18 @@ def test_output_lines_drop_what_varies_with_the_machine() -> None:
         "/site-packages/lightning_mgpu/strategies/dp/step.py:78: mgpu_dp split a batch\n\n"
     )
     assert output_lines(actual) == ["done", "mgpu_dp split a batch"]
+
+
+def test_search_splits_the_names_users_look_up() -> None:
+    """The site's search cuts text into words with mkdocs.yml's separator: a dotted or CamelCase name is found
+    by its parts, so that "OutOfMemoryError" finds "torch.OutOfMemoryError"."""
+    found = re.search(r"^\s+separator: '(.+)'$", (REPO / "mkdocs.yml").read_text(), flags=re.M)
+    assert found, "mkdocs.yml's search plugin has no separator"
+
+    def words(text: str) -> list[str]:
+        return [w for w in re.split(found.group(1), text) if w]
+
+    assert words("torch.OutOfMemoryError") == ["torch", *words("OutOfMemoryError")]
+    assert words("OutOfMemoryError") == ["Out", "Of", "Memory", "Error"]
+    assert "load_state_dict" in words("lightning_mgpu.load_state_dict(model)")
+    assert "2.13" in words("torch 2.13")  # a version stays one word
