@@ -7,8 +7,8 @@
 - A role such as ``:func:`load_state_dict``` (``~`` keeping the last name of a dotted path) would show as
   the text ":func:" and, in a ``Returns:`` line, be read as a name: it becomes inline code.
 - A class's ``Args:`` list the arguments a user sets first: the keyword-only ones (``stall_timeout``,
-  ``micro_batch_size``, ``resume``, ...), then those in the order of the signature, where a strategy's
-  first ones are what the Trainer fills in (``accelerator``, ``parallel_devices``, ...).
+  ``micro_batch_size``, ``resume``, ...), then the others in the order of the signature, and last those
+  the Trainer fills in (``accelerator``, ``parallel_devices``, ...), which a strategy's signature starts with.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def fenced(docstring: str) -> str:
 
 
 def users_first(docstring: str, keyword_only: set[str]) -> str:
-    """``docstring`` with the ``Args:`` entries named in ``keyword_only`` moved to the top of the list."""
+    """``docstring`` with the ``Args:`` named in ``keyword_only`` first, those in ``TRAINER_FILLS`` last."""
     lines = docstring.split("\n")
     try:
         start = lines.index("Args:") + 1
@@ -60,11 +60,16 @@ def users_first(docstring: str, keyword_only: set[str]) -> str:
         else:
             entries[-1].append(line)
     first = [e for e in entries if _arg_name(e[0]) in keyword_only]
-    rest = [e for e in entries if _arg_name(e[0]) not in keyword_only]
-    reordered = [line for entry in first + rest for line in entry]
+    last = [e for e in entries if _arg_name(e[0]) in TRAINER_FILLS and e not in first]
+    rest = [e for e in entries if e not in first and e not in last]
+    reordered = [line for entry in first + rest + last for line in entry]
     return "\n".join(lines[:start] + reordered + lines[end:])
 
 
+# a strategy's arguments that the Trainer sets from its own (accelerator=, devices=, precision=, ...)
+TRAINER_FILLS = frozenset(
+    {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+)
 _ARG = re.compile(r"^    (\*{0,2}\w+)(?: \(.*\))?:")
 
 
