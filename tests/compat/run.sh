@@ -42,6 +42,16 @@ floor_python() {  # "3.10" from requires-python = ">=3.10"
     sed -nE 's/^requires-python = ">=([0-9]+\.[0-9]+)".*/\1/p' pyproject.toml
 }
 
+NAMES=()
+for combination in "${@:-floor gloo-sum newest}"; do
+    for name in $combination; do
+        case $name in
+            floor | gloo-sum | newest) NAMES+=("$name") ;;
+            *) echo "test-compat: unknown combination '$name' (floor, gloo-sum, newest)" >&2; exit 2 ;;
+        esac
+    done
+done
+
 mkdir -p "$COMPAT_DIR"
 UV="$COMPAT_DIR/uv-$UV_VERSION/bin/uv"
 if [ ! -x "$UV" ]; then
@@ -52,19 +62,48 @@ fi
 subset_for() {  # the test ids of subset.txt's lines that name combination $1 (the last word is the test)
     grep -vE '^\s*(#|$)' tests/compat/subset.txt | awk -v name="$1" '{for (i = 1; i < NF; i++) if ($i == name) print $NF}'
 }
+build_venv() {  # NAME: its venv from nothing; the seconds it took go to $COMPAT_DIR/NAME.built
+    local name=$1 venv="$COMPAT_DIR/$1" start python resolution pins=()
+    start=$(date +%s)
+    case $name in
+        floor) python=$(python_for "$(floor_python)") resolution=lowest-direct ;;
+        gloo-sum) python=$(python_for "$(floor_python)") resolution=lowest-direct pins=("torch==$COMPAT_GLOO_SUM_TORCH") ;;
+        newest) python=$(python_for "$COMPAT_NEWEST_PYTHON") resolution=highest ;;
+    esac
+    [ -n "$python" ] || return 1
+    rm -rf "$venv"
+    "$UV" venv -q --seed --python "$python" "$venv" || return 1  # --seed: pip, for test_pip_keeps_torch.py
+    "$UV" pip install -q --python "$venv/bin/python" --resolution "$resolution" -e ".[plot,recipes]" "${pins[@]}" ||
+        return 1
+    # test tools: newest; setuptools for pip's offline --no-build-isolation check of this project
+    "$UV" pip install -q --python "$venv/bin/python" "pytest>=8" "pytest-timeout>=2.2" "setuptools>=77" || return 1
+    echo $(($(date +%s) - start)) >"$venv.built"
+}
+
+# The venvs are built one after another in the background, so that the next ones download while the
+# first one's tests run (an empty uv cache downloads about 3 GB per torch version).
+rm -f "$COMPAT_DIR"/*.built
+(
+    for name in "${NAMES[@]}"; do
+        build_venv "$name" >"$COMPAT_DIR/$name.build.log" 2>&1 || echo failed >"$COMPAT_DIR/$name.built"
+    done
+) &
+BUILDER=$!
+trap 'kill $BUILDER 2>/dev/null || true' EXIT
+
 SUMMARY=()
 FAILED=0
 
-run_combination() {  # NAME PYTHON RESOLUTION [REQUIREMENT...]: extra requirements pin a dependency
-    local name=$1 python=$2 resolution=$3 venv="$COMPAT_DIR/$1" start built versions status subset
-    shift 3
-    start=$(date +%s)
-    rm -rf "$venv"
-    "$UV" venv -q --seed --python "$python" "$venv"  # --seed: pip, for test_pip_keeps_torch.py
-    "$UV" pip install -q --python "$venv/bin/python" --resolution "$resolution" -e ".[plot,recipes]" "$@"
-    # test tools: newest; setuptools for pip's offline --no-build-isolation check of this project
-    "$UV" pip install -q --python "$venv/bin/python" "pytest>=8" "pytest-timeout>=2.2" "setuptools>=77"
-    built=$(($(date +%s) - start))
+run_combination() {  # NAME: wait for its venv, then run its lines of the subset in it
+    local name=$1 venv="$COMPAT_DIR/$1" start built versions status subset
+    while [ ! -s "$venv.built" ]; do sleep 1; done
+    built=$(cat "$venv.built")
+    if [ "$built" = failed ]; then
+        cat "$venv.build.log"
+        SUMMARY+=("$name: venv build FAILED ($venv.build.log)")
+        FAILED=1
+        return
+    fi
     versions=$("$venv/bin/python" -c '
 import platform, importlib.metadata as m
 names = ["torch", "lightning", "torchmetrics", "omegaconf", "safetensors", "psutil", "numpy"]
@@ -82,18 +121,10 @@ print(f"Python {platform.python_version()}", *(f"{n} {m.version(n)}" for n in na
     SUMMARY+=("$name: $versions; venv ${built}s, subset $(($(date +%s) - start))s: $status")
 }
 
-for combination in "${@:-floor gloo-sum newest}"; do
-    for name in $combination; do
-        case $name in
-            floor) run_combination floor "$(python_for "$(floor_python)")" lowest-direct ;;
-            gloo-sum)
-                run_combination gloo-sum "$(python_for "$(floor_python)")" lowest-direct "torch==$COMPAT_GLOO_SUM_TORCH"
-                ;;
-            newest) run_combination newest "$(python_for "$COMPAT_NEWEST_PYTHON")" highest ;;
-            *) echo "test-compat: unknown combination '$name' (floor, gloo-sum, newest)" >&2; exit 2 ;;
-        esac
-    done
+for name in "${NAMES[@]}"; do
+    run_combination "$name"
 done
+wait $BUILDER
 
 echo "== test-compat summary"
 printf '  %s\n' "${SUMMARY[@]}"
