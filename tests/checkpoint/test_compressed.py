@@ -1,7 +1,9 @@
-"""A ``.pt`` / ``.ckpt`` whose zip records are compressed: read as ``torch.load`` reads it, or refused."""
+"""Compressed zip records: a ``.pt`` / ``.ckpt`` read as ``torch.load`` reads it, a folder's chunk refused."""
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 import struct
 import zipfile
 from collections.abc import Callable
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+import torch.distributed.checkpoint as dcp
 
 from lightning_mgpu import export_state_dict, inspect_checkpoint, load_state_dict
 from tests.checkpoint._models import net
@@ -107,4 +110,22 @@ def test_a_small_record_inflating_beyond_its_tensor_is_refused_unread(tmp_path: 
         export_state_dict(path, tmp_path / "w.safetensors")
     with pytest.raises(ValueError, match=message):
         load_state_dict(net(), path)
+    assert not (tmp_path / "w.safetensors").exists()
+
+
+def test_a_compressed_chunk_in_a_sharded_folder_is_refused_in_one_line(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    dcp.save({"w": torch.arange(64.0)}, checkpoint_id=folder)
+    metadata = pickle.loads((folder / ".metadata").read_bytes())  # the test's own file
+    ((index, record),) = metadata.storage_data.items()
+    shard = folder / record.relative_path
+    (tmp_path / "chunk.pt").write_bytes(shard.read_bytes()[record.offset : record.offset + record.length])
+    shard.write_bytes(deflated(tmp_path / "chunk.pt", tmp_path / "zipped.pt").read_bytes())
+    metadata.storage_data[index] = dataclasses.replace(record, offset=0, length=shard.stat().st_size)
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+
+    with pytest.raises(
+        ValueError, match=r"__0_0.distcp is corrupt: 'w', chunk at \[0\] .* holds compressed records"
+    ):
+        export_state_dict(folder, tmp_path / "w.safetensors")
     assert not (tmp_path / "w.safetensors").exists()
