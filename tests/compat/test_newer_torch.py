@@ -15,7 +15,7 @@ from torch.torch_version import TorchVersion
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MGPUFSDPStrategy
-from lightning_mgpu._torch_compat import FEATURES, FSDP_ON_CPU, FSDP_RESET_ITER_STATE, TorchFeature
+from lightning_mgpu._compat.torch import FEATURES, FSDP_ON_CPU, FSDP_RESET_ITER_STATE, TorchFeature
 
 
 class Net(L.LightningModule):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_mgpu._torch_compat import FSDP_FORCE_SUM, require
+from lightning_mgpu._compat.torch import FSDP_FORCE_SUM, require
 
 __all__ = ["average_gradients_exactly", "reduce_scatter_sums"]
 

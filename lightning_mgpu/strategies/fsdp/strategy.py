@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
-from lightning_mgpu._torch_compat import FSDP_ON_CPU, require
+from lightning_mgpu._compat.torch import FSDP_ON_CPU, require
 from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.estimate.model_state import measure_model_state
 from lightning_mgpu.estimate.shard_plan import ShardingPlan, plan_sharding, validate_block_classes

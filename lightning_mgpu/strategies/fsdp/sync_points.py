@@ -56,7 +56,7 @@ from torch.autograd import Variable
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
-from lightning_mgpu._torch_compat import FSDP_RESET_ITER_STATE, require
+from lightning_mgpu._compat.torch import FSDP_RESET_ITER_STATE, require
 from lightning_mgpu.strategies.fsdp.buffers import DTYPES, WatchedCollective, nothing_before, watch_buffers
 from lightning_mgpu.strategies.microbatch.agreement import Agreement
 
