@@ -1,4 +1,6 @@
-"""What each feature needs of torch beyond the declared floor: checked when the feature is used, in one line.
+"""What torch features need beyond the floor, and torch's private names the package uses.
+
+Feature checks: each feature that needs more than the declared floor, checked when it is used, in one line.
 
 The package installs over any torch from the floor in ``pyproject.toml`` up, so that an environment's
 own torch (a cluster image, a CUDA build) is kept. A feature that needs more than the floor is listed
@@ -14,23 +16,53 @@ on an older torch with one line naming that release and what to do instead; noth
   ``FSDPModule.set_force_sum_reduction_for_comms`` (torch 2.8); ``strategies/fsdp/gloo_average.py``.
 - ``FSDP_RESET_ITER_STATE``: ``micro_batch_size="auto"`` under ``mgpu_fsdp``, which resets a pass abandoned
   after an out-of-memory with ``FSDPModule.reset_iter_state`` (torch 2.13).
+
+Private names (below the checks): each with why, checked on torch 2.6 (the floor) to 2.13.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.autograd import Variable
+from torch.distributed._composable import checkpoint
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel._functions import Gather, Scatter
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 __all__ = [
     "FEATURES",
     "FSDP_FORCE_SUM",
     "FSDP_ON_CPU",
     "FSDP_RESET_ITER_STATE",
+    "ORIG_MOD",
+    "Gather",
+    "Scatter",
+    "StorageInfo",
+    "TorchDispatchMode",
     "TorchFeature",
+    "activation_checkpoint",
+    "compile_wrapper_type",
+    "compiled_in_place",
+    "compiled_original",
+    "ddp_ignored_names",
+    "flatten_dense_tensors",
+    "fsdp_param_groups",
+    "privateuse1_backend_name",
+    "queue_backward_callback",
+    "replicate_for_data_parallel",
     "require",
+    "tree_flatten",
+    "unflatten_dense_tensors",
+    "unsharded_param",
 ]
 
 
@@ -107,3 +139,79 @@ def require(feature: TorchFeature) -> None:
     """
     if not feature.present():
         raise RuntimeError(feature.message())
+
+
+# --- private names, torch 2.6-2.13 -------------------------------------------------------------------
+# ``tree_flatten`` (torch.utils._pytree): the leaves of a batch of any nesting; the public
+# ``torch.utils.pytree`` is not in every release from the floor.
+# ``TorchDispatchMode`` (torch.utils._python_dispatch): sees every tensor an estimate's step allocates.
+# ``_flatten_dense_tensors`` / ``_unflatten_dense_tensors`` (torch._utils): one all-reduce for a group
+# of gradients, as DistributedDataParallel's own bucketing does.
+# ``Scatter`` / ``Gather`` (torch.nn.parallel._functions): nn.DataParallel's autograd-aware copies
+# between devices, so a split batch's gradients flow back as under nn.DataParallel.
+# ``checkpoint`` (torch.distributed._composable): the activation checkpointing that composes with
+# FSDP2's ``fully_shard`` (torchtitan applies the same); the public ``torch.utils.checkpoint`` wraps a
+# function, not a module.
+# ``_StorageInfo`` (torch.distributed.checkpoint.filesystem): where a sharded checkpoint's chunk lies.
+flatten_dense_tensors = _flatten_dense_tensors
+unflatten_dense_tensors = _unflatten_dense_tensors
+activation_checkpoint = checkpoint
+StorageInfo = _StorageInfo
+
+ORIG_MOD = "_orig_mod"
+"""The child name ``torch.compile``'s wrapper gives the module it compiled (in names and state dicts)."""
+
+
+def compile_wrapper_type() -> type[nn.Module] | None:
+    """``torch.compile``'s wrapper class, ``None`` before dynamo was loaded (no wrapper can exist then)."""
+    frame = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper: type[nn.Module] | None = getattr(frame, "OptimizedModule", None)
+    return wrapper
+
+
+def compiled_original(module: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper compiled."""
+    original: nn.Module = getattr(module, ORIG_MOD)
+    return original
+
+
+def compiled_in_place(module: nn.Module) -> bool:
+    """Whether ``module.compile()`` compiled the module itself (no wrapper)."""
+    return module.__dict__.get("_compiled_call_impl") is not None
+
+
+def replicate_for_data_parallel(module: nn.Module) -> nn.Module:
+    """nn.DataParallel's shallow replica of one module (``torch.nn.parallel.replicate`` does the same)."""
+    replica: nn.Module = module._replicate_for_data_parallel()
+    return replica
+
+
+def privateuse1_backend_name() -> str:
+    """The name a third-party device (``PrivateUse1``) registered, ``"privateuseone"`` if none."""
+    return torch._C._get_privateuse1_backend_name()
+
+
+def ddp_ignored_names(model: nn.Module) -> set[str]:
+    """Parameters and buffers ``DistributedDataParallel`` was told to ignore
+    (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``)."""
+    return set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+
+
+def fsdp_param_groups(unit: FSDPModule) -> list[Any]:
+    """An FSDP2 unit's parameter groups (``FSDPParamGroup``), whose all-gather and reduce-scatter
+    buffers are watched and whose gathered gradients are dropped after an out-of-memory; FSDP2 has no
+    public getter (torch 2.6-2.13)."""
+    groups: list[Any] = getattr(unit._get_fsdp_state(), "_fsdp_param_groups", None) or []
+    return groups
+
+
+def unsharded_param(param: Any) -> torch.Tensor | None:
+    """An ``FSDPParam``'s gathered parameter, ``None`` while it is sharded (torch 2.6-2.13)."""
+    unsharded: torch.Tensor | None = getattr(param, "_unsharded_param", None)
+    return unsharded
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the current backward pass ends, as FSDP2 and DDP queue their own final
+    callbacks; autograd has no public way (torch 2.6-2.13)."""
+    Variable._execution_engine.queue_callback(callback)
