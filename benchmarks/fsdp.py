@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mgpu  # noqa: F401  registers mgpu_ddp and mgpu_fsdp
 from lightning_mgpu.devices import format_bytes
-from lightning_mgpu.strategies.fsdp import StateBytes, measure_model_state
+from lightning_mgpu.estimate.model_state import StateBytes, measure_model_state
 
 WAYS = ("mgpu_ddp", "mgpu_fsdp")
 WORLD = 2

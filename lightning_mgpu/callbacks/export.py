@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_mgpu.checkpoint import export_state_dict, exported_state_dict
+from lightning_mgpu.checkpoint.export import export_state_dict, exported_state_dict
 
 __all__ = ["PlainStateDictExport"]
 

@@ -259,7 +259,7 @@ def exported_state_dict(
     Example::
 
         from torch import nn
-        from lightning_mgpu.checkpoint import exported_state_dict
+        from lightning_mgpu.checkpoint.export import exported_state_dict
 
         print(list(exported_state_dict(nn.DataParallel(nn.Linear(2, 1)))))  # ['weight', 'bias']
     """

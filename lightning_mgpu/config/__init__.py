@@ -26,11 +26,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_mgpu.config.parse import find_config, load
+from lightning_mgpu.config.parse import load
 from lightning_mgpu.config.schema import RunConfig
 from lightning_mgpu.config.validate import ConfigError, validate
 
-__all__ = ["ConfigError", "RunConfig", "find_config", "load_config"]
+__all__ = ["ConfigError", "RunConfig", "load_config"]
 
 
 def load_config(config: str | Path, overrides: Sequence[str] = ()) -> RunConfig:

@@ -99,7 +99,7 @@ def strategy_problems(value: Any, micro_batch_size: Any) -> list[str]:
         strategy_problems({"name": "mgpu_ddp", "stall_timout": 60}, None)
         # ['trainer.strategy.stall_timout: mgpu_ddp takes no option stall_timout; did you mean ...']
     """
-    from lightning_mgpu.strategies.microbatch import check_micro_batch_size
+    from lightning_mgpu.strategies.microbatch.mixin import check_micro_batch_size
 
     out = _checked("trainer", ["micro_batch_size"], lambda: check_micro_batch_size(micro_batch_size))
     named = isinstance(value, str) or (isinstance(value, dict) and isinstance(value.get("name"), str))

@@ -22,9 +22,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_mgpu.estimate.predict import STRATEGIES, MemoryEstimate, estimate_memory
+    from lightning_mgpu.estimate.predict import MemoryEstimate, estimate_memory
 
-__all__ = ["STRATEGIES", "MemoryEstimate", "estimate_memory"]
+__all__ = ["MemoryEstimate", "estimate_memory"]
 
 # Importing Lightning registers the mgpu_* strategies, and micro-batching's first size imports
 # ``predict``. Importing Lightning here, before any module of this package starts (``batch.py``

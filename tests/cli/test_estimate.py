@@ -8,7 +8,8 @@ from lightning_mgpu.cli.main import main
 from lightning_mgpu.config import load_config
 from lightning_mgpu.config.instantiate import build_data, build_module, resolve_devices
 from lightning_mgpu.devices import format_bytes
-from lightning_mgpu.estimate import STRATEGIES, estimate_memory
+from lightning_mgpu.estimate import estimate_memory
+from lightning_mgpu.estimate.memory_estimate import STRATEGIES
 
 
 def rows(out: str) -> dict[str, list[str]]:

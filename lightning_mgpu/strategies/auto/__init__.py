@@ -9,8 +9,7 @@
 - ``strategy.py``: ``MGPUAutoStrategy`` (registered as ``mgpu_auto``) and ``choose_strategy``.
 """
 
-from lightning_mgpu.strategies.auto.decide import StrategyChoice, decide
-from lightning_mgpu.strategies.auto.facts import EnvironmentFacts
+from lightning_mgpu.strategies.auto.decide import StrategyChoice
 from lightning_mgpu.strategies.auto.strategy import MGPUAutoStrategy, choose_strategy
 
-__all__ = ["EnvironmentFacts", "MGPUAutoStrategy", "StrategyChoice", "choose_strategy", "decide"]
+__all__ = ["MGPUAutoStrategy", "StrategyChoice", "choose_strategy"]

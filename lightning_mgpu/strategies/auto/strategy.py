@@ -47,7 +47,7 @@ from lightning_mgpu.strategies.auto.decide import (
 from lightning_mgpu.strategies.auto.facts import EnvironmentFacts
 from lightning_mgpu.strategies.auto.model_memory import device_memory_of, model_memory
 from lightning_mgpu.strategies.microbatch.mixin import check_micro_batch_size
-from lightning_mgpu.strategies.resume import DEFAULTS, check_options
+from lightning_mgpu.strategies.resume.resumption import DEFAULTS, check_options
 
 __all__ = ["MGPUAutoStrategy", "choose_strategy"]
 

@@ -15,21 +15,9 @@
 - ``buffers.py``: FSDP's own collectives, watched: an out-of-memory in their buffers is named, and
   recovered under ``"auto"``; one inside a collective stops every rank (``CollectiveOutOfMemoryError``);
 - ``lightning_mgpu.estimate.model_state``: bytes of parameters, gradients and optimizer state held by this
-  rank and by the whole model (``state.py`` keeps the old import path).
+  rank and by the whole model.
 """
 
-from lightning_mgpu.estimate.model_state import ModelState, StateBytes, measure_model_state
-from lightning_mgpu.estimate.shard_plan import ShardingPlan, find_blocks, plan_sharding
-from lightning_mgpu.strategies.fsdp.buffers import CollectiveOutOfMemoryError
 from lightning_mgpu.strategies.fsdp.strategy import MGPUFSDPStrategy
 
-__all__ = [
-    "CollectiveOutOfMemoryError",
-    "MGPUFSDPStrategy",
-    "ModelState",
-    "ShardingPlan",
-    "StateBytes",
-    "find_blocks",
-    "measure_model_state",
-    "plan_sharding",
-]
+__all__ = ["MGPUFSDPStrategy"]

@@ -12,18 +12,9 @@
 - ``metrics.py``: torchmetrics updated per micro-batch, merged as ``mgpu_dp`` merges its replicas'.
 
 Cutting the batch and replaying ``self.log`` are ``split/``'s; the out-of-memory predicate is
-``lightning_mgpu.oom.is_out_of_memory``, re-exported here.
+``lightning_mgpu.oom.is_out_of_memory``. ``MicroBatching`` is public (documented); the rest is internal.
 """
 
-from lightning_mgpu.oom import is_out_of_memory
-from lightning_mgpu.strategies.microbatch.mixin import MicroBatching, check_micro_batch_size
-from lightning_mgpu.strategies.microbatch.runner import MicroBatchOutOfMemoryError
-from lightning_mgpu.strategies.microbatch.sizes import MicroBatchSizes
+from lightning_mgpu.strategies.microbatch.mixin import MicroBatching
 
-__all__ = [
-    "MicroBatchOutOfMemoryError",
-    "MicroBatchSizes",
-    "MicroBatching",
-    "check_micro_batch_size",
-    "is_out_of_memory",
-]
+__all__ = ["MicroBatching"]

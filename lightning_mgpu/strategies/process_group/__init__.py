@@ -14,6 +14,4 @@
 - ``watchdog/``: dead, stalled and left-behind ranks found and stopped within seconds.
 """
 
-from lightning_mgpu.strategies.process_group.services import ProcessGroupServices
-
-__all__ = ["ProcessGroupServices"]
+__all__: list[str] = []  # internal: import from the module that defines a name

@@ -15,17 +15,4 @@
 The strategies use it through ``process_group/services.py``; nothing here imports another room.
 """
 
-from lightning_mgpu.strategies.resume.auto import AutoResume
-from lightning_mgpu.strategies.resume.checkpoint import ResumeCheckpoint
-from lightning_mgpu.strategies.resume.restart import Restart, restart_of
-from lightning_mgpu.strategies.resume.resumption import DEFAULTS, Resumption, check_options
-
-__all__ = [
-    "DEFAULTS",
-    "AutoResume",
-    "Restart",
-    "ResumeCheckpoint",
-    "Resumption",
-    "check_options",
-    "restart_of",
-]
+__all__: list[str] = []  # internal: import from the module that defines a name

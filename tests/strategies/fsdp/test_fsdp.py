@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning_mgpu import DeviceMemoryMonitor, MGPUFSDPStrategy, PlainStateDictExport
-from lightning_mgpu.strategies.fsdp import measure_model_state
+from lightning_mgpu.estimate.model_state import measure_model_state
 
 RANK = int(os.environ.get("LOCAL_RANK", 0))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_mgpu.strategies.fsdp import measure_model_state
+from lightning_mgpu.estimate.model_state import measure_model_state
 
 
 def test_model_state_of_an_unsharded_model_is_held_whole() -> None:

@@ -7,8 +7,8 @@ import re
 import numpy
 import pytest
 
-from lightning_mgpu.strategies.microbatch import MicroBatchSizes, check_micro_batch_size
-from lightning_mgpu.strategies.microbatch.sizes import Shrink
+from lightning_mgpu.strategies.microbatch.mixin import check_micro_batch_size
+from lightning_mgpu.strategies.microbatch.sizes import MicroBatchSizes, Shrink
 
 
 def test_a_fixed_size_never_changes_and_caps_at_the_batch() -> None:
