@@ -4,7 +4,8 @@ Lightning destroys the default process group at exit only for NCCL. A gloo group
 torn down with the interpreter, after Python's own shutdown, where a backend thread still running
 ends the process with "terminate called without an active exception" (SIGABRT) after the last
 step, and torchrun reports the job as failed. :func:`destroy_at_exit` registers, once per
-process, an ``atexit`` handler that destroys the group while the interpreter is whole.
+process, an ``atexit`` handler that destroys the group while the interpreter is whole
+(pytorch/pytorch#190489, torch 2.6 to 2.13; the fix in torch, pytorch/pytorch#179291, was abandoned).
 
 Destroying the group does not stop gloo's worker threads (the group lives on in the objects that
 hold it, FSDP's device mesh say), and a worker releases the last reference to a collective it ran
@@ -28,7 +29,7 @@ import os
 import threading
 import time
 
-from lightning.fabric.utilities.distributed import _destroy_dist_connection
+from lightning_mgpu._compat.lightning import destroy_dist_connection
 
 __all__ = ["SETTLE_SECONDS", "destroy_at_exit"]
 
@@ -70,7 +71,7 @@ def _let_threads_settle(limit: float = SETTLE_SECONDS) -> None:
 
 
 def _destroy_then_settle() -> None:
-    _destroy_dist_connection()
+    destroy_dist_connection()
     _let_threads_settle()
 
 

@@ -8,7 +8,9 @@ workers' ``init_process_group`` finds the keys the dead attempt left there, unde
 entry before the peer rewrote it connects to a port of a process that no longer exists ("Gloo
 connectFullMesh failed ... Connection refused") or waits forever. ``TORCHELASTIC_RESTART_COUNT``
 cannot name the attempt: each node's agent counts only its own workers' failures, so after a
-failure on one node the nodes disagree.
+failure on one node the nodes disagree. No upstream issue found for these keys (torch 2.6 to 2.13);
+the nearest, pytorch/pytorch#135712 and the fix #167302, are about a stale ``MASTER_ADDR`` in the
+same store.
 
 :func:`init_process_group` lets the ranks agree on a fresh token through the store itself, and
 creates the process group under it. The agreement holds although the store is full of earlier
@@ -32,7 +34,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _destroy_dist_connection
+
+from lightning_mgpu._compat.lightning import destroy_dist_connection
 
 __all__ = ["attempt_token", "current_token", "init_process_group", "uses_agent_store"]
 
@@ -136,6 +139,6 @@ def init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
     )
     if backend == "nccl":  # as Lightning does when it creates the group
-        atexit.register(_destroy_dist_connection)
+        atexit.register(destroy_dist_connection)
     log.debug("rank %d: process group created under torchrun's store, attempt token %s", rank, token)
     return token

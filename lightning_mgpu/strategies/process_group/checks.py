@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_mgpu._compat.torch import privateuse1_backend_name
 from lightning_mgpu.devices import cuda_devices, visible_cuda_devices
 
 __all__ = ["available_backends", "check_devices", "default_backend", "describe_devices"]
@@ -41,9 +42,7 @@ def _as_device(entry: object) -> torch.device | None:
 def _sync_batchnorm_device_types() -> set[str]:
     """The device types whose tensors ``torch.nn.SyncBatchNorm`` synchronises (see its ``forward``)."""
     types = {"cuda", "hpu", "xpu"}
-    privateuse1 = getattr(torch._C, "_get_privateuse1_backend_name", None)
-    if privateuse1 is not None:
-        types.add(privateuse1())
+    types.add(privateuse1_backend_name())
     return types
 
 

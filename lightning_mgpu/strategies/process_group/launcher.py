@@ -13,10 +13,9 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
 
+from lightning_mgpu._compat.lightning import SubprocessScriptLauncher, set_num_threads_if_needed
 from lightning_mgpu.strategies.process_group.watchdog.watchdog import PARENT_PID_ENV, watchdog
 
 if TYPE_CHECKING:
@@ -25,7 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class _WatchedSubprocessScriptLauncher(_SubprocessScriptLauncher):
+class _WatchedSubprocessScriptLauncher(SubprocessScriptLauncher):
     """Starts one process per extra local device like Lightning does, then watches them."""
 
     @override
@@ -44,5 +43,5 @@ class _WatchedSubprocessScriptLauncher(_SubprocessScriptLauncher):
             watchdog().watch_children(self.procs, ranks, own_rank=first)
         else:
             log.debug("the processes were started by %s", type(self.cluster_environment).__name__)
-        _set_num_threads_if_needed(num_processes=self.num_processes)
+        set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)

@@ -16,13 +16,14 @@ from __future__ import annotations
 import logging
 import signal
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose, _SignalConnector
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_mgpu._compat.lightning import cluster_environment, is_slurm_requeue_handler, run_slurm_requeue
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -30,13 +31,6 @@ if TYPE_CHECKING:
 __all__ = ["DeferredRequeue"]
 
 log = logging.getLogger(__name__)
-
-
-def _is_lightnings_requeue(handler: Any) -> bool:
-    if not isinstance(handler, _HandlersCompose):
-        return False
-    ours = _SignalConnector._slurm_sigusr_handler_fn
-    return any(getattr(h, "__func__", None) is ours for h in handler.signal_handlers)
 
 
 class DeferredRequeue:
@@ -49,11 +43,11 @@ class DeferredRequeue:
 
     def install(self, trainer: pl.Trainer) -> None:
         """Take the requeue signal over from Lightning's handler, when Lightning set one for SLURM."""
-        environment = trainer._accelerator_connector.cluster_environment
+        environment = cluster_environment(trainer)
         if not isinstance(environment, SLURMEnvironment) or not environment.auto_requeue:
             return
         signum = environment.requeue_signal or signal.SIGUSR1
-        if not _is_lightnings_requeue(signal.getsignal(signum)):
+        if not is_slurm_requeue_handler(signal.getsignal(signum)):
             log.debug("signal %s has a handler other than Lightning's requeue: left alone", signum)
             return
         signal.signal(signum, self._note)
@@ -79,4 +73,4 @@ class DeferredRequeue:
             f"SLURM's requeue signal came: every rank saves at the start of batch {batch} of epoch"
             f" {trainer.current_epoch} (global step {trainer.global_step}), then the job is requeued"
         )
-        trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)  # type: ignore[arg-type]
+        run_slurm_requeue(trainer, signum)

@@ -54,11 +54,16 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.data import _is_dataloader_shuffled
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_mgpu._compat.lightning import (
+    PREPARE_DATALOADER,
+    attached_trainer,
+    data_connector,
+    is_dataloader_shuffled,
+)
 from lightning_mgpu.strategies.process_group import at_exit, attempt, checks
 from lightning_mgpu.strategies.process_group.errors import add_to_message, is_communication_error
 from lightning_mgpu.strategies.process_group.launcher import _WatchedSubprocessScriptLauncher
@@ -226,15 +231,15 @@ class ProcessGroupServices(ExplainedStepMemory):
         and passes ``shuffle=True`` for every training loader. The original loader is only
         visible there, so this trainer's connector gets the shuffle its loader had.
         """
-        connector = trainer._data_connector
-        original = getattr(type(connector), "_prepare_dataloader", None)
+        connector = data_connector(trainer)
+        original = getattr(type(connector), PREPARE_DATALOADER, None)
         if original is None:
             rank_zero_warn(
                 f"{self.strategy_name}: this Lightning version has no `_prepare_dataloader`; the training"
                 " sampler shuffles even if the DataLoader did not"
             )
             return
-        if "_prepare_dataloader" in vars(connector):
+        if PREPARE_DATALOADER in vars(connector):
             return  # installed by an earlier fit/validate/test of this trainer
 
         def prepare(dataloader: object, shuffle: bool, mode: RunningStage) -> object:
@@ -242,17 +247,17 @@ class ProcessGroupServices(ExplainedStepMemory):
                 sampler = dataloader.batch_sampler
                 self._batch_size = dataloader.batch_size or getattr(sampler, "batch_size", None)
             if mode == RunningStage.TRAINING and isinstance(dataloader, DataLoader):
-                shuffle = _is_dataloader_shuffled(dataloader)
+                shuffle = is_dataloader_shuffled(dataloader)
             prepared = original(connector, dataloader, shuffle=shuffle, mode=mode)
             if mode == RunningStage.TRAINING:  # its place in the epoch goes into every checkpoint
                 prepared = self._resumption.training_loader(prepared, trainer)
             return prepared
 
-        connector._prepare_dataloader = prepare  # type: ignore[method-assign]
+        setattr(connector, PREPARE_DATALOADER, prepare)
 
     def _trainer(self) -> pl.Trainer | None:
-        # the module's ``trainer`` property raises while it is not attached
-        return getattr(self.lightning_module, "_trainer", None)
+        trainer: pl.Trainer | None = attached_trainer(self.lightning_module)
+        return trainer
 
     # --------------------------------------------------------- summary
     def _summary_extra_lines(self) -> list[str]:
