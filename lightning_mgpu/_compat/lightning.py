@@ -50,6 +50,7 @@ __all__ = [
     "optimizers_to_device",
     "run_slurm_requeue",
     "set_launcher",
+    "set_layer_sync",
     "set_num_threads_if_needed",
     "strategy_parts",
     "update_dataloader",
@@ -177,6 +178,11 @@ def strategy_parts(strategy: Any) -> tuple[Any, Any, Any, Any]:
         strategy._checkpoint_io,
         getattr(strategy, "_layer_sync", None),
     )
+
+
+def set_layer_sync(strategy: Any, layer_sync: Any) -> None:
+    """Keep the layer sync (``SyncBatchNorm``) a strategy had before it changed class (2.4-2.6)."""
+    strategy._layer_sync = layer_sync
 
 
 def launcher(strategy: Any) -> Any:

@@ -17,7 +17,9 @@ on an older torch with one line naming that release and what to do instead; noth
 - ``FSDP_RESET_ITER_STATE``: ``micro_batch_size="auto"`` under ``mgpu_fsdp``, which resets a pass abandoned
   after an out-of-memory with ``FSDPModule.reset_iter_state`` (torch 2.13).
 
-Private names (below the checks): each with why, checked on torch 2.6 (the floor) to 2.13.
+Private names (below the checks): each with why, checked on torch 2.6 (the floor) to 2.13. The
+distributed ones import their module when first used, so that reading a checkpoint file
+(``checkpoint/``) does not load FSDP and ``torch.distributed.checkpoint``.
 """
 
 from __future__ import annotations
@@ -25,18 +27,18 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.autograd import Variable
-from torch.distributed._composable import checkpoint
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel._functions import Gather, Scatter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = [
     "FEATURES",
@@ -46,7 +48,6 @@ __all__ = [
     "ORIG_MOD",
     "Gather",
     "Scatter",
-    "StorageInfo",
     "TorchDispatchMode",
     "TorchFeature",
     "activation_checkpoint",
@@ -60,6 +61,7 @@ __all__ = [
     "queue_backward_callback",
     "replicate_for_data_parallel",
     "require",
+    "storage_info_type",
     "tree_flatten",
     "unflatten_dense_tensors",
     "unsharded_param",
@@ -97,10 +99,14 @@ def _cpu_stream_records_events() -> bool:
 
 
 def _fsdp_forces_sum() -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
     return hasattr(FSDPModule, "set_force_sum_reduction_for_comms")
 
 
 def _fsdp_resets_iter_state() -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
     return hasattr(FSDPModule, "reset_iter_state")
 
 
@@ -149,14 +155,26 @@ def require(feature: TorchFeature) -> None:
 # of gradients, as DistributedDataParallel's own bucketing does.
 # ``Scatter`` / ``Gather`` (torch.nn.parallel._functions): nn.DataParallel's autograd-aware copies
 # between devices, so a split batch's gradients flow back as under nn.DataParallel.
-# ``checkpoint`` (torch.distributed._composable): the activation checkpointing that composes with
-# FSDP2's ``fully_shard`` (torchtitan applies the same); the public ``torch.utils.checkpoint`` wraps a
-# function, not a module.
-# ``_StorageInfo`` (torch.distributed.checkpoint.filesystem): where a sharded checkpoint's chunk lies.
 flatten_dense_tensors = _flatten_dense_tensors
 unflatten_dense_tensors = _unflatten_dense_tensors
-activation_checkpoint = checkpoint
-StorageInfo = _StorageInfo
+
+
+def activation_checkpoint(module: nn.Module) -> None:
+    """Checkpoint ``module``'s activations in a way that composes with FSDP2's ``fully_shard``
+    (``torch.distributed._composable.checkpoint``, as torchtitan applies it); the public
+    ``torch.utils.checkpoint`` wraps a function, not a module."""
+    from torch.distributed._composable import checkpoint
+
+    checkpoint(module)
+
+
+def storage_info_type() -> type:
+    """``torch.distributed.checkpoint.filesystem._StorageInfo``: where a sharded checkpoint's chunk lies
+    in its file, a type the ``.metadata`` pickle holds."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo
+
 
 ORIG_MOD = "_orig_mod"
 """The child name ``torch.compile``'s wrapper gives the module it compiled (in names and state dicts)."""
