@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_mgpu._compat.lightning import StrategyRegistry
 from lightning_mgpu.devices import format_bytes, parse_bytes
 from lightning_mgpu.strategies.auto.become import PendingChoice, PendingDDPStrategy, become
 from lightning_mgpu.strategies.auto.decide import (
@@ -289,7 +289,7 @@ class MGPUAutoStrategy(ParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
         strategy_registry.register(
             cls.strategy_name,
             cls,

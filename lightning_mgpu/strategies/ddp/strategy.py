@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
+from lightning_mgpu._compat.lightning import StrategyRegistry
 from lightning_mgpu.strategies.ddp.unused import UNUSED_PATTERN, unused_parameters_message
 from lightning_mgpu.strategies.microbatch.mixin import MicroBatching
 from lightning_mgpu.strategies.process_group.errors import add_to_message
@@ -199,7 +199,7 @@ class MGPUDDPStrategy(MicroBatching, ProcessGroupServices, DDPStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
         strategy_registry.register(
             cls.strategy_name,
             cls,

@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_mgpu._compat.lightning import StrategyRegistry
 from lightning_mgpu.strategies.dp.step import ReplicaStep
 from lightning_mgpu.strategies.microbatch.mixin import MicroBatching
 
@@ -295,7 +295,7 @@ class MGPUDataParallelStrategy(MicroBatching, ParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
         strategy_registry.register(
             cls.strategy_name,
             cls,

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
+from lightning_mgpu._compat.lightning import StrategyRegistry
 from lightning_mgpu._compat.torch import FSDP_ON_CPU, require
 from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.estimate.model_state import measure_model_state
@@ -381,7 +381,7 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
         strategy_registry.register(
             cls.strategy_name,
             cls,
