@@ -2,7 +2,7 @@
 
 - ``_component_`` names the class as a dotted path, as torchtune's configs do: ``torch.optim.AdamW``,
   ``torch.optim.RMSprop`` or a class of your own package. The short names ``adamw``, ``adam`` and
-  ``sgd`` stand for torch's classes, and ``name`` is accepted as the key (older configs).
+  ``sgd`` stand for torch's classes.
 - ``lr``, ``weight_decay`` and ``momentum`` go to the class where its signature takes them;
   ``kwargs`` holds any other argument (``optimizer.kwargs.betas=[0.9,0.95]``).
 - ``component_problems`` imports the class during validation and checks the arguments, so a
@@ -36,7 +36,6 @@ __all__ = [
     "component_problems",
     "misplaced_arguments",
     "optimizer_class",
-    "use_component_key",
     "with_defaults",
 ]
 
@@ -56,12 +55,12 @@ class OptimizerConfig:
     Example::
 
         lightning-mgpu run digits optimizer._component_=torch.optim.RMSprop optimizer.lr=0.01
-        lightning-mgpu run digits optimizer.name=sgd optimizer.lr=0.1 optimizer.scheduler=none
+        lightning-mgpu run digits optimizer._component_=sgd optimizer.lr=0.1 optimizer.scheduler=none
     """
 
     _component_: str = "torch.optim.AdamW"
     """The optimizer class as a dotted path (``torch.optim.AdamW``, ``my_package.optim.Lion``), or a short
-    name: ``adamw``, ``adam``, ``sgd``. ``name`` is accepted as this key's name too."""
+    name: ``adamw``, ``adam``, ``sgd``."""
     lr: float = 1e-3
     """Learning rate."""
     weight_decay: float = 0.0
@@ -83,26 +82,6 @@ class OptimizerConfig:
         if not 0.0 <= self.momentum < 1.0:
             out.append(f"momentum: must be in [0, 1), got {self.momentum:g}")
         return out + component_problems(self._component_, self.kwargs)
-
-
-def use_component_key(section: MutableMapping[str, Any]) -> list[str]:
-    """Rename the key ``name`` of an optimizer section to ``_component_``, in place.
-
-    Returns:
-        A message when the section gives both keys with different values (both are kept), else ``[]``.
-
-    Example::
-
-        section = {"name": "sgd", "lr": 0.1}
-        use_component_key(section)  # [] and section == {"lr": 0.1, "_component_": "sgd"}
-    """
-    if "name" not in section:
-        return []
-    if "_component_" in section and section["_component_"] != section["name"]:
-        given = f"name: {section['name']!r} and _component_: {section['_component_']!r}"
-        return [f"{given} both name the class; keep one"]
-    section["_component_"] = section.pop("name")
-    return []
 
 
 def optimizer_class(component: str) -> type[torch.optim.Optimizer]:
@@ -190,16 +169,19 @@ def misplaced_arguments(section: MutableMapping[str, Any]) -> list[str]:
 
 
 def with_defaults(section: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``section`` (a config's ``optimizer``, or a dict like ``{"name": "sgd"}``) over the schema's defaults.
+    """``section`` (a config's ``optimizer``, or a dict like ``{"_component_": "sgd"}``) over the defaults.
+
+    Raises:
+        ValueError: the section has a key the schema does not (``name``: write ``_component_``).
 
     Example::
 
-        with_defaults({"name": "sgd"})["_component_"]  # 'sgd'
+        with_defaults({"_component_": "sgd"})["lr"]  # 0.001
     """
-    given = dict(section or {})
-    if problems := use_component_key(given):
-        raise ValueError(f"optimizer {problems[0]}")
-    return {**asdict(OptimizerConfig()), **given}
+    defaults, given = asdict(OptimizerConfig()), dict(section or {})
+    if unknown := [k for k in given if k not in defaults]:
+        raise ValueError(f"optimizer: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(defaults)}")
+    return {**defaults, **given}
 
 
 def build_optimizer(params: Iterable[Any], section: Mapping[str, Any] | None) -> torch.optim.Optimizer:
@@ -212,7 +194,7 @@ def build_optimizer(params: Iterable[Any], section: Mapping[str, Any] | None) ->
 
     Example::
 
-        opt = build_optimizer(model.parameters(), {"name": "sgd", "lr": 0.1})
+        opt = build_optimizer(model.parameters(), {"_component_": "sgd", "lr": 0.1})
     """
     cfg = with_defaults(section)
     cls = optimizer_class(cfg["_component_"])

@@ -4,10 +4,8 @@
 - ``parse_overrides(["trainer.devices=[0,3]", "data.batch_size=128"])`` reads each value
   as YAML, so ``[0,3]`` is a list, ``128`` an int and ``null`` is None.
 - ``load(config, overrides)`` merges them, overrides last. Nothing is checked against the
-  schema here; ``validate`` does that. The optimizer's older key ``name`` becomes ``_component_``
-  in the file and in the overrides before they merge, so ``optimizer.name=sgd`` replaces the
-  file's class; ``trainer.strategy: NAME`` is read as ``{name: NAME}`` for the merge, so
-  ``trainer.strategy.stall_timeout=60`` adds an option to the file's strategy, and
+  schema here; ``validate`` does that. ``trainer.strategy: NAME`` is read as ``{name: NAME}`` for
+  the merge, so ``trainer.strategy.stall_timeout=60`` adds an option to the file's strategy, and
   ``trainer.strategy=OTHER`` starts from OTHER's defaults.
 
 This module does not import torch.
@@ -24,7 +22,6 @@ from typing import cast
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lightning_mgpu.config.optimizer import use_component_key
 from lightning_mgpu.config.strategy import align_strategy, name_only, name_override
 
 __all__ = ["config_dir", "find_config", "load", "parse_overrides", "shipped_configs"]
@@ -112,9 +109,6 @@ def load(config: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
     if not isinstance(loaded, DictConfig):
         raise ValueError(f"{path} must hold a mapping of sections (trainer:, model:, ...), not a list")
     overridden = parse_overrides([name_override(item) for item in overrides])
-    for layer in (loaded, overridden):  # per layer, so an override's `name` replaces the file's class
-        if isinstance(layer.get("optimizer"), DictConfig):
-            use_component_key(layer.optimizer)  # a clash within one layer is left for validation
     align_strategy(loaded, overridden)
     merged = cast(DictConfig, OmegaConf.merge(loaded, overridden))
     name_only(merged)

@@ -25,7 +25,7 @@ from typing import Any, cast
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
-from lightning_mgpu.config.optimizer import misplaced_arguments, use_component_key
+from lightning_mgpu.config.optimizer import misplaced_arguments
 from lightning_mgpu.config.schema import RunConfig
 from lightning_mgpu.config.strategy import strategy_problems
 
@@ -93,9 +93,6 @@ def validate(raw: DictConfig, source: str = "config") -> RunConfig:
 
     problems: list[str] = []
     if isinstance(data.get("optimizer"), dict):
-        if clash := use_component_key(data["optimizer"]):  # `name` is the older key of `_component_`
-            problems += [f"optimizer.{p}" for p in clash]
-            del data["optimizer"]["name"]
         problems += [f"optimizer.{p}" for p in misplaced_arguments(data["optimizer"])]
     schema, skip = _schema_or_problem(data.get("recipe"), problems)
     typed = OmegaConf.structured(schema)

@@ -13,7 +13,7 @@ from lightning_mgpu.recipes.linear import LinearData, LinearRegression
 
 
 def test_cosine_without_a_step_limit_is_a_clear_error() -> None:
-    module = LinearRegression(optimizer={"name": "sgd", "lr": 0.1, "scheduler": "cosine"})
+    module = LinearRegression(optimizer={"_component_": "sgd", "lr": 0.1, "scheduler": "cosine"})
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -41,11 +41,13 @@ def test_optimizer_is_built_from_the_class_path_with_the_schema_defaults(
     assert "optimizer torch.optim.rmsprop.RMSprop for 'torch.optim.RMSprop'" in caplog.text
 
     defaults = OptimizerConfig()
-    sgd = LinearRegression(optimizer={"name": "sgd"}).make_optimizer()  # the notebooks' older key
+    sgd = LinearRegression(optimizer={"_component_": "sgd"}).make_optimizer()
     assert type(sgd) is torch.optim.SGD
     assert (sgd.defaults["lr"], sgd.defaults["momentum"]) == (defaults.lr, defaults.momentum)
     adamw = LinearRegression().make_optimizer()
     assert type(adamw) is torch.optim.AdamW
     assert adamw.defaults["weight_decay"] == defaults.weight_decay
     with pytest.raises(ValueError, match="'adan' is not an optimizer; did you mean adam?"):
-        LinearRegression(optimizer={"name": "adan"}).make_optimizer()
+        LinearRegression(optimizer={"_component_": "adan"}).make_optimizer()
+    with pytest.raises(ValueError, match="unknown key.s. name; valid keys: _component_"):
+        LinearRegression(optimizer={"name": "sgd"}).make_optimizer()
