@@ -7,5 +7,6 @@
 Each name here says why it is needed, the versions it was checked against (the floor in
 ``pyproject.toml`` up to the newest tested), and the upstream issue or PR where one exists, so that
 it can be dropped when the dependency offers a public way. No module outside this folder imports a
-private name of these projects (``tests/test_compat.py`` checks the imports).
+private name of these projects, nor touches a private attribute wrapped here
+(``tests/test_compat.py`` checks both).
 """

@@ -15,10 +15,11 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.utils._pytree import tree_flatten
 from typing_extensions import override
 
 from lightning_mgpu._atomic import atomic_write
+from lightning_mgpu._compat.lightning import batches_that_stepped
+from lightning_mgpu._compat.torch import tree_flatten
 from lightning_mgpu.callbacks import memory_report as report
 from lightning_mgpu.callbacks._distributed import all_gather_objects
 from lightning_mgpu.callbacks.memory_readings import (
@@ -287,7 +288,7 @@ class DeviceMemoryMonitor(Callback):
         """
         local = self._read(trainer, reset_peak=True)
         # the step Lightning's own logging uses
-        step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
+        step = batches_that_stepped(trainer)
         step = trainer.global_step if step is None else step
         if last and step > 0:
             step -= 1  # the fit has ended: the count already includes the last batch

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_mgpu._atomic import atomic_write
+from lightning_mgpu._compat.lightning import batches_that_stepped
 from lightning_mgpu.callbacks import time_report as report
 from lightning_mgpu.callbacks.memory_readings import device_label, replica_devices
 from lightning_mgpu.callbacks.time_clocks import AllReduceTimer, CudaStep
@@ -203,7 +204,7 @@ class DeviceTimeMonitor(Callback):
         """
         mine, self._window = self._window, _Window()
         # the step Lightning's own logging uses; at the end of fit it already counts the last batch
-        step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
+        step = batches_that_stepped(trainer)
         step = max(0, (trainer.global_step if step is None else step) - int(last))
         if not _distributed(trainer):
             self._use(trainer, [mine], step)

@@ -18,6 +18,8 @@ from lightning.pytorch import Trainer
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_mgpu._compat.lightning import ddp_comm_hook
+
 __all__ = ["AllReduceTimer", "CudaStep"]
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ class AllReduceTimer:
         model = getattr(trainer.strategy, "model", None)
         if not isinstance(model, DistributedDataParallel):
             return None
-        if getattr(trainer.strategy, "_ddp_comm_hook", None) is not None:
+        if ddp_comm_hook(trainer.strategy) is not None:
             log.debug("the strategy has a ddp_comm_hook: waiting for the other ranks is not measured")
             return None
         timer = cls(model.process_group, cuda)

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from lightning_mgpu._compat.torch import storage_info_type
 from lightning_mgpu.checkpoint._report import shown
 
 __all__ = ["DTYPES", "METADATA", "Chunk", "Index", "Record", "TensorEntry", "check_index", "regular_file"]
@@ -139,10 +140,10 @@ class _Checker:
     """Turns an unpickled index into an :class:`Index`, or raises naming what is wrong."""
 
     def __init__(self, folder: Path, loaded: Any) -> None:
-        from torch.distributed.checkpoint import filesystem, metadata
+        from torch.distributed.checkpoint import metadata
 
         self.folder, self.index_path, self.loaded = folder, folder / METADATA, loaded
-        self.md, self.storage_info = metadata, filesystem._StorageInfo
+        self.md, self.storage_info = metadata, storage_info_type()
         self._names: set[str] = set()  # file names found plain
 
     def fail(self, key: Any, problem: str) -> ValueError:

@@ -29,7 +29,6 @@ plain model's file: one child among several carrying ``module.`` is that child's
 from __future__ import annotations
 
 import logging
-import sys
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -37,6 +36,8 @@ from typing import TypeVar
 
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+from lightning_mgpu._compat.torch import ORIG_MOD, compile_wrapper_type
 
 __all__ = [
     "WRAPPERS",
@@ -78,13 +79,12 @@ def wrapped_child(module: nn.Module) -> str | None:
         wrapped_child(nn.DataParallel(net))  # "module"
         wrapped_child(Residual(net))         # None: a user's class is never a wrapper
     """
-    children = module._modules
+    children = dict(module.named_children())
     if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
         return "module" if "module" in children else None
-    dynamo = sys.modules.get("torch._dynamo.eval_frame")
-    optimized = getattr(dynamo, "OptimizedModule", None)
+    optimized = compile_wrapper_type()
     if optimized is not None and isinstance(module, optimized):
-        return "_orig_mod" if "_orig_mod" in children else None
+        return ORIG_MOD if ORIG_MOD in children else None
     if type(module).__module__.split(".", 1)[0] in _WRAPPER_PACKAGES and len(children) == 1:
         (name,) = children
         return name if name in ("module", "_forward_module") else None

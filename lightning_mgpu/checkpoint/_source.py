@@ -102,7 +102,7 @@ def is_lightning_module(module: nn.Module) -> bool:
 
 def _innermost(module: nn.Module) -> nn.Module:
     while (child := wrapped_child(module)) is not None:
-        module = module._modules[child]  # type: ignore[assignment]
+        module = module.get_submodule(child)
     return module
 
 

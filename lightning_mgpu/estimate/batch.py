@@ -15,7 +15,8 @@ import torch
 from lightning.pytorch.utilities.data import extract_batch_size, warning_cache
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch.utils._pytree import tree_flatten
+
+from lightning_mgpu._compat.torch import tree_flatten
 
 __all__ = ["batch_rows", "resized", "tensors"]
 

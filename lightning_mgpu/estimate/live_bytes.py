@@ -20,9 +20,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
+
+from lightning_mgpu._compat.torch import TorchDispatchMode, tree_flatten
 
 __all__ = ["LiveBytes", "SavedBytes", "storage_bytes", "storage_of"]
 

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mgpu._compat.lightning import convert_precision_to_unified_args
 from lightning_mgpu.devices import cuda_devices, parse_bytes
 from lightning_mgpu.estimate.inference import measure_inference
 from lightning_mgpu.estimate.measuring import MeasuredStep
@@ -45,7 +46,7 @@ from lightning_mgpu.estimate.optimizer_state import OptimizerState
 from lightning_mgpu.estimate.shard_plan import BlockClasses, plan_sharding
 from lightning_mgpu.estimate.sharded import parameter_rows, unit_bytes
 from lightning_mgpu.estimate.training import measure_steps
-from lightning_mgpu.precision import ALIASES, PRECISIONS, precision_names
+from lightning_mgpu.precision import PRECISIONS, precision_names
 
 __all__ = ["STRATEGIES", "MemoryEstimate", "estimate_memory", "model_state_estimate"]
 
@@ -57,14 +58,9 @@ def _precision_name(precision: str | int | None) -> str:
     if precision is None:
         return "32-true"
     try:
-        from lightning.fabric.connector import _convert_precision_to_unified_args
-    except ImportError:  # moved in a later Lightning: the aliases are the same
-        name = ALIASES.get(str(precision), str(precision))
-    else:
-        try:
-            name = str(_convert_precision_to_unified_args(precision))  # type: ignore[arg-type]
-        except ValueError:
-            name = str(precision)
+        name = str(convert_precision_to_unified_args(precision))  # type: ignore[arg-type]
+    except ValueError:
+        name = str(precision)
     if name not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}: use one of {', '.join(precision_names())}")
     return name

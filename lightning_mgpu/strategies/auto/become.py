@@ -22,6 +22,14 @@ from lightning.pytorch.strategies import ParallelStrategy, SingleDeviceStrategy,
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_mgpu._compat.lightning import (
+    Launcher,
+    configure_launcher,
+    set_launcher,
+    set_layer_sync,
+    strategy_parts,
+)
+from lightning_mgpu._compat.lightning import launcher as launcher_of
 from lightning_mgpu.precision import FSDP_PRECISIONS
 from lightning_mgpu.strategies.auto.decide import StrategyChoice, with_micro_batching, with_options
 from lightning_mgpu.strategies.auto.model_memory import (
@@ -35,7 +43,6 @@ from lightning_mgpu.strategies.microbatch.mixin import MicroBatching
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from lightning.pytorch.strategies.launchers.launcher import _Launcher
 
 __all__ = ["PendingChoice", "PendingDDPStrategy", "become"]
 
@@ -47,7 +54,7 @@ def become(
     choice: StrategyChoice,
     devices: list[torch.device],
     strategy_class: type[Strategy] | None = None,
-    launcher: _Launcher | None = None,
+    launcher: Launcher | None = None,
 ) -> None:
     """Turn ``strategy`` into ``choice``'s strategy on ``devices``, keeping the Trainer's settings.
 
@@ -81,10 +88,8 @@ def become(
             f"mgpu_auto chose {choice.strategy} ({choice.reason}), which cannot run micro-batches:"
             " remove micro_batch_size from MGPUAutoStrategy(...), or name a strategy yourself"
         )
-    accelerator, precision = strategy._accelerator, strategy._precision_plugin
-    checkpoint_io = strategy._checkpoint_io
+    accelerator, precision, checkpoint_io, layer_sync = strategy_parts(strategy)
     cluster_environment = getattr(strategy, "cluster_environment", None)
-    layer_sync = getattr(strategy, "_layer_sync", None)
     num_nodes = getattr(strategy, "num_nodes", 1)
 
     strategy.__dict__.clear()
@@ -100,15 +105,15 @@ def become(
         if strategy.cluster_environment is None:
             strategy.cluster_environment = cluster_environment
         strategy.parallel_devices = devices
-        strategy._layer_sync = layer_sync
+        set_layer_sync(strategy, layer_sync)
     if hasattr(strategy, "num_nodes"):
         strategy.num_nodes = num_nodes
     if hasattr(strategy, "set_world_ranks"):
         strategy.set_world_ranks()
     if launcher is None:
-        strategy._configure_launcher()
+        configure_launcher(strategy)
     else:
-        strategy._launcher = launcher
+        set_launcher(strategy, launcher)
     strategy.choice = choice  # type: ignore[attr-defined]
 
 
@@ -175,4 +180,4 @@ def _second_look(strategy: MGPUDDPStrategy, model: pl.LightningModule, pending: 
         log.debug("mgpu_auto keeps mgpu_ddp: %s", choice)
         return
     rank_zero_info(f"mgpu_auto chose {choice.strategy}: {choice.reason}")
-    become(strategy, choice, list(strategy.parallel_devices or []), launcher=strategy._launcher)
+    become(strategy, choice, list(strategy.parallel_devices or []), launcher=launcher_of(strategy))

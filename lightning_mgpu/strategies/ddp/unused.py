@@ -13,6 +13,8 @@ import re
 
 from torch import nn
 
+from lightning_mgpu._compat.torch import ddp_ignored_names
+
 __all__ = ["UNUSED_PATTERN", "unused_parameters_message"]
 
 UNUSED_PATTERN = "Expected to have finished reduction in the prior iteration"
@@ -29,7 +31,7 @@ def _reducer_parameter_names(model: nn.Module) -> list[str]:
         ignore: set[str] = set(getattr(model, "parameters_to_ignore", ()))
         model = model.module
     else:  # what DDP would read from the module when wrapping it
-        ignore = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+        ignore = ddp_ignored_names(model)
     seen: set[int] = set()
     names = []
     for module_name, module in model.named_modules():

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
+from lightning_mgpu._compat.torchmetrics import update_count
 from lightning_mgpu.strategies.split.metrics import merge_in_order, metric_paths, replica_path
 
 __all__ = ["ReplicaMetrics"]
@@ -55,7 +56,7 @@ class ReplicaMetrics:
                 if copy.device != device:
                     copy.to(device)
                 parent = replica.get_submodule(parent_path) if parent_path else replica
-                parent._modules[leaf] = copy
+                setattr(parent, leaf, copy)  # nn.Module puts a module value among its children
 
     def merge(self) -> dict[int, Metric]:
         """Merge the copies used in the last step into the module's metrics.
@@ -77,7 +78,7 @@ class ReplicaMetrics:
             if metric is original:
                 head, rest = copies[0], copies[1 : self._used]
                 merge_in_order(head, rest)
-                return head.compute() if head._update_count else None
+                return head.compute() if update_count(head) else None
         return None
 
     def clear(self) -> None:

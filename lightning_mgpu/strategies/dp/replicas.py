@@ -17,15 +17,20 @@
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torchmetrics import Metric
 
+from lightning_mgpu._compat.torch import (
+    compile_wrapper_type,
+    compiled_in_place,
+    compiled_original,
+    replicate_for_data_parallel,
+)
 from lightning_mgpu.estimate.live_bytes import SavedBytes
 from lightning_mgpu.strategies.split.metrics import replica_path
 
@@ -38,29 +43,21 @@ __all__ = [
 ]
 
 
-def _compile_wrapper_type() -> type[nn.Module] | None:
-    # no wrapper can exist before torch.compile loaded dynamo, so there is nothing to import for it
-    frame = sys.modules.get("torch._dynamo.eval_frame")
-    return getattr(frame, "OptimizedModule", None)
-
-
 def compiled_submodules(module: nn.Module) -> list[str]:
     """Names of the submodules compiled with ``torch.compile(m)`` or ``m.compile()``.
 
     Compiled code is tied to the module object it was compiled for, and replicas are new
     objects every step, so replicas run these submodules uncompiled.
     """
-    wrapper = _compile_wrapper_type() or ()
+    wrapper = compile_wrapper_type() or ()
     return [
-        name
-        for name, sub in module.named_modules()
-        if isinstance(sub, wrapper) or sub.__dict__.get("_compiled_call_impl") is not None
+        name for name, sub in module.named_modules() if isinstance(sub, wrapper) or compiled_in_place(sub)
     ]
 
 
 def _unwrapped(module: nn.Module, wrapper: type[nn.Module] | tuple[()]) -> nn.Module:
     while isinstance(module, wrapper):
-        module = cast(nn.Module, module._orig_mod)
+        module = compiled_original(module)
     return module
 
 
@@ -72,7 +69,7 @@ def _compile_wrappers_removed(module: nn.Module) -> Iterator[None]:
     wrapped module, which corrupts the user's module, and its compiled ``forward`` would call
     the original module instead of the replica.
     """
-    wrapper = _compile_wrapper_type()
+    wrapper = compile_wrapper_type()
     swapped: list[tuple[nn.Module, str, nn.Module]] = []
     try:
         if wrapper is not None:
@@ -96,7 +93,7 @@ def _run_uncompiled(replica: nn.Module) -> None:
 
 
 def _replicate_on_one_device(module: nn.Module, count: int) -> list[nn.Module]:
-    wrapper = _compile_wrapper_type() or ()
+    wrapper = compile_wrapper_type() or ()
     modules: list[nn.Module] = []
     index: dict[int, int] = {}
     pending = [module]
@@ -109,7 +106,7 @@ def _replicate_on_one_device(module: nn.Module, count: int) -> list[nn.Module]:
         if not isinstance(current, Metric):  # metrics get their own copies (see _metrics.py)
             children = [child for child in current._modules.values() if child is not None]
             pending.extend(_unwrapped(child, wrapper) for child in children)
-    copies = [[m._replicate_for_data_parallel() for m in modules] for _ in range(count)]
+    copies = [[replicate_for_data_parallel(m) for m in modules] for _ in range(count)]
     for j in range(count):
         for i, original in enumerate(modules):
             replica = copies[j][i]

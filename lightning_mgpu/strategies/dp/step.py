@@ -19,6 +19,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_mgpu._compat.torchmetrics import set_forward_cache
 from lightning_mgpu._words import counted
 from lightning_mgpu.losses import replica_step_context
 from lightning_mgpu.strategies.dp.lockstep import Lockstep, manual_optimization_hooks, record_exit
@@ -145,7 +146,7 @@ class ReplicaStep:
         }
         for original in {id(m): m for m in logged.values()}.values():
             # what `forward` returned for the whole batch, read by Lightning when logging on step
-            original._forward_cache = self._metrics.batch_value(original)
+            set_forward_cache(original, self._metrics.batch_value(original))
         replay_logs(module, captures, sizes, devices[0], originals)
         saved = [call.saved_bytes for call in calls] if track_memory else []
         return ReplicaResult(combine_outputs(outputs, sizes, devices[0]), sizes, saved)

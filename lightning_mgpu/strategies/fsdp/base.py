@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lightning_mgpu._compat.lightning import materialize_distributed_module, optimizers_to_device
 from lightning_mgpu.strategies.fsdp.buffers import watch_buffers
 from lightning_mgpu.strategies.fsdp.gloo_average import average_gradients_exactly
 
@@ -42,7 +41,7 @@ class ShardingModelParallel(ModelParallelStrategy):
         # gloo on torch 2.7/2.8 sums where FSDP asks for an average (pytorch/pytorch#162338)
         average_gradients_exactly(self.model, self.device_mesh["data_parallel"].get_group())
         watch_buffers(self.model)  # FSDP's own buffers say which one ran out (fsdp/buffers.py)
-        _materialize_distributed_module(self.model, self.root_device)
+        materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()
@@ -50,4 +49,4 @@ class ShardingModelParallel(ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_mgpu._compat.torch import fsdp_param_groups
 from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.oom import is_out_of_memory
 from lightning_mgpu.strategies.process_group.errors import add_to_message
@@ -182,12 +183,11 @@ def watch_buffers(root: nn.Module, before: Before | None = None) -> Watched:
             continue
         set_gather = getattr(unit, "set_custom_all_gather", None)
         set_reduce = getattr(unit, "set_custom_reduce_scatter", None)
-        get_state = getattr(unit, "_get_fsdp_state", None)
-        if set_gather is None or set_reduce is None or get_state is None:
+        if set_gather is None or set_reduce is None:
             unwatched += 1
             continue
         # FSDP's own collectives are read from its parameter group (no public getter), to be wrapped
-        groups = getattr(get_state(), "_fsdp_param_groups", None) or []
+        groups = fsdp_param_groups(unit)
         if len(groups) != 1:
             unwatched += len(groups) > 1  # none: nothing to gather; several: a grouping set_custom_* refuses
             continue

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from lightning_mgpu._compat.lightning import attached_trainer, detach_trainer
 from lightning_mgpu.estimate.optimizer_state import OptimizerState, count_optimizer_state
 from lightning_mgpu.estimate.shard_plan import ShardingPlan, plan_sharding
 from lightning_mgpu.estimate.sharded import ShardedNeed, sharded_need
@@ -32,15 +33,15 @@ def without_trainer(model: Any) -> Iterator[None]:
     make the Trainer load the data now, before the strategy's own set-up; it fails instead, and the
     optimizer state is not counted (the reason says so).
     """
-    trainer = getattr(model, "_trainer", None)
+    trainer = attached_trainer(model)
     if trainer is None:
         yield
         return
-    model._trainer = None
+    detach_trainer(model, None)
     try:
         yield
     finally:
-        model._trainer = trainer
+        detach_trainer(model, trainer)
 
 
 def sharded_model_need(

@@ -15,9 +15,9 @@ import os
 import warnings
 from typing import Any
 
-from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
+from lightning_mgpu._compat.lightning import PATH, attached_trainer
 from lightning_mgpu.strategies.mixin import StrategyMixin
 
 __all__ = ["ResavingOwnCheckpoints"]
@@ -40,11 +40,13 @@ class ResavingOwnCheckpoints(StrategyMixin):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+        self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Any | None = None
     ) -> None:
         path = os.path.realpath(filepath)
         module = self.lightning_module
-        resumed = module.trainer.ckpt_path if module is not None and module._trainer is not None else None
+        resumed = (
+            module.trainer.ckpt_path if module is not None and attached_trainer(module) is not None else None
+        )
         own = path in self._saved_checkpoints or (resumed is not None and os.path.realpath(resumed) == path)
         with warnings.catch_warnings():
             if own:

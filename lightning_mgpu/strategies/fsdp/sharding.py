@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from lightning_mgpu._compat.torch import activation_checkpoint
 from lightning_mgpu.estimate.shard_plan import ShardingPlan
 
 __all__ = [
@@ -137,10 +138,8 @@ def apply_plan(
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_memory)
     blocks = [module.get_submodule(name) for name in plan.blocks]
     if options.activation_checkpointing:
-        from torch.distributed._composable import checkpoint
-
         for block in blocks:
-            checkpoint(block)
+            activation_checkpoint(block)
     for name, block in zip(plan.blocks, blocks, strict=True):
         log.debug("fully_shard(%s) (%s)", name, type(block).__name__)
         fully_shard(block, **kwargs)

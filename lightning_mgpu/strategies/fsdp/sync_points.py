@@ -52,11 +52,16 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torch.autograd import Variable
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
-from lightning_mgpu._compat.torch import FSDP_RESET_ITER_STATE, require
+from lightning_mgpu._compat.torch import (
+    FSDP_RESET_ITER_STATE,
+    fsdp_param_groups,
+    queue_backward_callback,
+    require,
+    unsharded_param,
+)
 from lightning_mgpu.strategies.fsdp.buffers import DTYPES, WatchedCollective, nothing_before, watch_buffers
 from lightning_mgpu.strategies.microbatch.agreement import Agreement
 
@@ -161,10 +166,9 @@ class SyncPoints:
         for module in self.root.modules():
             if not isinstance(module, FSDPModule):
                 continue
-            state = module._get_fsdp_state()
-            for group in getattr(state, "_fsdp_param_groups", []):
+            for group in fsdp_param_groups(module):
                 for param in group.fsdp_params:
-                    unsharded = getattr(param, "_unsharded_param", None)
+                    unsharded = unsharded_param(param)
                     if unsharded is not None and unsharded.grad is not None:
                         unsharded.grad = None
                         dropped += 1
@@ -225,7 +229,7 @@ class SyncPoints:
         """The backward checkpoint of the root's output: also one at the end of the backward."""
         self.check()
         if self._agreement is not None:
-            Variable._execution_engine.queue_callback(self.check)
+            queue_backward_callback(self.check)
 
     def _wrap(self, value: Any, check: Callable[[], None]) -> Any:
         def wrap(tensor: Tensor) -> Tensor:

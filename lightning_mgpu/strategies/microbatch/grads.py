@@ -23,7 +23,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from lightning_mgpu._compat.torch import flatten_dense_tensors, unflatten_dense_tensors
 
 __all__ = ["BatchGradients", "average_over_ranks"]
 
@@ -54,10 +55,10 @@ def average_over_ranks(grads: Sequence[Tensor], world_size: int) -> None:
         sizes[key] += nbytes
     for groups in buckets.values():
         for group in groups:
-            flat = _flatten_dense_tensors(group)
+            flat = flatten_dense_tensors(group)
             dist.all_reduce(flat)
             flat.div_(world_size)
-            for grad, synced in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
+            for grad, synced in zip(group, unflatten_dense_tensors(flat, group), strict=True):
                 grad.copy_(synced)
     for work, grad in zip(works, large, strict=True):
         work.wait()

@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 from torchmetrics import Metric
 
+from lightning_mgpu._compat.torchmetrics import set_forward_cache, update_count
 from lightning_mgpu.strategies.split.metrics import merge_in_order, metric_paths, replica_path
 
 __all__ = ["MicroBatchMetrics"]
@@ -32,7 +33,7 @@ class MicroBatchMetrics:
         for path in metric_paths(module):
             parent_path, _, leaf = replica_path(path).rpartition(".")
             parent = module.get_submodule(parent_path) if parent_path else module
-            original = parent._modules[leaf]
+            original = getattr(parent, leaf)
             assert isinstance(original, Metric)
             self._slots.append((parent, leaf, original))
         live = {id(original) for _, _, original in self._slots}
@@ -49,12 +50,12 @@ class MicroBatchMetrics:
             copy.reset()
             if copy.device != original.device:
                 copy.to(original.device)
-            parent._modules[leaf] = copy
+            setattr(parent, leaf, copy)  # nn.Module puts a module value among its children
 
     def put_back(self) -> None:
         """The module's own metrics in place again (after every micro-batch, and after a failed attempt)."""
         for parent, leaf, original in self._slots:
-            parent._modules[leaf] = original
+            setattr(parent, leaf, original)
 
     def forget_attempt(self) -> None:
         """A failed attempt's updates count for nothing."""
@@ -71,12 +72,12 @@ class MicroBatchMetrics:
                 continue
             merge_in_order(original, used)
             originals.update((id(c), original) for c in used)
-            if any(c._update_count for c in used):
-                original._forward_cache = _batch_value(used)
+            if any(update_count(c) for c in used):
+                set_forward_cache(original, _batch_value(used))
         return originals
 
 
 def _batch_value(copies: list[Metric]) -> Any:
     head, rest = copies[0], copies[1:]
     merge_in_order(head, rest)
-    return head.compute() if head._update_count else None
+    return head.compute() if update_count(head) else None

@@ -32,6 +32,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_mgpu._compat.lightning import checkpoint_connector, hpc_resume_path, loaded_checkpoint
 from lightning_mgpu.strategies.resume.attempts import AttemptRecord, fingerprint
 from lightning_mgpu.strategies.resume.candidates import Choice, find_checkpoints, newest_complete, set_aside
 from lightning_mgpu.strategies.resume.restart import Restart, restart_of
@@ -86,14 +87,14 @@ class AutoResume:
 
     def install(self, trainer: pl.Trainer) -> None:
         """Take part in this trainer's choice of the checkpoint (once per trainer)."""
-        connector = trainer._checkpoint_connector
+        connector = checkpoint_connector(trainer)
         if self.resume is False or "resume_start" in vars(connector):
             return
         callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning
         if self.record not in callbacks:
             callbacks.append(self.record)
         original = connector.resume_start
-        connector.resume_start = functools.partial(self._resume_start, trainer, original)  # type: ignore[method-assign]
+        connector.resume_start = functools.partial(self._resume_start, trainer, original)
 
     def _resume_start(
         self,
@@ -102,12 +103,12 @@ class AutoResume:
         checkpoint_path: Any = None,
         weights_only: bool | None = None,
     ) -> None:
-        connector = trainer._checkpoint_connector
+        connector = checkpoint_connector(trainer)
         # weights_only came with Lightning 2.6; older releases call and take the path alone
         start = original if weights_only is None else functools.partial(original, weights_only=weights_only)
         # Lightning's own choice under SLURM is the newest hpc_ckpt, complete or not: ours to make
         chosen_by_lightning = checkpoint_path is not None and str(checkpoint_path) == str(
-            connector._hpc_resume_path
+            hpc_resume_path(connector)
         )
         if trainer.state.fn != TrainerFn.FITTING or (checkpoint_path is not None and not chosen_by_lightning):
             return start(checkpoint_path)
@@ -141,7 +142,7 @@ class AutoResume:
             )
             return start(None)
         start(choice.path)
-        loaded = connector._loaded_checkpoint
+        loaded = loaded_checkpoint(connector)
         rank_zero_info(
             f"{name}: {why}: resuming from {choice.path}, saved at global step"
             f" {loaded.get('global_step', '?')} (epoch {loaded.get('epoch', '?')})"

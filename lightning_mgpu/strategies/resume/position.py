@@ -32,14 +32,14 @@ import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 from typing_extensions import override
+
+from lightning_mgpu._compat.lightning import Stateful, combined_loader, update_dataloader
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -106,7 +106,7 @@ class LoaderPosition(Callback):
           ``DistributedSampler`` in a plain ``BatchSampler``: ``loader`` itself;
         - otherwise a new ``DataLoader`` made as Lightning makes one with a new sampler.
         """
-        if not isinstance(loader, DataLoader) or isinstance(loader, _Stateful):
+        if not isinstance(loader, DataLoader) or isinstance(loader, Stateful):
             return loader
         sampler, batch_sampler = loader.sampler, loader.batch_sampler
         if type(sampler) is not DistributedSampler or type(batch_sampler) is not BatchSampler:
@@ -117,7 +117,7 @@ class LoaderPosition(Callback):
             batch_sampler.batch_size,
             trainer,
         )
-        wrapped = _update_dataloader(loader, self.sampler, mode=RunningStage.TRAINING)
+        wrapped = update_dataloader(loader, self.sampler, mode=RunningStage.TRAINING)
         # before Lightning's first iter(): its workers may take the first indices at once
         if self._pending is not None:
             state, self._pending = self._pending, None
@@ -141,8 +141,8 @@ class LoaderPosition(Callback):
             return
         if not done or progress.is_last_batch:
             return
-        loader = trainer.fit_loop._combined_loader
-        if loader is not None and all(isinstance(part, _Stateful) for part in loader.flattened):
+        loader = combined_loader(trainer)
+        if loader is not None and all(isinstance(part, Stateful) for part in loader.flattened):
             return
         rank_zero_warn(
             f"{self.name}: resumed {done} batches into epoch {trainer.current_epoch} with a training loader"

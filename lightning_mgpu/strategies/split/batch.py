@@ -29,6 +29,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection, is_dataclass_instance, is_namedtuple
 from torch import Tensor
 
+from lightning_mgpu._compat.torch import Gather, Scatter
 from lightning_mgpu._words import counted
 
 __all__ = [
@@ -91,8 +92,6 @@ def _split_tensor(tensor: Tensor, sizes: list[int], devices: Sequence[torch.devi
     if tensor.dim() == 0:
         return [tensor.to(d) for d in devices]
     if len(set(devices)) > 1:
-        from torch.nn.parallel._functions import Scatter
-
         return Scatter.apply([d.index for d in devices], sizes, 0, tensor)
     # every replica on one device (CPU replicas, or several on one GPU): views of the batch
     return tensor.to(devices[0]).split(sizes)
@@ -257,8 +256,6 @@ def _combine_tensors(values: list[Tensor], sizes: list[int], device: torch.devic
     per_sample = all(v.dim() > 0 and v.shape[0] == n for v, n in zip(values, sizes, strict=True))
     if per_sample:
         if any(v.device != device for v in values):
-            from torch.nn.parallel._functions import Gather
-
             return Gather.apply(device.index, 0, *values)
         return torch.cat(values)
     if any(v.shape != values[0].shape for v in values):

@@ -6,8 +6,8 @@ accumulated over the whole batch, and ``compute()`` gives the single-device valu
 
 Merging uses ``Metric.merge_state`` (torchmetrics >= 1.6). Where it is missing, or where it refuses
 the metric (``full_state_update`` not ``False``, ``dist_sync_on_step=True``), the same per-state
-reductions run through ``Metric._reduce_states``: the reductions (``dist_reduce_fx``) that a DDP sync
-applies across processes.
+reductions run through ``Metric._reduce_states`` (``_compat/torchmetrics.py``): the reductions
+(``dist_reduce_fx``) that a DDP sync applies across processes.
 """
 
 from __future__ import annotations
@@ -18,6 +18,15 @@ from typing import Any
 import torch
 from torch import nn
 from torchmetrics import Metric
+
+from lightning_mgpu._compat.torch import ORIG_MOD
+from lightning_mgpu._compat.torchmetrics import (
+    clear_computed,
+    reduce_states,
+    set_update_count,
+    state_names,
+    update_count,
+)
 
 __all__ = ["merge_in_order", "metric_paths", "replica_path"]
 
@@ -44,29 +53,30 @@ def _reduce(metric: Metric, earlier: dict[str, Any]) -> None:
     if merge_state is not None and metric.full_state_update is False and not metric.dist_sync_on_step:
         merge_state(earlier)
     else:
-        metric._reduce_states(earlier)
+        reduce_states(metric, earlier)
 
 
 def merge_in_order(metric: Metric, parts: Sequence[Metric]) -> None:
     """Append the states of ``parts`` (in order) after the state ``metric`` already holds."""
-    updated = [p for p in parts if p._update_count > 0]
+    updated = [p for p in parts if update_count(p) > 0]
     if not updated:
         return
     device = metric.device
-    start = metric._update_count
+    start = update_count(metric)
     for part in updated:
         # torchmetrics reduces (incoming, own) with the incoming state first: hand it the state
         # accumulated so far as "incoming" so list states keep their order
-        earlier = {name: getattr(metric, name) for name in metric._defaults}
-        for name in metric._defaults:
+        names = state_names(metric)
+        earlier = {name: getattr(metric, name) for name in names}
+        for name in names:
             setattr(metric, name, _move(getattr(part, name), device))
-        metric._update_count += 1  # mean states weigh each merged part once
+        set_update_count(metric, update_count(metric) + 1)  # mean states weigh each merged part once
         _reduce(metric, earlier)
     # the module's metric saw as many updates as one device would have made
-    metric._update_count = start + max(p._update_count for p in updated)
-    metric._computed = None
+    set_update_count(metric, start + max(update_count(p) for p in updated))
+    clear_computed(metric)
 
 
 def replica_path(name: str) -> str:
     """Where the module's submodule or tensor ``name`` lies in a replica, which holds no compile wrappers."""
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+    return ".".join(part for part in name.split(".") if part != ORIG_MOD)
