@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from lightning_mgpu.devices import parse_bytes
+from lightning_mgpu.estimate.report import format_estimate
 from lightning_mgpu.estimate.sharded import fewest_devices, shard_share
 
 __all__ = ["STRATEGIES", "MemoryEstimate"]
@@ -193,8 +194,6 @@ class MemoryEstimate:
         return int(best) if math.isfinite(best) else 1 << 31
 
     def __str__(self) -> str:
-        from lightning_mgpu.estimate.report import format_estimate
-
         return format_estimate(self)
 
 

@@ -1,6 +1,7 @@
 """strategies/ imports run one way: auto -> the families -> process_group -> resume; microbatch -> split.
 
-Read from the source with ``ast``, so a cycle dodged by an import inside a function shows too.
+Read from the source with ``ast``, so a cycle dodged by an import inside a function shows too; the
+cycle check covers the whole package (two modules of one room importing each other included).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import ast
 import inspect
 from pathlib import Path
 
+import lightning_mgpu
 import lightning_mgpu.strategies
 from lightning_mgpu.strategies.ddp.strategy import MGPUDDPStrategy
 from lightning_mgpu.strategies.dp.strategy import MGPUDataParallelStrategy
@@ -35,36 +37,36 @@ def _room(module: str) -> str:
     return module.removeprefix(PACKAGE + ".").split(".")[0]
 
 
-def _imports(path: Path) -> list[tuple[str, bool]]:
-    """(imported module of strategies/, whether the import sits inside a function) for one file."""
+def _imports(path: Path, package: str = PACKAGE) -> list[tuple[str, bool]]:
+    """(imported module of ``package``, whether the import sits inside a function) for one file."""
     tree = ast.parse(path.read_text())
     found: list[tuple[str, bool]] = []
 
     def visit(node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
             inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
-            if isinstance(child, ast.ImportFrom) and child.module and child.module.startswith(PACKAGE + "."):
+            if isinstance(child, ast.ImportFrom) and child.module and child.module.startswith(package + "."):
                 # `from package import submodule` imports the submodule (the package's __init__ runs too)
-                subs = [
-                    f"{child.module}.{a.name}" for a in child.names if f"{child.module}.{a.name}" in MODULES
-                ]
+                named = [f"{child.module}.{a.name}" for a in child.names]
+                subs = [name for name in named if name in ALL_MODULES]
                 found.extend((sub, inside) for sub in subs or [child.module])
             elif isinstance(child, ast.Import):
-                found.extend((a.name, inside) for a in child.names if a.name.startswith(PACKAGE + "."))
+                found.extend((a.name, inside) for a in child.names if a.name.startswith(package + "."))
             visit(child, inside)
 
     visit(tree, False)
     return found
 
 
-def _modules() -> dict[str, Path]:
+def _modules(root: Path, package: str) -> dict[str, Path]:
     return {
-        ".".join((PACKAGE, *path.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__"): path
-        for path in ROOT.rglob("*.py")
+        ".".join((package, *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__"): path
+        for path in root.rglob("*.py")
     }
 
 
-MODULES = _modules()
+MODULES = _modules(ROOT, PACKAGE)
+ALL_MODULES = _modules(Path(lightning_mgpu.__file__).parent, "lightning_mgpu")
 
 
 def test_every_room_is_known_and_imports_only_below_it() -> None:
@@ -81,10 +83,10 @@ def test_every_room_is_known_and_imports_only_below_it() -> None:
 
 
 def test_no_import_inside_a_function_and_no_cycle() -> None:
-    modules = MODULES
-    inside = [f"{m} imports {t} inside a function" for m, p in modules.items() for t, f in _imports(p) if f]
+    inside = [f"{m} imports {t} inside a function" for m, p in MODULES.items() for t, f in _imports(p) if f]
     assert not inside, "\n".join(inside)
-    graph = {m: {t for t, _ in _imports(p) if t in modules} for m, p in modules.items()}
+    imports = {m: _imports(p, "lightning_mgpu") for m, p in ALL_MODULES.items()}
+    graph = {m: {t for t, _ in found if t in ALL_MODULES} for m, found in imports.items()}
     done: set[str] = set()
 
     def walk(module: str, path: list[str]) -> None:
