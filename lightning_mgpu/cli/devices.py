@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         nvml_available,
         visible_cuda_devices,
     )
-    from lightning_mgpu.strategies.auto import choose_strategy
+    from lightning_mgpu.strategies.auto.strategy import choose_strategy
 
     devices = cuda_devices()
     visible = visible_cuda_devices()

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
     from lightning_mgpu.config import load_config
     from lightning_mgpu.config.instantiate import build_data
-    from lightning_mgpu.estimate import estimate_memory
+    from lightning_mgpu.estimate.predict import estimate_memory
     from lightning_mgpu.recipes import load_recipe
 
     config, overrides = split_overrides(args)

@@ -65,7 +65,7 @@ def add_trust_pickle(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightning_mgpu.checkpoint import export_state_dict
+    from lightning_mgpu.checkpoint.export import export_state_dict
 
     with user_errors(KeyError):  # --key or --submodule naming no entry
         report = export_state_dict(

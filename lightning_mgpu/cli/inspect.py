@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightning_mgpu.checkpoint import inspect_checkpoint
+    from lightning_mgpu.checkpoint.inspect import inspect_checkpoint
 
     with user_errors(KeyError):  # --key naming no entry
         info = inspect_checkpoint(args.file, trust_pickle=args.trust_pickle, key=args.key)

@@ -139,7 +139,7 @@ def load_weights(net: torch.nn.Module, path: str | Path) -> None:
 
         load_weights(module.net, "resnet18-f37072fd.pth")
     """
-    from lightning_mgpu.checkpoint import LoadError, load_state_dict
+    from lightning_mgpu.checkpoint.load import LoadError, load_state_dict
 
     try:
         load_state_dict(net, Path(path).expanduser(), strict=True)
