@@ -252,12 +252,11 @@ def _missing_class_message(path: Path, err: _MissingClassError) -> str:
 
 def _all_unsafe_globals(path: Path) -> list[str]:
     """Every global the weights-only unpickler would refuse (torch only names the first one)."""
-    finder = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)  # torch >= 2.5
-    if finder is None or sniff(path) != "torch zip":
+    if sniff(path) != "torch zip":
         return []
     try:
         with _hyperparameters_allowed(True):
-            return sorted(finder(path))
+            return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
     except Exception:  # a best effort for the message only
         return []
 
@@ -290,19 +289,8 @@ def _hyperparameters_allowed(omegaconf: bool) -> Iterator[None]:
     Only types not already allowed are added, and only those are removed afterwards, so what the
     user or other libraries allowed (before or meanwhile) stays allowed.
     """
-    serialization: Any = torch.serialization
-    allowed = set(serialization.get_safe_globals())
+    allowed = set(torch.serialization.get_safe_globals())
     wanted = _PATH_TYPES + (_omegaconf_types() if omegaconf else [])
     added = [t for t in wanted if t not in allowed]
-    if hasattr(serialization, "safe_globals"):
-        with serialization.safe_globals(added):
-            yield
-        return
-    # torch 2.4 has add_safe_globals but neither the context manager nor a way to remove one
-    serialization.add_safe_globals(added)
-    try:
+    with torch.serialization.safe_globals(added):
         yield
-    finally:
-        keep = [g for g in serialization.get_safe_globals() if g not in added]
-        serialization.clear_safe_globals()
-        serialization.add_safe_globals(keep)

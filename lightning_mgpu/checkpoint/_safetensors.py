@@ -44,13 +44,12 @@ _DTYPES: dict[torch.dtype, str] = {
     torch.int8: "I8",
     torch.uint8: "U8",
     torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
 }
-for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16")):
-    if hasattr(torch, _name):
-        _DTYPES[getattr(torch, _name)] = _code
-for _name, _code in (("uint32", "U32"), ("uint64", "U64")):
-    if hasattr(torch, _name):
-        _DTYPES[getattr(torch, _name)] = _code
 
 
 def view_key(tensor: torch.Tensor) -> tuple[Any, ...]:

@@ -28,8 +28,7 @@ _COMMUNICATION_WORDS = (
 
 def is_communication_error(exception: BaseException) -> bool:
     """Whether ``exception`` is a collective or store failing because a peer went away."""
-    dist_error = getattr(torch.distributed, "DistError", None)
-    if dist_error is not None and isinstance(exception, dist_error):
+    if isinstance(exception, torch.distributed.DistError):
         return True
     text = str(exception).lower()
     return isinstance(exception, RuntimeError) and any(word in text for word in _COMMUNICATION_WORDS)
