@@ -59,7 +59,7 @@ def test_a_restart_resumes_from_the_newest_complete_checkpoint(
     assert trainer.global_step == 6
     assert _resumed_lines(caplog)[-2:] == [
         f"mgpu_ddp: not resuming from {newest}: its zip directory cannot be read (File is not a zip file):"
-        " it was cut while being written",
+        f" it was cut while being written; moved aside to {newest}.incomplete",
         "mgpu_ddp: attempt 2 of this job (restarted by torchrun): resuming from"
         f" {tmp_path}/ckpts/epoch=0-step=2.ckpt, saved at global step 2 (epoch 0)",
     ]
