@@ -32,8 +32,8 @@ class DeviceTimeMonitor(Callback):
 
     Per rank and training batch, three phases, summed:
 
-    - **data**: from the end of the previous batch (or the start of the epoch) to the start of
-      this one, host time: the training loop fetching the batch, and whatever other callbacks do
+    - **data**: from the end of the previous batch (or the start of the epoch, or the end of a
+      validation run inside it) to the start of this one, host time: the training loop fetching the batch, and whatever other callbacks do
       between two batches;
     - **waiting**: under DDP (``mgpu_ddp``), the time from the rank's last gradient bucket being
       ready (its own backward done) until the all-reduce of every bucket completed: blocked on
@@ -131,6 +131,10 @@ class DeviceTimeMonitor(Callback):
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._mark = time.perf_counter()  # the time between epochs (validation, checkpoints) is no phase
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._mark = time.perf_counter()  # validation inside an epoch is no phase of training either
 
     @override
     def on_train_batch_start(
