@@ -33,8 +33,8 @@ class DeviceTimeMonitor(Callback):
     Per rank and training batch, three phases, summed:
 
     - **data**: from the end of the previous batch (or the start of the epoch, or the end of a
-      validation run inside it) to the start of this one, host time: the training loop fetching the batch, and whatever other callbacks do
-      between two batches;
+      validation run inside it) to the start of this one, host time: the training loop fetching
+      the batch, and whatever other callbacks do between two batches;
     - **waiting**: under DDP (``mgpu_ddp``), the time from the rank's last gradient bucket being
       ready (its own backward done) until the all-reduce of every bucket completed: blocked on
       the other ranks, plus the transfer. Measured by a DDP communication hook that wraps the
