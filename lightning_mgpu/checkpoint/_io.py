@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from lightning_mgpu._compat.torch import records_left_unread
 from lightning_mgpu.checkpoint._mapped import MappedFile
 from lightning_mgpu.checkpoint._safetensors import read_safetensors
 from lightning_mgpu.checkpoint._zip_check import RecordCheck
@@ -109,7 +110,9 @@ def read_file(
         return LoadedFile(tensors, kind, metadata, mapped=MappedFile(path, archive=False))
     compressed = _check_zip(path) if kind == "torch zip" else []
     if compressed:  # memory-mapped, the compressed bytes would be taken for the values
-        _check_inflated_sizes(path, compressed, _torch_load(path, "meta", trust_pickle, mmap=False))
+        with records_left_unread():
+            skeleton = _torch_load(path, "meta", trust_pickle, mmap=False)
+        _check_inflated_sizes(path, compressed, skeleton)
         RecordCheck(path).verify()
         return LoadedFile(_torch_load(path, map_location, trust_pickle, mmap=False), kind)
     obj = _torch_load(path, map_location, trust_pickle, mmap=kind == "torch zip")

@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 from lightning_mgpu import export_state_dict, inspect_checkpoint, load_state_dict
 from tests.checkpoint._models import net
+from tests.helpers import run_script
 
 
 def deflated(path: Path, out: Path, values: Callable[[bytes], bytes] | None = None) -> Path:
@@ -128,4 +129,30 @@ def test_a_compressed_chunk_in_a_sharded_folder_is_refused_in_one_line(tmp_path:
         ValueError, match=r"__0_0.distcp is corrupt: 'w', chunk at \[0\] .* holds compressed records"
     ):
         export_state_dict(folder, tmp_path / "w.safetensors")
+    assert not (tmp_path / "w.safetensors").exists()
+
+
+def test_a_zip_bomb_is_refused_before_any_record_is_inflated(tmp_path: Path) -> None:
+    """480 MiB of zeros in a record of under 1 MiB, read by a process that may allocate only 240 MiB more:
+    the size check itself must not inflate it (torch 2.6-2.8 read every record even for ``meta``)."""
+    plain, _ = lightning_checkpoint(tmp_path)
+    deflated(plain, tmp_path / "bomb.ckpt", lambda data: bytes(480 << 20))
+    result = run_script(
+        """
+        import resource, psutil
+        from lightning_mgpu import export_state_dict
+        import torch._subclasses.fake_tensor, torch.distributed  # imported before the limit is set
+        vms = psutil.Process().memory_info().vms
+        resource.setrlimit(resource.RLIMIT_AS, (vms + (240 << 20), resource.RLIM_INFINITY))
+        try:
+            export_state_dict("bomb.ckpt", "w.safetensors")
+        except ValueError as err:
+            print("refused:", err)
+        """,
+        tmp_path,
+    )
+    assert result.returncode == 0, result.output[-3000:]
+    assert "refused: " in result.stdout, result.output[-3000:]
+    assert "is corrupt or crafted: record" in result.stdout
+    assert "to 503,316,480" in result.stdout
     assert not (tmp_path / "w.safetensors").exists()
