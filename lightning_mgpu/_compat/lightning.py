@@ -88,7 +88,7 @@ destroy_dist_connection = _destroy_dist_connection
 """Destroy the default process group if one exists. Used at exit for gloo, which Lightning destroys at
 exit only under NCCL: a gloo group left to the interpreter's teardown aborts the process
 ("terminate called without an active exception"), pytorch/pytorch#190489 (torch 2.6-2.13; the atexit
-fix pytorch/pytorch#179291 was abandoned). The torchrun attempt's store (``process_group/attempt.py``)
+fix pytorch/pytorch#179291 was abandoned). The torchrun attempt's store (``process_group/torchrun_store.py``)
 works around stale keys of an earlier attempt in torchrun's agent store: no upstream issue found for
 those keys (the nearest, pytorch/pytorch#135712 and #167302, are about a stale ``MASTER_ADDR``)."""
 

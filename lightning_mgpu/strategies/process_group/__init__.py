@@ -3,7 +3,7 @@
 - ``services.py``: ``ProcessGroupServices``, the mixin: checks, backend, watchdog, kept shuffle,
   summary, requeue, each hook calling the host's own;
 - ``launcher.py``: Lightning's subprocess launcher, watched so a failed rank fails the command;
-- ``attempt.py``: under torchrun, each attempt's process group in a key space of torchrun's store
+- ``torchrun_store.py``: under torchrun, each attempt's process group in a key space of torchrun's store
   that no earlier (dead) attempt wrote to;
 - ``at_exit.py``: the process group destroyed before the interpreter exits, so a finished run exits 0;
 - ``checks.py``: the backend for a device, and the device, backend and ``sync_batchnorm`` checks

@@ -16,7 +16,7 @@ It overrides these hooks and calls the host's own through ``super()`` in each:
   ``checks.default_backend`` for the root device;
 - ``setup_environment`` / ``teardown``: the watchdog starts before the process group,
   joins the run's store after it, and stops (thread joined) when the run ends; under torchrun
-  the group lives in a key space fresh to the attempt (``attempt.py``); a ``fit`` gets the
+  the group lives in a key space fresh to the attempt (``torchrun_store.py``); a ``fit`` gets the
   ``checkpoint_every`` safety net and, on a restart, resumes by itself (``resume/``);
 - ``setup``: the training ``DataLoader``'s own ``shuffle`` is kept, and its place in the
   epoch goes into every checkpoint (``resume/position.py``);
@@ -64,7 +64,7 @@ from lightning_mgpu._compat.lightning import (
     data_connector,
     is_dataloader_shuffled,
 )
-from lightning_mgpu.strategies.process_group import at_exit, attempt, checks
+from lightning_mgpu.strategies.process_group import at_exit, checks, torchrun_store
 from lightning_mgpu.strategies.process_group.errors import add_to_message, is_communication_error
 from lightning_mgpu.strategies.process_group.launcher import _WatchedSubprocessScriptLauncher
 from lightning_mgpu.strategies.process_group.requeue import DeferredRequeue
@@ -187,7 +187,9 @@ class ProcessGroupServices(ExplainedStepMemory):
         # under torchrun, before Lightning creates the group in the store earlier attempts left keys in
         timeout = getattr(self, "_timeout", None) or default_pg_timeout
         backend = self._get_process_group_backend()
-        attempt.init_process_group(backend, self.global_rank, self.world_size, timeout, self.root_device)
+        torchrun_store.init_process_group(
+            backend, self.global_rank, self.world_size, timeout, self.root_device
+        )
         super().setup_environment()
         at_exit.destroy_at_exit()  # before the watchdog's exit guard, which then runs first
         if self._watching:
@@ -197,7 +199,7 @@ class ProcessGroupServices(ExplainedStepMemory):
             self._resumption.setup_fit(trainer, self.cluster_environment)
 
     def _attach_watchdog(self) -> None:
-        restart = attempt.current_token() or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        restart = torchrun_store.current_token() or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         try:
             client = dist.TCPStore(
                 os.environ["MASTER_ADDR"],

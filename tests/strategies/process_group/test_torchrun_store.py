@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from lightning_mgpu.strategies.process_group.attempt import attempt_token
+from lightning_mgpu.strategies.process_group.torchrun_store import attempt_token
 from tests.helpers import free_port, run_command, script_env
 
 # Rank 1 is SIGKILLed at step 6 of the first attempt. In the second, rank 0 starts 1 s late, so
