@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_mgpu import PlainStateDictExport, load_state_dict
-from lightning_mgpu.strategies.resume.attempts import RECORD_NAME
+from lightning_mgpu.strategies.resume.attempt_record import RECORD_NAME
 from tests.checkpoint._models import LitNet, LitTwo, ResNet, assert_same, loader, net, trainer
 from tests.helpers import run_script
 
@@ -22,7 +22,7 @@ def check_exports(folder: Path) -> dict[str, list[str]]:
     checkpoints = sorted(p.stem for p in folder.glob("*.ckpt"))
     exports = sorted(p.stem for p in folder.glob("*.safetensors"))
     assert exports == sorted([*checkpoints, "final"]), (checkpoints, exports)
-    # beside the checkpoints, mgpu_ddp keeps the record of the run's attempt (strategies/resume/attempts.py)
+    # beside the checkpoints mgpu_ddp keeps the run's attempt record (strategies/resume/attempt_record.py)
     assert not [p for p in folder.glob(".*") if p.name != RECORD_NAME], "temporary files left behind"
     for stem in checkpoints:
         plain = safetensors.torch.load_file(folder / f"{stem}.safetensors")

@@ -1,7 +1,7 @@
 """A run cut anywhere goes on where it stopped: the restart read, the checkpoint chosen, the loader's place.
 
 - ``restart.py``: whether this run is a restart (torchrun's and SLURM's counts), pure;
-- ``attempts.py``: the record of the run's attempt in its checkpoint folder, which makes the same
+- ``attempt_record.py``: the record of the run's attempt in its checkpoint folder, which makes the same
   command run again by hand after an unfinished attempt a restart too;
 - ``candidates.py``: the run's checkpoints, newest first, and the newest one a kill did not cut short;
 - ``auto.py``: ``AutoResume``, a restarted ``fit`` without ``ckpt_path`` resuming from that checkpoint;

@@ -6,9 +6,9 @@ choice when ``fit`` got no ``ckpt_path``:
 
 - on by default only when the run is a restart (torchrun's or SLURM's count above 0 on any
   rank, or the record of an unfinished earlier attempt of the same run in its checkpoint folder,
-  ``attempts.py``), always with ``resume=True``, never with ``resume=False``;
+  ``attempt_record.py``), always with ``resume=True``, never with ``resume=False``;
 - rank 0 lists the checkpoints (``candidates.py``), newest first, leaves out on a restart those
-  written before the run's first attempt started (an earlier run's, ``attempts.py``), skips those a
+  written before the run's first attempt started (an earlier run's, ``attempt_record.py``), skips those a
   kill cut short with a line each saying why, and every rank loads the one rank 0 chose;
 - one line says which attempt this is, which file it resumes from and at which step, or that
   no checkpoint was usable and training starts from scratch.
@@ -33,7 +33,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_mgpu._compat.lightning import checkpoint_connector, hpc_resume_path, loaded_checkpoint
-from lightning_mgpu.strategies.resume.attempts import AttemptRecord, fingerprint
+from lightning_mgpu.strategies.resume.attempt_record import AttemptRecord, fingerprint
 from lightning_mgpu.strategies.resume.candidates import Choice, find_checkpoints, newest_complete, set_aside
 from lightning_mgpu.strategies.resume.restart import Restart, restart_of
 

@@ -26,7 +26,7 @@ class Restart:
     by: str
     """``"torchrun"``, ``"SLURM"`` or ``""`` (a first attempt, or one started again by hand)."""
     found_in: str = ""
-    """The checkpoint folder whose record shows an unfinished earlier attempt (``attempts.py``), if that
+    """The checkpoint folder whose record shows an unfinished earlier attempt (``attempt_record.py``), if that
     is what made this run a restart."""
 
     @property

@@ -14,7 +14,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MGPUDDPStrategy
-from lightning_mgpu.strategies.resume.attempts import RECORD_NAME
+from lightning_mgpu.strategies.resume.attempt_record import RECORD_NAME
 from lightning_mgpu.strategies.resume.checkpoint import ResumeCheckpoint, plan_check
 from lightning_mgpu.strategies.resume.safety_net import restartable
 from tests.strategies.resume._models import Regression

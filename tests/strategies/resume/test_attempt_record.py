@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mgpu  # noqa: F401  # registers mgpu_ddp
-from lightning_mgpu.strategies.resume.attempts import RECORD_NAME
+from lightning_mgpu.strategies.resume.attempt_record import RECORD_NAME
 from tests.helpers import Result, run_command, script_env
 from tests.strategies.resume._models import Regression
 
