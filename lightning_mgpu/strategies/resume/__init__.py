@@ -4,7 +4,7 @@
 - ``attempt_record.py``: the record of the run's attempt in its checkpoint folder, which makes the same
   command run again by hand after an unfinished attempt a restart too;
 - ``candidates.py``: the run's checkpoints, newest first, and the newest one a kill did not cut short;
-- ``auto.py``: ``AutoResume``, a restarted ``fit`` without ``ckpt_path`` resuming from that checkpoint;
+- ``auto_resume.py``: ``AutoResume``, a restarted ``fit`` without ``ckpt_path`` resuming from that checkpoint;
 - ``position.py``: the training loader's place in its epoch, in every checkpoint, so that a run
   resumed mid-epoch sees every sample once, in the uncut order;
 - ``safety_net.py``: ``checkpoint_every``, a resumable checkpoint every N steps or minutes, on by

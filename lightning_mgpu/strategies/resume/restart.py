@@ -2,7 +2,7 @@
 
 - torchrun sets ``TORCHELASTIC_RESTART_COUNT``: how many times this node's agent restarted its
   workers after a failure (``--max-restarts``). A node restarted only because another node failed
-  does not count it, so the ranks take the largest count among them (see ``auto.py``);
+  does not count it, so the ranks take the largest count among them (see ``auto_resume.py``);
 - SLURM sets ``SLURM_RESTART_COUNT`` once it requeued a job (a time limit's signal, a failed task,
   ``scontrol requeue``); the job keeps its id.
 

@@ -2,7 +2,7 @@
 
 It holds the three options and is called from the strategy's hooks (``process_group/services.py``):
 
-- ``resume`` (``auto.py``) and ``checkpoint_every`` (``safety_net.py``): when a ``fit`` sets up;
+- ``resume`` (``auto_resume.py``) and ``checkpoint_every`` (``safety_net.py``): when a ``fit`` sets up;
 - the training loader's place in its epoch (``position.py``): a callback added when a ``fit`` sets
   up, which wraps the loader when Lightning prepares it;
 - ``requeue_on_failure`` (``requeue_failed.py``): when the run fails, on the one rank that asks.
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import Callback
 
-from lightning_mgpu.strategies.resume.auto import AutoResume, ResumeHost, check_resume
+from lightning_mgpu.strategies.resume.auto_resume import AutoResume, ResumeHost, check_resume
 from lightning_mgpu.strategies.resume.position import LoaderPosition
 from lightning_mgpu.strategies.resume.requeue_failed import (
     check_requeue_on_failure,
