@@ -8,7 +8,7 @@
 - ``position.py``: the training loader's place in its epoch, in every checkpoint, so that a run
   resumed mid-epoch sees every sample once, in the uncut order;
 - ``safety_net.py``: ``checkpoint_every``, a resumable checkpoint every N steps or minutes, on by
-  itself where the run can be restarted; ``checkpoint.py``: ``ResumeCheckpoint``, which saves them;
+  itself where the run can be restarted, and ``ResumeCheckpoint``, which saves them;
 - ``requeue_failed.py``: ``requeue_on_failure``, a SLURM job whose task failed requeued, bounded;
 - ``resumption.py``: ``Resumption``, the three options and the strategy hooks that call them.
 

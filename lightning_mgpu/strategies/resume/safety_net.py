@@ -1,8 +1,8 @@
 """``checkpoint_every``: a resumable checkpoint every N minutes or steps, so that a restart loses little.
 
 A restart resumes from the newest complete checkpoint, and a run whose only checkpoints come at the
-end of long epochs loses up to an epoch. ``checkpoint_every`` adds a :class:`ResumeCheckpoint`
-(``checkpoint.py``), which keeps only its newest checkpoint:
+end of long epochs loses up to an epoch. ``checkpoint_every`` adds a :class:`ResumeCheckpoint`,
+which keeps only its newest checkpoint:
 
 - ``"auto"`` (the default): every :data:`DEFAULT_PERIOD`, where the run can be restarted (torchrun
   with ``--max-restarts`` above 0, a SLURM job that may be requeued), unless the Trainer has
@@ -12,28 +12,45 @@ end of long epochs loses up to an epoch. ``checkpoint_every`` adds a :class:`Res
 Its folder is ``<default_root_dir>/resume``; the old checkpoint is removed only once the new one is
 complete, so a kill while saving leaves the previous one to resume from. Each save costs what any
 checkpoint of the run costs; ``benchmarks/resume.py`` measures it and the time checks.
+
+By time, ``ResumeCheckpoint`` does not use Lightning's ``ModelCheckpoint(train_time_interval=...)``,
+which lets rank 0 decide whether the time has come and broadcasts its decision as a pickled object at
+every training batch: a collective per step, which on two CPU processes costs about as much as a
+small model's step. Here rank 0 plans instead (``plan_check``): at a check it says whether to save
+now and at which later step to check again, half the steps its step time leaves to the deadline;
+every rank has the same plan, so the check is one broadcast at steps all ranks agree on, about
+log2(period / step time) of them per period (a dozen or two), and the save comes within a step of
+the deadline. By steps (an ``int``) it is Lightning's ``every_n_train_steps``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import subprocess
+import time
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
-from lightning_mgpu.strategies.resume.checkpoint import ResumeCheckpoint
+from typing_extensions import override
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["DEFAULT_PERIOD", "check_checkpoint_every", "install_safety_net", "restartable"]
+__all__ = [
+    "DEFAULT_PERIOD",
+    "ResumeCheckpoint",
+    "check_checkpoint_every",
+    "install_safety_net",
+    "plan_check",
+    "restartable",
+]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +68,72 @@ def check_checkpoint_every(every: object) -> int | timedelta | str | None:
         "checkpoint_every must be 'auto' (every 30 minutes where the run can be restarted), a positive"
         f" number of steps, a positive datetime.timedelta or None (never), got {every!r}"
     )
+
+
+def plan_check(
+    step: int, now: float, last_save: float, last_check: tuple[int, float] | None, period: float
+) -> tuple[bool, int]:
+    """Rank 0's plan at a check: (save now, the step of the next check).
+
+    ``last_check`` is the (step, time) of the previous check, from which the step time is read;
+    the next check comes after half the steps left to the deadline, and at least one step later.
+    """
+    left = period - (now - last_save)
+    due = left <= 0
+    if due:
+        left = period
+    if last_check is None or step <= last_check[0]:
+        return due, step + 1
+    step_time = max((now - last_check[1]) / (step - last_check[0]), 1e-6)
+    return due, step + max(1, math.floor(0.5 * left / step_time))
+
+
+class ResumeCheckpoint(ModelCheckpoint):
+    """Saves a resumable checkpoint every ``every`` steps or every ``every`` (a ``timedelta``), newest only.
+
+    Args:
+        dirpath: The folder of its checkpoints (``resume-epoch=E-step=S.ckpt``).
+        every: Optimizer steps (``int``) or time (``timedelta``) between two saves.
+    """
+
+    def __init__(self, dirpath: str | Path, every: int | timedelta) -> None:
+        steps = every if isinstance(every, int) else 0
+        super().__init__(
+            dirpath=dirpath,
+            filename="resume-{epoch}-{step}",
+            save_top_k=1,
+            every_n_train_steps=steps,
+            every_n_epochs=0,
+        )
+        self.period = every.total_seconds() if isinstance(every, timedelta) else None
+        """Seconds between two saves; ``None`` when saving by steps."""
+        self._next_check = 0
+        self._last_save = 0.0
+        self._last_check: tuple[int, float] | None = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._next_check, self._last_save, self._last_check = trainer.global_step, time.monotonic(), None
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.period is None:
+            return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        step = trainer.global_step
+        if step < self._next_check or self._should_skip_saving_checkpoint(trainer):
+            return None
+        now = time.monotonic()
+        plan = plan_check(step, now, self._last_save, self._last_check, self.period)
+        due, self._next_check = trainer.strategy.broadcast(plan)
+        self._last_check = (step, now)
+        log.debug("step %d: save %s, next check at step %d", step, due, self._next_check)
+        if due:
+            self._last_save = now
+            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+        return None
 
 
 def _slurm_requeues(job_id: str) -> bool:

@@ -15,8 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MGPUDDPStrategy
 from lightning_mgpu.strategies.resume.attempt_record import RECORD_NAME
-from lightning_mgpu.strategies.resume.checkpoint import ResumeCheckpoint, plan_check
-from lightning_mgpu.strategies.resume.safety_net import restartable
+from lightning_mgpu.strategies.resume.safety_net import ResumeCheckpoint, plan_check, restartable
 from tests.strategies.resume._models import Regression
 
 
@@ -106,7 +105,7 @@ class _Slow(Regression):
 def test_by_time_it_checks_far_fewer_times_than_it_steps(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="lightning_mgpu.strategies.resume.checkpoint")
+    caplog.set_level(logging.DEBUG, logger="lightning_mgpu.strategies.resume.safety_net")
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
