@@ -1,7 +1,7 @@
 """Micro-batching for every ``mgpu_*`` strategy: one implementation, mixed into each strategy class.
 
 - ``mixin.py``: ``MicroBatching``, the ``micro_batch_size=`` argument (an int or ``"auto"``);
-- ``runner.py``: one batch run as micro-batches (forward only in evaluation), retried smaller after an
+- ``batch_runner.py``: one batch run as micro-batches (forward only in evaluation), retried smaller after an
   out-of-memory;
 - ``host.py``: what the runner needs of its strategy (``MicroBatchHost``, ``CollectivePasses``);
 - ``first_size.py``: the first ``"auto"`` size, from the memory estimate where the device's memory is known;

@@ -10,8 +10,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_mgpu.strategies.microbatch.batch_runner import EVALUATION_STEPS, MicroBatchRunner
 from lightning_mgpu.strategies.microbatch.host import CollectivePasses
-from lightning_mgpu.strategies.microbatch.runner import EVALUATION_STEPS, MicroBatchRunner
 from lightning_mgpu.strategies.microbatch.sizes import MicroBatchSizes
 from lightning_mgpu.strategies.mixin import StrategyMixin
 
