@@ -1,7 +1,7 @@
 """torchmetrics' private ``Metric`` state that merging a batch's parts reads and writes.
 
 A metric updated on parts of a batch (replicas, micro-batches) is merged into the module's metric so
-that ``compute()`` gives the single-device value (``strategies/split/metrics.py``). torchmetrics merges
+that ``compute()`` gives the single-device value (``strategies/split/merge_metrics.py``). torchmetrics merges
 states publicly only through ``Metric.merge_state`` (1.6), which refuses metrics with
 ``full_state_update`` or ``dist_sync_on_step``; the rest goes through the names below, checked on
 torchmetrics 1.0 (the floor) to 1.9. No upstream issue found for a public update count.

@@ -23,7 +23,7 @@ from lightning_mgpu._compat.torchmetrics import set_forward_cache
 from lightning_mgpu._words import counted
 from lightning_mgpu.losses import replica_step_context
 from lightning_mgpu.strategies.dp.lockstep import Lockstep, manual_optimization_hooks, record_exit
-from lightning_mgpu.strategies.dp.metrics import ReplicaMetrics
+from lightning_mgpu.strategies.dp.replica_metrics import ReplicaMetrics
 from lightning_mgpu.strategies.dp.replicas import (
     ReplicaCall,
     compiled_submodules,

@@ -9,7 +9,7 @@
   the end of each attempt, and at the checkpoints ``mgpu_fsdp`` puts inside its passes);
 - ``sizes.py``: the micro-batch size of one rank: halve on out-of-memory, grow after clean batches;
 - ``grads.py``: the gradients of a batch kept apart until every rank succeeded, then averaged once;
-- ``metrics.py``: torchmetrics updated per micro-batch, merged as ``mgpu_dp`` merges its replicas'.
+- ``micro_batch_metrics.py``: torchmetrics updated per micro-batch, merged as ``mgpu_dp`` merges replicas.
 
 Cutting the batch and replaying ``self.log`` are ``split/``'s; the out-of-memory predicate is
 ``lightning_mgpu.oom.is_out_of_memory``. ``MicroBatching`` is public (documented); the rest is internal.

@@ -47,7 +47,7 @@ from lightning_mgpu.strategies.microbatch.agreement import FATAL, OK, RETRY, Agr
 from lightning_mgpu.strategies.microbatch.first_size import estimated_start
 from lightning_mgpu.strategies.microbatch.grads import BatchGradients
 from lightning_mgpu.strategies.microbatch.host import CollectivePasses, MicroBatchHost
-from lightning_mgpu.strategies.microbatch.metrics import MicroBatchMetrics
+from lightning_mgpu.strategies.microbatch.micro_batch_metrics import MicroBatchMetrics
 from lightning_mgpu.strategies.microbatch.sizes import MicroBatchSizes
 from lightning_mgpu.strategies.split.batch import (
     check_cuttable,

@@ -4,7 +4,7 @@
   (tensors and per-row lists with their rows, or the module's ``split_batch_rows``), ``check_cuttable``,
   ``combine_outputs``, ``weighted_mean``;
 - ``logs.py``: ``LogCapture`` records each part's ``self.log`` calls, ``replay_logs`` logs them once;
-- ``metrics.py``: torchmetrics updated per part, merged into the module's metric in order.
+- ``merge_metrics.py``: torchmetrics updated per part, merged into the module's metric in order.
 
 Imports neither ``dp/`` nor ``microbatch/``, which both use it.
 """

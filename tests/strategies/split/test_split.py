@@ -19,7 +19,7 @@ from lightning_mgpu.strategies.split.batch import (
     split_sizes,
 )
 from lightning_mgpu.strategies.split.logs import LogCapture, replay_logs
-from lightning_mgpu.strategies.split.metrics import merge_in_order
+from lightning_mgpu.strategies.split.merge_metrics import merge_in_order
 
 
 def test_split_rows_needs_every_tensor_to_agree_and_names_the_feature() -> None:

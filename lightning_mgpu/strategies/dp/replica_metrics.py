@@ -4,7 +4,7 @@ A replica made by ``replicate`` would share the metric's state tensors with the 
 (torchmetrics keeps them as plain attributes) and update them from several threads at
 once. Instead every replica gets its own copy of each ``Metric``, reset before the step;
 after the step the copies are merged into the module's metric in replica order
-(``split.metrics.merge_in_order``).
+(``split.merge_metrics.merge_in_order``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import nn
 from torchmetrics import Metric
 
 from lightning_mgpu._compat.torchmetrics import update_count
-from lightning_mgpu.strategies.split.metrics import merge_in_order, metric_paths, replica_path
+from lightning_mgpu.strategies.split.merge_metrics import merge_in_order, metric_paths, replica_path
 
 __all__ = ["ReplicaMetrics"]
 

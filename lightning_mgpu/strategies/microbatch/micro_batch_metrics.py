@@ -1,6 +1,6 @@
 """torchmetrics inside micro-batches: each micro-batch updates its own copy, merged after the batch.
 
-The same merging as ``mgpu_dp``'s replicas (``split.metrics.merge_in_order``): the module's metric
+The same merging as ``mgpu_dp``'s replicas (``split.merge_metrics.merge_in_order``): the module's metric
 ends with the state one unsplit update would leave, ``compute()`` gives the single-device value,
 and the value ``forward`` returns for the batch (logged on step) is that of the whole batch.
 """
@@ -13,7 +13,7 @@ from torch import nn
 from torchmetrics import Metric
 
 from lightning_mgpu._compat.torchmetrics import set_forward_cache, update_count
-from lightning_mgpu.strategies.split.metrics import merge_in_order, metric_paths, replica_path
+from lightning_mgpu.strategies.split.merge_metrics import merge_in_order, metric_paths, replica_path
 
 __all__ = ["MicroBatchMetrics"]
 
