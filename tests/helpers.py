@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "tests" / "scripts"  # the multi-process scripts, real files that ruff and mypy check
 
 
 def free_port() -> int:

@@ -67,13 +67,13 @@ def test_a_killed_task_stops_the_other_and_ends_the_job(slurm: SlurmCluster, tmp
         assert slurm.job_state(job) in ("PENDING", "RUNNING"), (tmp_path / "job.out").read_text()
         assert time.monotonic() < deadline, "rank 1 never reached batch 5"
         time.sleep(0.2)
-    killed_at, pid = time.monotonic(), int(victim.read_text())
+    pid = int(victim.read_text())
     os.kill(pid, signal.SIGKILL)
 
-    state = slurm.wait_job(job, timeout=60)
-    seconds = time.monotonic() - killed_at
+    # the timeout only guards against a hang: what ended the job is rank 0's verdict, which it prints
+    state = slurm.wait_job(job, timeout=240)
     output = (tmp_path / "job.out").read_text()
     assert state == "FAILED", output
     assert survivor_says(0, f"rank 1 (pid {pid} on {socket.gethostname()}) ended", output), output
-    assert seconds < 30, f"the job took {seconds:.0f} s to end after rank 1 was killed:\n{output}"
+    assert "stalled: no progress" not in output, output
     assert processes_of(tmp_path) == []

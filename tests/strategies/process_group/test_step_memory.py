@@ -7,7 +7,6 @@ step, so the step fails in the allocator as it would on a full GPU.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -69,7 +68,7 @@ def test_the_numbers_are_read_from_the_run_without_allocating_the_state() -> Non
 
 # rank 0 can hold its parameters, gradients and the batch, but not AdamW's two moments of its 4 MiB weight
 STEP_SCRIPT = """
-import os, resource, time
+import resource
 import lightning as L
 import torch
 from torch import nn
@@ -92,8 +91,6 @@ class Wide(L.LightningModule):
                 held = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
             _, hard = resource.getrlimit(resource.RLIMIT_AS)
             resource.setrlimit(resource.RLIMIT_AS, (held + 3 * 2**20, hard))
-            with open("failed_at", "w") as f:
-                f.write(str(time.monotonic()))
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
@@ -106,9 +103,8 @@ trainer.fit(Wide(), DataLoader(data, batch_size=4))
 
 
 @pytest.mark.slow
-def test_a_step_that_runs_out_stops_every_rank_within_seconds_with_the_numbers(tmp_path: Path) -> None:
+def test_a_step_that_runs_out_stops_every_rank_with_the_numbers(tmp_path: Path) -> None:
     result = run_script(STEP_SCRIPT, tmp_path, timeout=240, env=script_env(**LIMITED_MEMORY))
-    ended = time.monotonic()
     assert result.returncode != 0, result.output[-3000:]
     weights = (1024 * 1024 + 1024 + 1024 + 1) * 4
     line = (
@@ -123,4 +119,4 @@ def test_a_step_that_runs_out_stops_every_rank_within_seconds_with_the_numbers(t
     # rank 1 names rank 0's failure, numbers included, instead of waiting for stall_timeout (300 s)
     told = [row for row in result.output.splitlines() if row.startswith("[rank1]: [rank 1] ")]
     assert any("rank 0 (pid" in row and f"failed with RuntimeError: {line}" in row for row in told), told
-    assert ended - float((tmp_path / "failed_at").read_text()) < 60
+    assert "stalled: no progress" not in result.output, result.output[-4000:]

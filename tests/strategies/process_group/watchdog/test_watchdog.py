@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -128,6 +127,11 @@ def test_beats_and_infos_survive_the_store() -> None:
     assert RankInfo.from_json(INFOS[1].to_json()) == INFOS[1]
 
 
+def wait_unreaped(pid: int) -> None:
+    """Wait until the child ``pid`` has exited, leaving it a zombie (WNOWAIT: not reaped)."""
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+
+
 def test_exit_status_of_a_zombie_is_read_from_proc() -> None:
     exited = subprocess.Popen([sys.executable, "-c", "import os; os._exit(7)"])
     sleeping = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -135,10 +139,10 @@ def test_exit_status_of_a_zombie_is_read_from_proc() -> None:
     assert pid_status(sleeping.pid, started).alive
     sleeping.kill()
     try:
-        deadline = time.monotonic() + 30
-        while pid_status(exited.pid).alive or pid_status(sleeping.pid).alive:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_unreaped(exited.pid)
+        wait_unreaped(sleeping.pid)
+        assert not pid_status(exited.pid).alive
+        assert not pid_status(sleeping.pid, started).alive
         # not reaped yet: both are zombies whose status /proc still holds
         assert pid_status(exited.pid).returncode == 7
         assert pid_status(sleeping.pid, started).returncode == -signal.SIGKILL
@@ -155,10 +159,9 @@ def test_local_checks_name_a_failed_child_and_the_launcher_once() -> None:
     parent = Parent(0, launcher.pid, start_time(launcher.pid))
     local = LocalChecks(children={1: finished, 2: failed}, parent=parent)
     try:
-        deadline = time.monotonic() + 30
-        while failed.poll() is None or finished.poll() is None or pid_status(launcher.pid).alive:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        failed.wait()
+        finished.wait()
+        wait_unreaped(launcher.pid)
         verdict = local.check_children()
         assert verdict is not None
         assert (verdict.message, verdict.dead) == (f"rank 2 (pid {failed.pid}) exited with code 3", (2,))

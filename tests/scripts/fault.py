@@ -1,0 +1,85 @@
+"""A 2-process ``mgpu_ddp`` run in which one rank fails at batch 5 of 64 (tests/strategies/ddp/test_faults).
+
+Usage: ``python fault.py VICTIM FAULT STALL_TIMEOUT`` in a scratch folder; the victim writes
+``fault_at`` (time and pid) there just before its fault. FAULT is ``sigkill``, ``exit`` (os._exit),
+``raise``, ``stall``, ``more`` (two batches more than the others) or ``end`` (fails after the last
+collective); STALL_TIMEOUT is seconds or ``none``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from lightning_mgpu import MGPUDDPStrategy
+
+victim, fault = int(sys.argv[1]), sys.argv[2]
+stall_timeout = None if sys.argv[3] == "none" else float(sys.argv[3])
+
+
+def stall_forever() -> None:
+    while True:
+        time.sleep(0.1)
+
+
+def write_fault_at() -> None:
+    with open("fault_at", "w") as f:
+        f.write(f"{time.time()} {os.getpid()}")
+
+
+class Regression(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if fault not in ("more", "end") and batch_idx == 5 and self.global_rank == victim:
+            write_fault_at()
+            if fault == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault == "exit":
+                os._exit(7)
+            if fault == "raise":
+                raise RuntimeError("the database connection timed out")
+            stall_forever()
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        if fault == "more" and batch_idx == 5 and self.global_rank == victim:  # the others' last batch
+            write_fault_at()
+
+    def on_train_end(self) -> None:
+        if fault == "end" and self.global_rank == victim:
+            write_fault_at()
+            raise RuntimeError("saving the report failed")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Shard(IterableDataset):
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        batches = 8 if int(os.environ.get("LOCAL_RANK", 0)) == victim else 6
+        return iter(TensorDataset(torch.randn(4 * batches, 4), torch.randn(4 * batches, 1)))
+
+
+trainer = L.Trainer(
+    accelerator="cpu",
+    devices=2,
+    strategy=MGPUDDPStrategy(stall_timeout=stall_timeout),
+    max_epochs=1,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+)
+data = Shard() if fault == "more" else TensorDataset(torch.randn(256, 4), torch.randn(256, 1))
+trainer.fit(Regression(), DataLoader(data, batch_size=4))
