@@ -17,6 +17,8 @@ from typing import BinaryIO
 
 import torch
 
+from lightning_mgpu._atomic import has_fileno
+
 __all__ = ["MappedFile", "ReadError"]
 
 
@@ -75,7 +77,7 @@ class MappedFile:
     def copy_to(self, tensor: torch.Tensor, file: BinaryIO) -> int:
         """Copy ``tensor``'s bytes from the file into ``file``; returns how many bytes were copied."""
         position = self._offset(tensor)
-        if position is None:
+        if position is None or not has_fileno(file):
             return 0
         if self._fd is None:
             try:

@@ -6,12 +6,12 @@ import json
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, cast
 
 import torch
 
-from lightning_mgpu._atomic import WritebackWriter, atomic_write
+from lightning_mgpu._atomic import WritebackWriter, atomic_write, local_path
 from lightning_mgpu.checkpoint._dcp import ShardedFolder
 from lightning_mgpu.checkpoint._mapped import ReadError
 from lightning_mgpu.checkpoint._prefixes import WRAPPERS, add_prefix, split_top
@@ -42,7 +42,7 @@ class ExportReport:
     """What :func:`export_state_dict` wrote; ``str(report)`` is what ``lightning-mgpu export`` prints.
 
     Attributes:
-        path: The file written.
+        path: The file written (as given, a string, for a URL such as ``s3://bucket/w.safetensors``).
         format: ``"safetensors"`` or ``"pt"``.
         tensors: Entries written (tied weights counted under each name).
         values: Number of values, tied weights counted once.
@@ -64,7 +64,7 @@ class ExportReport:
         print(report.removed_prefixes, report.aliases)  # ['module.'] {'1.weight': '0.weight'}
     """
 
-    path: Path
+    path: Path | str
     format: str
     tensors: int
     values: int
@@ -103,18 +103,19 @@ def _explain(prefix: str) -> str:
     return f"{prefix} ({WRAPPERS[last]})" if last in WRAPPERS else f"{prefix} (attribute)"
 
 
-def _choose_format(path: Path, format: str | None) -> str:
+def _choose_format(path: Path | str, format: str | None) -> str:
+    suffix = PurePosixPath(path).suffix.lower()
     if format is not None:
         if format not in ("safetensors", "pt"):
             raise ValueError(f"format must be 'safetensors' or 'pt', got {format!r}")
-        if format == "pt" and path.suffix.lower() == ".safetensors":
+        if format == "pt" and suffix == ".safetensors":
             # torch.load hands files named *.safetensors to the safetensors reader
             raise ValueError(
                 f"{path} would hold torch.save data under a .safetensors name, which torch.load and "
                 "safetensors both misread; name it .pt, or drop format='pt' to write safetensors"
             )
         return format
-    return _FORMATS.get(path.suffix.lstrip(".").lower(), "safetensors")
+    return _FORMATS.get(suffix.lstrip("."), "safetensors")
 
 
 def _choose_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -152,14 +153,16 @@ def export_state_dict(
       ``_forward_module.`` only at the top, directly under one top-level name (``model.module.``)
       or directly after another wrapper, so ``blocks.0.module.weight`` is kept;
     - the file is written to a temporary file in the same folder, fsynced, then renamed over
-      ``path``: on any error ``path`` is unchanged and no temporary file is left;
+      ``path``: on any error ``path`` is unchanged and no temporary file is left; a URL of another
+      file system (``s3://bucket/model.safetensors``) is written through fsspec in a transaction,
+      which needs that file system's fsspec package (``s3fs``);
     - a checkpoint file is memory-mapped and streamed, so memory stays near one tensor, not one
       copy of the weights (safetensors output); a sharded folder's tensors are assembled from
       their shards and written one at a time, its optimizer state left unread.
 
     Args:
         source: What to export (see above).
-        path: Destination file. The format follows the suffix unless ``format`` is given.
+        path: Destination file or fsspec URL. The format follows the suffix unless ``format`` is given.
         submodule: Attribute to export (``"model"``, ``"model.encoder"``); ``""`` keeps everything,
             which is also what a LightningModule holding several submodules gets by default.
         prefix: Put this in front of every key; ``"module."`` gives the form that loads into
@@ -177,8 +180,8 @@ def export_state_dict(
     Raises:
         FileNotFoundError, IsADirectoryError, PermissionError: a path cannot be read or written.
         OSError: writing failed (a full disk, ...); ``path`` is left as it was.
-        ValueError: the source is not a checkpoint, is corrupt, unsafe, or ambiguous; the message
-            says what to pass.
+        ValueError: the source is not a checkpoint, is corrupt, unsafe, or ambiguous, or ``path`` is a
+            URL fsspec cannot open here; the message says what to pass or install.
         KeyError: ``submodule`` does not exist; the message lists what does.
 
     Example::
@@ -194,11 +197,12 @@ def export_state_dict(
         print(report.removed_prefixes)  # ['module.']
         safetensors.torch.load_model(model, "model.safetensors")  # strict: every name fits
     """
-    path = Path(path)
+    local = local_path(path)
+    path = os.fspath(path) if local is None else local
     fmt = _choose_format(path, format)
     to_dtype = _choose_dtype(dtype)
-    if isinstance(source, (str, os.PathLike)):
-        _refuse_writing_into(Path(source), path)
+    if isinstance(source, (str, os.PathLike)) and local is not None:
+        _refuse_writing_into(Path(source), local)
     src = resolve(source, trust_pickle=trust_pickle, key=key)
     plain = plain_state_dict(src, submodule)
     state_dict, removed = plain.state_dict, plain.removed
