@@ -46,6 +46,7 @@ __all__ = [
     "WRITEBACK_BYTES",
     "WritebackWriter",
     "atomic_write",
+    "cannot_write",
     "has_fileno",
     "local_path",
     "start_writeback",
@@ -132,7 +133,8 @@ _NOT_FILES = (
 )
 
 
-def _cannot_write(path: Path, err: OSError) -> OSError:
+def cannot_write(path: str | os.PathLike[str], err: OSError) -> OSError:
+    """``err`` (same type and errno) with a message that names the file being written."""
     error = type(err)(f"cannot write {path}: {err.strerror or err}")
     error.errno = err.errno
     return error
@@ -145,7 +147,7 @@ def _destination(path: Path) -> Path:
     except (FileNotFoundError, NotADirectoryError):
         mode = None
     except OSError as err:  # a link loop, a folder we may not search
-        raise _cannot_write(path, err) from None
+        raise cannot_write(path, err) from None
     if mode is not None and stat.S_ISDIR(mode):
         raise IsADirectoryError(f"cannot write {path}: it is a folder; give a file name inside it")
     if mode is not None and not stat.S_ISREG(mode):
@@ -213,7 +215,7 @@ def atomic_write(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
             f"cannot write {path}: no permission to create files in {path.parent}"
         ) from None
     except OSError as err:
-        raise _cannot_write(path, err) from None
+        raise cannot_write(path, err) from None
     tmp = Path(tmp_name)
     try:
         with _terminate_as_exception():

@@ -11,7 +11,7 @@ from typing import Any, BinaryIO, cast
 
 import torch
 
-from lightning_mgpu._atomic import WritebackWriter, atomic_write, local_path
+from lightning_mgpu._atomic import WritebackWriter, atomic_write, cannot_write, local_path
 from lightning_mgpu.checkpoint._dcp import ShardedFolder
 from lightning_mgpu.checkpoint._mapped import ReadError
 from lightning_mgpu.checkpoint._prefixes import WRAPPERS, add_prefix, split_top
@@ -238,9 +238,7 @@ def export_state_dict(
         cause = err if isinstance(err, OSError) else err.__context__
         if not isinstance(cause, OSError) or isinstance(cause, ReadError) or str(path) in str(cause):
             raise
-        error = OSError(f"cannot write {path}: {cause.strerror or cause}")
-        error.errno = cause.errno
-        raise error from None
+        raise cannot_write(path, cause) from None
     finally:
         if src.mapped is not None:
             src.mapped.close()
