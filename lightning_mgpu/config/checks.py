@@ -1,8 +1,7 @@
 """Small checks the config sections share: each returns a list of messages, never raises.
 
 - ``one_of``: a value from a fixed set of names;
-- ``at_least`` / ``minimums``: lower bounds of numbers, one field or several;
-- ``batch_limit``: Lightning's ``limit_*_batches`` (a count or a fraction).
+- ``at_least`` / ``minimums``: lower bounds of numbers, one field or several.
 
 This module does not import torch.
 """
@@ -12,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["at_least", "batch_limit", "minimums", "one_of"]
+__all__ = ["at_least", "minimums", "one_of"]
 
 
 def one_of(name: str, value: str, allowed: Sequence[str]) -> list[str]:
@@ -47,17 +46,3 @@ def minimums(section: Any, **lows: float) -> list[str]:
         minimums(cfg.data, num_samples=2, image_size=8)
     """
     return [p for name, low in lows.items() for p in at_least(name, getattr(section, name), low)]
-
-
-def batch_limit(name: str, value: Any) -> list[str]:
-    """``limit_*_batches``: None, a batch count (int >= 0) or a fraction in [0, 1].
-
-    Example::
-
-        batch_limit("limit_val_batches", 1.5)  # one message: not a count, not a fraction
-    """
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-        return []
-    if isinstance(value, float) and 0.0 <= value <= 1.0:
-        return []
-    return [f"{name}: expected a batch count (int >= 0) or a fraction in [0.0, 1.0], got {value!r}"]

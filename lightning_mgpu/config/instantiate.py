@@ -34,6 +34,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_mgpu.config.progress import hide_unactionable_warnings, progress_bar_for
 from lightning_mgpu.config.schema import CPU_DEVICE_CAP, RunConfig
 from lightning_mgpu.config.strategy import build_strategy
+from lightning_mgpu.config.trainer import trainer_arguments
 
 __all__ = [
     "build_callbacks",
@@ -210,15 +211,13 @@ def build_trainer(cfg: RunConfig, run_dir: Path, callbacks: list[Callback]) -> L
     """
     t = cfg.trainer
     accelerator, devices = resolve_devices(t.accelerator, t.devices)
-    kwargs = {k: v for k, v in asdict(t).items() if k not in ("accelerator", "devices", "micro_batch_size")}
+    kwargs = {**trainer_arguments(t), "accelerator": accelerator, "devices": devices}
     kwargs["strategy"] = build_strategy(t.strategy, t.micro_batch_size)
     hide_unactionable_warnings()
     bar = progress_bar_for(sys.stdout) if t.enable_progress_bar else None
     callbacks = [*callbacks, bar] if bar is not None else callbacks
     try:
         return L.Trainer(
-            accelerator=accelerator,
-            devices=devices,
             callbacks=callbacks,
             logger=CSVLogger(run_dir, name="", version=""),
             default_root_dir=run_dir,

@@ -27,17 +27,16 @@ Importing this module does not import torch; checking or building a strategy doe
 
 from __future__ import annotations
 
-import datetime
 import difflib
 import inspect
 import logging
-import sys
-import types
 import typing
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from lightning_mgpu.config.signature import convert, keywords
 
 if typing.TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
@@ -124,7 +123,7 @@ def strategy_problems(value: Any, micro_batch_size: Any) -> list[str]:
             out.append(_not_taken(paths[key], name, key, list(params)))
             continue
         try:
-            options[key] = _convert(given, params[key])
+            options[key] = convert(given, params[key])
         except TypeError:
             hint = params[key] if isinstance(params[key], str) else inspect.formatannotation(params[key])
             hint = hint.replace("datetime.timedelta", "seconds")  # what a config gives for one
@@ -152,7 +151,7 @@ def build_strategy(value: str | dict[str, Any], micro_batch_size: int | str | No
         raise ValueError(f"trainer.strategy: {name!r} takes no options; name a strategy such as mgpu_ddp")
     log.debug("trainer.strategy %s with %s", name, options)
     params = _options(cls)
-    strategy: Strategy = cls(**init_params, **{k: _convert(v, params[k]) for k, v in options.items()})
+    strategy: Strategy = cls(**init_params, **{k: convert(v, params[k]) for k, v in options.items()})
     return strategy
 
 
@@ -197,53 +196,15 @@ def _options(cls: type) -> dict[str, Any]:
     from lightning.pytorch.strategies import DDPStrategy
     from torch.nn.parallel import DistributedDataParallel
 
-    params = inspect.signature(cls).parameters
-    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    defining = next(k for k in cls.__mro__ if "__init__" in vars(k))  # its names are in that module
-    module = vars(sys.modules[defining.__module__])
-    out = {name: _resolve(p.annotation, module) for name, p in params.items() if p.kind in named}
-    if issubclass(cls, DDPStrategy) and any(p.kind is p.VAR_KEYWORD for p in params.values()):
+    params = keywords(cls)
+    out = {name: p.annotation for name, p in params.items()}
+    if issubclass(cls, DDPStrategy) and any(
+        p.kind is p.VAR_KEYWORD for p in inspect.signature(cls).parameters.values()
+    ):
         # DDPStrategy passes its other keywords to DistributedDataParallel, which takes these
-        wrapped = inspect.signature(DistributedDataParallel).parameters
+        wrapped = keywords(DistributedDataParallel)
         out.update({n: p.annotation for n, p in wrapped.items() if n not in ("module", "device_ids", *out)})
     return out
-
-
-def _resolve(annotation: Any, module: dict[str, Any]) -> Any:
-    if not isinstance(annotation, str):
-        return annotation
-    try:
-        return typing.get_type_hints(types.SimpleNamespace(__annotations__={"a": annotation}), module)["a"]
-    except (NameError, TypeError):  # a name imported for type checkers only (Accelerator)
-        return annotation  # no config value is one
-
-
-def _convert(value: Any, hint: Any) -> Any:
-    """``value`` as the annotation ``hint`` takes it (seconds become a ``timedelta``), or ``TypeError``."""
-    if hint is Any or hint is inspect.Parameter.empty:
-        return value
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        for member in typing.get_args(hint):
-            try:
-                return _convert(value, member)
-            except TypeError:
-                pass
-        raise TypeError(value)
-    if typing.get_origin(hint) is typing.Literal:
-        if value in typing.get_args(hint):
-            return value
-        raise TypeError(value)
-    plain = typing.get_origin(hint) or hint
-    number = type(value) in (int, float)
-    if plain is datetime.timedelta and number:
-        return datetime.timedelta(seconds=value)
-    if plain is float and number:
-        return float(value)
-    if plain is type(None) and value is None:
-        return value
-    if isinstance(plain, type) and isinstance(value, plain) and (type(value) is not bool or plain is bool):
-        return value
-    raise TypeError(value)
 
 
 def _checked(section: str, keys: Iterable[str], check: Callable[[], object]) -> list[str]:

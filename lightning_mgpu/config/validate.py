@@ -27,7 +27,9 @@ from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from lightning_mgpu.config.optimizer import misplaced_arguments
 from lightning_mgpu.config.schema import RunConfig
+from lightning_mgpu.config.signature import describe
 from lightning_mgpu.config.strategy import strategy_problems
+from lightning_mgpu.config.trainer import RUN_OWNED, trainer_schema
 
 __all__ = ["ConfigError", "run_schema", "validate"]
 
@@ -52,8 +54,9 @@ class ConfigError(ValueError):
         super().__init__(f"{source} has {len(problems)} {noun}:\n" + "\n".join(f"  {p}" for p in problems))
 
 
-def run_schema(recipe: str) -> type[RunConfig]:
-    """The ``RunConfig`` dataclass of one recipe: its ``ModelConfig`` and ``DataConfig`` filled in.
+def run_schema(recipe: str | None) -> type[RunConfig]:
+    """The ``RunConfig`` dataclass of one recipe: the ``trainer`` section read from Lightning's ``Trainer``,
+    the recipe's ``ModelConfig`` and ``DataConfig``; without a recipe, no ``model`` or ``data`` checks.
 
     Example::
 
@@ -62,14 +65,17 @@ def run_schema(recipe: str) -> type[RunConfig]:
     """
     from lightning_mgpu.recipes import load_recipe
 
+    trainer = trainer_schema()
+    fields: list[Any] = [("trainer", trainer, dataclasses.field(default_factory=trainer))]
+    if recipe is None:
+        return dataclasses.make_dataclass("AnyRunConfig", fields, bases=(RunConfig,))
     spec = load_recipe(recipe)
+    fields += [
+        ("model", spec.model_config, dataclasses.field(default_factory=spec.model_config)),
+        ("data", spec.data_config, dataclasses.field(default_factory=spec.data_config)),
+    ]
     return dataclasses.make_dataclass(
-        f"{spec.name.title().replace('_', '')}RunConfig",
-        [
-            ("model", spec.model_config, dataclasses.field(default_factory=spec.model_config)),
-            ("data", spec.data_config, dataclasses.field(default_factory=spec.data_config)),
-        ],
-        bases=(RunConfig,),
+        f"{spec.name.title().replace('_', '')}RunConfig", fields, bases=(RunConfig,)
     )
 
 
@@ -135,8 +141,8 @@ def _schema_or_problem(recipe: Any, problems: list[str]) -> tuple[type[RunConfig
             f"recipe: {recipe!r} is not a recipe; {suggestion}known recipes: {', '.join(RECIPES)}"
         )
     else:
-        return run_schema(recipe), set()
-    return RunConfig, {"recipe", "model", "data"}
+        return run_schema(str(recipe)), set()
+    return run_schema(None), {"recipe", "model", "data"}
 
 
 def _merge(
@@ -162,7 +168,7 @@ def _merge(
                 raise ValidationError("omegaconf would store true as 'True'")
             node[key] = value
         except OmegaConfBaseException:
-            problems.append(f"{path}: expected {_kind(hints[key])}, got {value!r}")
+            problems.append(f"{path}: expected {describe(hints[key])}, got {value!r}")
 
 
 def _coerce(hint: Any, value: Any) -> Any:
@@ -194,6 +200,8 @@ def _all_keys(schema: type, prefix: str = "") -> list[str]:
 def _unknown_key(path: str, valid: list[str]) -> str:
     """The message for an unknown key: the closest key of its section, else that name in another section."""
     parent, _, leaf = path.rpartition(".")
+    if parent == "trainer" and leaf in RUN_OWNED:
+        return f"{path}: set by the run; {RUN_OWNED[leaf]}"
     siblings = {k.rpartition(".")[2]: k for k in valid if k.rpartition(".")[0] == parent}
     leaves = {k.rpartition(".")[2]: k for k in reversed(valid)}  # first key of each name wins
     if leaf in leaves:  # the exact name in another section: trainer.batch_size -> data.batch_size
@@ -206,15 +214,6 @@ def _unknown_key(path: str, valid: list[str]) -> str:
         return f"{path}: unknown key; did you mean {close[0]}?"
     where = f"in {parent}" if parent else "at the top level"
     return f"{path}: unknown key; valid keys {where}: {', '.join(siblings)}"
-
-
-def _kind(hint: Any) -> str:
-    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
-    args = typing.get_args(hint)
-    if type(None) in args:
-        inner = next(a for a in args if a is not type(None))
-        return f"{names.get(inner, str(inner))} or null"
-    return names.get(hint, str(hint))
 
 
 def _value_problems(obj: Any, prefix: str) -> list[str]:

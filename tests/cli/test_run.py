@@ -33,6 +33,19 @@ SHORT = [
 ]
 
 
+def kept_trainers(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The real Trainers the run builds, kept to look at their settings."""
+    built: list[Any] = []
+    real = runner.build_trainer
+
+    def keep(*args: Any, **kwargs: Any) -> Any:
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(runner, "build_trainer", keep)
+    return built
+
+
 def test_run_folder_and_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "my_run"
     assert main(["run", "digits", *SHORT, f"run_dir={run_dir}"]) == 0
@@ -248,14 +261,7 @@ def test_strategy_options_from_a_config_file_and_the_command_line_reach_the_stra
     printed = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
     assert printed == {"name": "mgpu_ddp", "stall_timeout": 60, "micro_batch_size": 2}
 
-    built: list[Any] = []
-    real = runner.build_trainer
-
-    def keep(*args: Any, **kwargs: Any) -> Any:  # the real Trainer, kept to look at its strategy
-        built.append(real(*args, **kwargs))
-        return built[-1]
-
-    monkeypatch.setattr(runner, "build_trainer", keep)
+    built = kept_trainers(monkeypatch)
     run_dir = tmp_path / "run"
     assert main(["run", str(config), *SHORT, *options, f"run_dir={run_dir}"]) == 0
     strategy = built[0].strategy
@@ -265,3 +271,17 @@ def test_strategy_options_from_a_config_file_and_the_command_line_reach_the_stra
     assert memory["devices"][0]["micro_batch_size"] == 2  # the batches really ran in micro-batches of 2
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["strategy"]
     assert saved == printed
+
+
+def test_a_trainer_argument_from_the_command_line_reaches_the_trainer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    built = kept_trainers(monkeypatch)
+    run_dir = tmp_path / "run"
+    extra = ["trainer.val_check_interval=2", "trainer.detect_anomaly=true", f"run_dir={run_dir}"]
+    with caplog.at_level("INFO"):
+        assert main(["run", "linear", *SHORT, *extra]) == 0
+    assert built[0].val_check_interval == 2
+    assert "You have turned on `Trainer(detect_anomaly=True)`" in caplog.text  # the Trainer's own line
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]
+    assert (saved["val_check_interval"], saved["detect_anomaly"]) == (2, True)

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, Timer
 
 from lightning_mgpu import MGPUDDPStrategy
 from lightning_mgpu.config import load_config
@@ -84,3 +86,36 @@ def test_strategy_options_reach_the_strategy_as_its_init_takes_them(tmp_path: Pa
     checkpointed = load_config("digits", [*fsdp, "trainer.strategy.activation_checkpointing=true"])
     sharded: Any = build_trainer(checkpointed, tmp_path, []).strategy
     assert sharded.options.activation_checkpointing is True
+
+
+def test_trainer_arguments_from_a_config_file_and_overrides_reach_the_trainer(tmp_path: Path) -> None:
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(
+        "recipe: linear\n"
+        "trainer:\n"
+        "  detect_anomaly: true  # a Trainer argument no config key listed before\n"
+        "  max_time: 3600        # seconds\n"
+        "  accelerator: cpu\n"
+        "  devices: 1\n"
+        "  strategy: auto\n"
+        "  max_epochs: 1\n"
+        "  limit_train_batches: 2\n"
+        "  limit_val_batches: 1\n"
+        "  enable_progress_bar: false\n"
+    )
+    cfg = load_config(mine, ["trainer.gradient_clip_algorithm=value", "trainer.gradient_clip_val=1"])
+    anomaly_mode: list[bool] = []
+
+    class Probe(Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            anomaly_mode.append(torch.is_anomaly_enabled())
+
+    trainer = build_trainer(cfg, tmp_path / "run", [Probe()])
+    assert trainer.gradient_clip_algorithm == "value"
+    assert trainer.gradient_clip_val == 1
+    timer = next(cb for cb in trainer.callbacks if isinstance(cb, Timer))  # type: ignore[attr-defined]
+    assert timer.time_remaining() == 3600  # seconds in the config, a timedelta for the Trainer
+    from lightning_mgpu.config.instantiate import build_data, build_module
+
+    trainer.fit(build_module(cfg), datamodule=build_data(cfg))
+    assert anomaly_mode == [True, True]

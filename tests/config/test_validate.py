@@ -37,7 +37,7 @@ def test_unknown_key_without_a_close_match_lists_the_section() -> None:
 
 def test_wrong_types_say_what_was_expected_and_given() -> None:
     assert problems(["trainer.max_epochs=ten", "data.batch_size=3.5", "data.shuffle=maybe"]) == [
-        "trainer.max_epochs: expected an integer, got 'ten'",
+        "trainer.max_epochs: expected an integer or null, got 'ten'",  # null: Lightning's default
         "data.batch_size: expected an integer, got 3.5",
         "data.shuffle: expected true or false, got 'maybe'",
     ]
@@ -283,3 +283,35 @@ def test_a_strategy_mapping_merges_with_the_name_from_the_file_or_the_command_li
         "timeout": 600,
     }
     assert load_config("digits", ["trainer.strategy=mgpu_ddp"]).trainer.strategy == "mgpu_ddp"
+
+
+def test_every_trainer_argument_is_a_key_read_from_lightnings_signature() -> None:
+    cfg = load_config("digits", ["trainer.detect_anomaly=true", "trainer.val_check_interval=0.5"])
+    assert (cfg.trainer.detect_anomaly, cfg.trainer.val_check_interval) == (True, 0.5)
+    assert cfg.trainer.max_time is None  # Lightning's default where the run keeps it
+    assert problems(["trainer.detect_anomly=true"]) == [
+        "trainer.detect_anomly: unknown key; did you mean trainer.detect_anomaly?"
+    ]
+
+
+def test_wrong_types_of_any_trainer_argument_come_in_one_error_with_the_other_problems() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            "digits", ["trainer.val_check_interval=[1]", "trainer.detect_anomaly=maybe", "optimizer.lr=0"]
+        )
+    anomaly, interval, lr = info.value.problems  # keys omegaconf types first, then Lightning's unions
+    assert str(info.value).startswith("digits has 3 problems:\n")
+    assert anomaly.startswith("trainer.detect_anomaly: expected true or false, got 'maybe'")
+    # Lightning's union in words: a timedelta reads "seconds", what a config gives for one
+    assert interval.startswith("trainer.val_check_interval: expected an integer, a number, a string, seconds")
+    assert interval.endswith("got [1]")
+    assert lr.startswith("optimizer.lr: must be > 0")
+    (clip,) = problems(["trainer.gradient_clip_val=-1"])
+    assert clip.startswith("trainer.gradient_clip_val: must be >= 0")
+
+
+def test_trainer_arguments_the_run_sets_say_where_to_set_them() -> None:
+    logger, checkpointing = problems(["trainer.logger=false", "trainer.enable_checkpointing=false"])
+    assert logger.startswith("trainer.logger: set by the run;")
+    assert "metrics.csv" in logger
+    assert checkpointing.endswith("set callbacks.checkpoint.enabled")

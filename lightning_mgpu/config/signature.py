@@ -1,0 +1,113 @@
+"""What a class's ``__init__`` takes, read from its signature: the checks of ``trainer`` and its strategy.
+
+- ``keywords(cls)``: each keyword argument with its annotation resolved (``Optional[int]``, not a string);
+- ``convert(value, hint)``: a config value as the annotation takes it (seconds become a ``timedelta``), or
+  ``TypeError``;
+- ``describe(hint)``: the annotation in a config's words (``an integer or null``).
+
+Nothing here lists a class's arguments by hand, so a new keyword of Lightning's ``Trainer`` or of a
+strategy is a config key at once. This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+import sys
+import types
+import typing
+from typing import Any
+
+__all__ = ["convert", "describe", "keywords", "union_members"]
+
+_WORDS = {
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    str: "a string",
+    datetime.timedelta: "seconds",
+    list: "a list",
+    dict: "a mapping",
+    type(None): "null",
+}
+
+
+def keywords(cls: type) -> dict[str, inspect.Parameter]:
+    """Each keyword ``cls(...)`` takes, its annotation resolved (kept as a string where it names an import
+    made for type checkers only, such as ``Accelerator``: no config value is one).
+
+    Example::
+
+        keywords(lightning.pytorch.Trainer)["max_epochs"].annotation  # typing.Optional[int]
+    """
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    defining = next(k for k in cls.__mro__ if "__init__" in vars(k))  # its names are in that module
+    module = vars(sys.modules[defining.__module__])
+    params = inspect.signature(cls).parameters.values()
+    return {p.name: p.replace(annotation=_resolve(p.annotation, module)) for p in params if p.kind in named}
+
+
+def union_members(hint: Any) -> tuple[Any, ...]:
+    """``(int, NoneType)`` for ``Optional[int]``; ``(hint,)`` for anything but a union."""
+    return typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+
+
+def convert(value: Any, hint: Any) -> Any:
+    """``value`` as the annotation ``hint`` takes it (seconds become a ``timedelta``), or ``TypeError``.
+
+    Example::
+
+        convert(600, datetime.timedelta | None)  # timedelta(seconds=600)
+    """
+    if hint is Any or hint is inspect.Parameter.empty:
+        return value
+    if len(members := union_members(hint)) > 1:
+        for member in members:
+            try:
+                return convert(value, member)
+            except TypeError:
+                pass
+        raise TypeError(value)
+    if typing.get_origin(hint) is typing.Literal:
+        if value in typing.get_args(hint):
+            return value
+        raise TypeError(value)
+    plain = typing.get_origin(hint) or hint
+    number = type(value) in (int, float)
+    if plain is datetime.timedelta and number:
+        return datetime.timedelta(seconds=value)
+    if plain is float and number:
+        return float(value)
+    if plain is type(None) and value is None:
+        return value
+    if isinstance(plain, type) and isinstance(value, plain) and (type(value) is not bool or plain is bool):
+        return value
+    raise TypeError(value)
+
+
+def describe(hint: Any) -> str:
+    """What a config may give for ``hint``, in words; members no config value can be are left out.
+
+    Example::
+
+        describe(typing.Union[int, float, None])  # 'an integer, a number or null'
+    """
+    words: list[str] = []
+    for member in union_members(hint):
+        if typing.get_origin(member) is typing.Literal:  # deterministic: true, false or 'warn'
+            found = [repr(arg) for arg in typing.get_args(member)]
+        else:
+            found = [_WORDS.get(typing.get_origin(member) or member, "")]
+        words += [word for word in found if word and word not in words]
+    if not words:
+        return str(hint)
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+def _resolve(annotation: Any, module: dict[str, Any]) -> Any:
+    if not isinstance(annotation, str):
+        return annotation
+    try:
+        return typing.get_type_hints(types.SimpleNamespace(__annotations__={"a": annotation}), module)["a"]
+    except (NameError, TypeError):  # a name imported for type checkers only (Accelerator)
+        return annotation  # no config value is one
