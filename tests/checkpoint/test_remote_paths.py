@@ -15,6 +15,7 @@ import torch
 from lightning_mgpu import export_state_dict, load_state_dict
 from lightning_mgpu.cli.main import main
 from tests.checkpoint._models import assert_same, net
+from tests.checkpoint._sharded import plain_model
 
 
 @pytest.fixture
@@ -51,6 +52,19 @@ def test_export_from_a_mapped_checkpoint_to_a_url(bucket: str, tmp_path: Path) -
         export_state_dict(tmp_path / source, f"{bucket}/{source}.safetensors")
         with fsspec.open(f"{bucket}/{source}.safetensors", "rb") as f:
             assert_same(model.state_dict(), safetensors.torch.load(f.read()))
+
+
+def test_export_of_a_sharded_folder_to_a_url(fsdp_run: tuple[Path, dict], bucket: str) -> None:
+    """The folder's tensors, assembled one at a time, are written into the remote file as they are locally."""
+    folder, reference = fsdp_run
+    report = export_state_dict(folder, f"{bucket}/model.safetensors")
+    assert report.removed_prefixes == ["model."]
+    with fsspec.open(f"{bucket}/model.safetensors", "rb") as f:
+        written = safetensors.torch.load(f.read())
+    model = plain_model()
+    model.load_state_dict(written, strict=True)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, reference[name], rtol=0, atol=0)
 
 
 def test_a_failed_export_to_a_url_leaves_the_old_file(bucket: str) -> None:
