@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -20,7 +21,7 @@ from lightning_mgpu._atomic import atomic_write
 from lightning_mgpu._compat.lightning import batches_that_stepped
 from lightning_mgpu.callbacks import time_report as report
 from lightning_mgpu.callbacks.memory_readings import device_label, replica_devices
-from lightning_mgpu.callbacks.time_clocks import AllReduceTimer, CudaStep
+from lightning_mgpu.callbacks.time_clocks import CudaStep, StepTimer, attach_timer
 from lightning_mgpu.callbacks.time_report import RankTime
 from lightning_mgpu.estimate.batch import batch_rows
 
@@ -35,29 +36,39 @@ class DeviceTimeMonitor(Callback):
     - **data**: from the end of the previous batch (or the start of the epoch, or the end of a
       validation run inside it) to the start of this one, host time: the training loop fetching
       the batch, and whatever other callbacks do between two batches;
-    - **waiting**: under DDP (``mgpu_ddp``), the time from the rank's last gradient bucket being
-      ready (its own backward done) until the all-reduce of every bucket completed: blocked on
-      the other ranks, plus the transfer. Measured by a DDP communication hook that wraps the
-      default all-reduce (none is registered when the strategy was given ``ddp_comm_hook=``); other
-      collectives in a step (``self.log(..., sync_dist=True)``, ``mgpu_ddp``'s look at the first
-      batch) count as work. Not measured under ``mgpu_fsdp`` (its collectives run inside forward
-      and backward) nor in a single process (``mgpu_dp``, one device): there it is shown as ``-``,
-      and work includes it;
+    - **waiting**: the time the rank is blocked on the others, plus the transfer:
+
+      - under DDP (``mgpu_ddp``), from the rank's last gradient bucket being ready (its own backward
+        done) until the all-reduce of every bucket completed, measured by a DDP communication hook
+        that wraps the default all-reduce (none is registered when the strategy was given
+        ``ddp_comm_hook=``);
+      - under ``mgpu_fsdp`` on CPU, the time inside FSDP's all-gathers and reduce-scatters, which
+        gloo runs on the training thread (the rank computes nothing meanwhile). On GPUs they run
+        on streams of their own beside the computation, and the part of them the computation
+        waits for cannot be read from the host without a profiler: there waiting is shown as
+        ``-``, work includes it, and only a slow loader can single out a rank (the verdict says so);
+      - in a single process (``mgpu_dp``, one device) there is no other rank: ``-``.
+
+      Other collectives in a step (``self.log(..., sync_dist=True)``, ``mgpu_ddp``'s look at the
+      first batch) count as work;
     - **work**: from the start to the end of the batch (forward, backward, optimizer step), less
       the waiting. On CUDA the batch is timed on the GPU with ``torch.cuda.Event`` pairs read
       once they have completed, a few batches later: the monitor adds no synchronisation.
 
-    Under ``mgpu_dp`` the one process and all its replicas are one row (replicas run each batch
-    together, so they finish together); ``samples`` is then the whole batch.
+    Under ``mgpu_dp`` the one process and all its replicas are one row, its device column listing
+    every replica's device (the table says so under it): the replicas run each batch's forward in
+    threads, then one backward through all of them and one optimizer step, so a batch ends with
+    the slowest replica and the rest of it is shared; a slow replica shows as the row's work.
+    ``DeviceMemoryMonitor`` shows each replica's memory. ``samples`` is the whole batch.
 
     Every ``flush_every_n_steps`` batches one asynchronous all-gather of each rank's sums for the
-    window (five numbers, on a gloo group on CUDA) brings them to rank 0 while the next window
-    trains; rank 0's loggers then get the window's means at its last step. At the end of ``fit``
-    rank 0 logs (``rank_zero_info``, on stderr unless logging is configured otherwise) a table
-    (rank, device, steps/s, data %, work %, waiting %, samples/s) and one
-    verdict line: balanced, or the slowest rank, how much slower it is, the phase it loses the
-    time in and what to try (``time_report.verdict``); the same goes to
-    ``<trainer.log_dir>/time_summary.json``.
+    window (five numbers, on a gloo group of the monitor's own, created at the start of ``fit`` and
+    destroyed at its end) brings them to rank 0 while the next window trains; rank 0's loggers
+    then get the window's means at its last step. At the end of ``fit`` rank 0 logs
+    (``rank_zero_info``, on stderr unless logging is configured otherwise) a table (rank, device,
+    steps/s, data %, work %, waiting %, samples/s) and one verdict line: balanced, or the slowest
+    rank, how much slower it is, the phase it loses the time in and what to try
+    (``time_report.verdict``); the same goes to ``<trainer.log_dir>/time_summary.json``.
 
     **Logged metrics** (through ``logger.log_metrics`` on rank 0, means over each window):
     ``time/rank<r>/data_ms``, ``time/rank<r>/work_ms``, ``time/rank<r>/wait_ms`` (where measured)
@@ -94,7 +105,7 @@ class DeviceTimeMonitor(Callback):
         self.totals: list[RankTime] = []
         """Every rank's totals so far (rank 0 only; filled at each gather)."""
         self.verdict: report.Verdict | None = None
-        self._timer: AllReduceTimer | None = None
+        self._timer: StepTimer | None = None
         self._window = _Window()
         self._pending: list[CudaStep] = []
         self._group: Any = None
@@ -111,21 +122,23 @@ class DeviceTimeMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         root = trainer.strategy.root_device
         replicas = replica_devices(trainer)
-        if root.type != "cuda":
+        if root.type != "cuda" and replicas:  # as DeviceMemoryMonitor names CPU replicas
+            self._device = ",".join(f"cpu:replica{i}" for i in range(len(replicas)))
+        elif root.type != "cuda":
             self._device = f"cpu:rank{trainer.global_rank}"  # as DeviceMemoryMonitor names the process
         else:
             self._device = ",".join(device_label(trainer, d) for d in replicas or [root])
         self._cuda = root.type == "cuda"
         self._window, self._pending, self._batches, self.totals = _Window(), [], 0, []
-        self._group = None
-        if _distributed(trainer) and dist.get_backend() != "gloo":
-            # the sums travel on the CPU: no copy from a GPU, no synchronisation
-            self._group = dist.new_group(backend="gloo")
+        self._release_group()  # a fit that ended in an error left its group
         self._labels, self._inflight = [self._device], None
         if _distributed(trainer):
+            # a group of its own, on the CPU: no copy from a GPU, no synchronisation, and its gathers
+            # in flight never sit between the strategy's collectives; released at the end of fit
+            self._group = dist.new_group(backend="gloo")
             self._labels = [""] * dist.get_world_size()
             dist.all_gather_object(self._labels, self._device, group=self._group)
-        self._timer = AllReduceTimer.attach(trainer, root if self._cuda else None)
+        self._timer = attach_timer(trainer, root if self._cuda else None)
         self._mark = time.perf_counter()
 
     @override
@@ -172,6 +185,7 @@ class DeviceTimeMonitor(Callback):
         if self._batches % self.flush_every_n_steps != 0 or self._cuda:
             self._flush(trainer, last=True)
         self._finish_gather(trainer)
+        self._release_group()
         if self._timer is not None:
             self._timer.detach()
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank calls it
@@ -192,6 +206,16 @@ class DeviceTimeMonitor(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if self._timer is not None:  # no collective here: another rank may be gone
             self._timer.detach()
+        if self._inflight is None:  # a gather in flight may never end: the group goes with the process
+            self._release_group()
+
+    def _release_group(self) -> None:
+        """Destroy this fit's group (its sockets, a communicator's threads); no collective runs."""
+        if self._group is not None and dist.is_initialized():
+            # ValueError: it went with the default group (destroyed since, and maybe created again)
+            with contextlib.suppress(ValueError):
+                dist.destroy_process_group(self._group)
+        self._group = None
 
     # ------------------------------------------------------------------ windows
     def _read_cuda(self, block: bool) -> None:

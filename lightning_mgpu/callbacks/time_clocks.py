@@ -1,8 +1,11 @@
-"""How ``DeviceTimeMonitor`` times a batch: the DDP all-reduce's waiting, and CUDA events read later.
+"""How ``DeviceTimeMonitor`` times a batch: waiting for the other ranks, and CUDA events read later.
 
 - ``AllReduceTimer``: a DDP communication hook around the default all-reduce that notes when
   the rank's last gradient bucket was handed over (its own backward done) and when the last
   all-reduce completed; the difference is the time the rank was blocked on the others;
+- ``ShardedCollectiveTimer``: under ``mgpu_fsdp`` on CPU, the host time inside FSDP's all-gathers
+  and reduce-scatters, which the strategy counts (``collective_seconds``); gloo runs them on the
+  training thread, so the rank computes nothing meanwhile;
 - ``CudaStep``: one batch timed on the GPU by ``torch.cuda.Event`` pairs, read once they have
   completed, so timing adds no synchronisation.
 """
@@ -10,7 +13,7 @@
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -20,11 +23,28 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mgpu._compat.lightning import ddp_comm_hook
 
-__all__ = ["AllReduceTimer", "CudaStep"]
+__all__ = ["AllReduceTimer", "CudaStep", "ShardedCollectiveTimer", "StepTimer", "attach_timer"]
 
 log = logging.getLogger(__name__)
 
 Events = list[tuple[torch.cuda.Event, torch.cuda.Event]]
+
+
+class StepTimer(Protocol):
+    """What the monitor needs of a waiting timer: a batch's start and end, and its release."""
+
+    def begin_step(self) -> None: ...
+
+    def end_step(self) -> float | Events:
+        """Seconds blocked on the other ranks in this batch; on CUDA the events that measure it."""
+        ...
+
+    def detach(self) -> None: ...
+
+
+def attach_timer(trainer: Trainer, cuda: torch.device | None) -> StepTimer | None:
+    """The timer of the strategy's collectives: DDP's all-reduce, FSDP's on CPU; ``None`` elsewhere."""
+    return AllReduceTimer.attach(trainer, cuda) or ShardedCollectiveTimer.attach(trainer, cuda)
 
 
 class AllReduceTimer:
@@ -84,6 +104,36 @@ class AllReduceTimer:
         else:
             self._done = max(self._done, time.perf_counter())
         return future.value()
+
+
+class ShardedCollectiveTimer:
+    """The host time of one batch inside FSDP's collectives, from the strategy's running sum.
+
+    Gloo runs FSDP2's all-gathers and reduce-scatters on the calling thread (neither is issued
+    asynchronously unless a unit's ``unshard_async_op`` is set), so the time inside them is time the
+    rank waits for the others, plus the transfer, as the DDP timer's. On CUDA they run on streams of
+    their own beside the computation, and the share of it the computation waits for is not seen
+    from the host without a profiler: no timer there (``attach`` gives ``None``).
+    """
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self._at_start = 0.0
+
+    @classmethod
+    def attach(cls, trainer: Trainer, cuda: torch.device | None) -> "ShardedCollectiveTimer | None":
+        if cuda is not None or getattr(trainer.strategy, "collective_seconds", None) is None:
+            return None
+        return cls(trainer.strategy)
+
+    def detach(self) -> None:
+        """Nothing was registered: the strategy counts the time anyway."""
+
+    def begin_step(self) -> None:
+        self._at_start = self.strategy.collective_seconds or 0.0
+
+    def end_step(self) -> float:
+        return max(0.0, (self.strategy.collective_seconds or 0.0) - self._at_start)
 
 
 # the annotations are real objects (no ``from __future__ import annotations`` here): DDP compares them

@@ -35,7 +35,8 @@ class RankTime:
     work_s: float
     """Forward, backward and optimizer step, less ``wait_s``."""
     wait_s: float | None
-    """Blocked in the gradient all-reduce after its own backward was done; ``None``: not measured."""
+    """Blocked on the other ranks (DDP's gradient all-reduce after its own backward, FSDP's gathers and
+    reduce-scatters on CPU); ``None``: not measured."""
 
     @property
     def own_s(self) -> float:
@@ -95,7 +96,8 @@ class Verdict:
 def verdict(ranks: list[RankTime], accelerator: str = "cpu") -> Verdict:
     """Name the rank that holds the others back, the phase it loses the time in and what to try.
 
-    - Every rank waits for the slowest at each gradient all-reduce, so each rank's own time
+    - Every rank waits for the slowest at each collective (DDP's gradient all-reduce, FSDP's
+      gathers), so each rank's own time
       (data + work, without the waiting) is compared with the other ranks' median;
     - a rank more than 10 % above it is named, with the phase (data loading or work) where its
       excess is larger; otherwise the run is balanced;
@@ -131,7 +133,8 @@ def verdict(ranks: list[RankTime], accelerator: str = "cpu") -> Verdict:
         advice = ""
         if max(waits) > 0.3:
             advice = (
-                f"{100 * max(waits):.0f} % of a step is the gradient all-reduce itself: fewer, larger steps"
+                f"{100 * max(waits):.0f} % of a step is the collectives themselves (the gradient all-reduce,"
+                " FSDP's gathers): fewer, larger steps"
                 " (a larger batch or accumulate_grad_batches) spend less of the time on it."
             )
         return Verdict(rank=None, advice=advice, note=note)
@@ -186,6 +189,14 @@ def table(ranks: list[RankTime], title: str = "Time per rank over the fit:") -> 
     for row in rows:
         cells = enumerate(zip(row, widths, strict=True))
         lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in cells))
+    for r in ranks:
+        replicas = r.device.count(",") + 1
+        if replicas > 1:
+            lines.append(
+                f"Rank {r.rank} runs {replicas} mgpu_dp replicas in one process: they run each batch together"
+                " (forward in threads, one backward and optimizer step) and finish together, so they are one"
+                " row; a slow replica shows as its work."
+            )
     lines.append(f"Run: {run_samples_per_s(ranks):.1f} samples/s")
     return "\n".join(lines)
 

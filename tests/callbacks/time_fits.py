@@ -8,12 +8,14 @@ Usage::
 ``even`` (every rank's training_step sleeps the same), ``data0`` (rank 0's Dataset sleeps) or
 ``fail`` (rank 1's fifth training_step raises, after the monitor's first gather);
 each mode is one fit. Every rank prints one ``OUTSIDE {json}`` line per fit: what it slept,
-and the seconds from the start of the epoch to the end of training.
+the seconds from the start of the epoch to the end of training, and how many files (sockets
+included) the process holds open after the fit.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -107,6 +109,7 @@ def fit(log_dir: str, strategy: str, devices: int, mode: str) -> None:
         "rank": trainer.global_rank,
         "seconds": clock.seconds,
         "log_dir": trainer.log_dir,
+        "open_files": len(os.listdir("/proc/self/fd")),
     }
     # one write: the two ranks share the pipe, and a line written in pieces may interleave
     sys.stdout.write(f"OUTSIDE {json.dumps({**outside, **SLEPT})}\n")

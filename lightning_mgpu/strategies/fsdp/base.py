@@ -13,7 +13,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_mgpu._compat.lightning import materialize_distributed_module, optimizers_to_device
-from lightning_mgpu.strategies.fsdp.buffers import watch_buffers
+from lightning_mgpu.strategies.fsdp.buffers import Watched, watch_buffers
 from lightning_mgpu.strategies.fsdp.gloo_average import average_gradients_exactly
 
 if TYPE_CHECKING:
@@ -29,8 +29,21 @@ class ShardingModelParallel(ModelParallelStrategy):
     the same steps, with Lightning's own helpers, after ``_shard_model``.
     """
 
+    _watched: Watched | None = None
+
     def _shard_model(self, trainer: pl.Trainer) -> None:
         raise NotImplementedError
+
+    @property
+    def collective_seconds(self) -> float | None:
+        """Host seconds this rank spent inside FSDP's all-gathers and reduce-scatters since ``setup``.
+
+        ``None`` before ``setup``, or when some unit's collectives could not be watched
+        (``buffers.watch_buffers``): a sum that misses some would read as less waiting than there was.
+        """
+        if self._watched is None or self._watched.unwatched or not self._watched.collectives:
+            return None
+        return sum(collective.seconds for collective in self._watched.collectives)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -40,7 +53,8 @@ class ShardingModelParallel(ModelParallelStrategy):
         self._shard_model(trainer)
         # gloo on torch 2.7/2.8 sums where FSDP asks for an average (pytorch/pytorch#162338)
         average_gradients_exactly(self.model, self.device_mesh["data_parallel"].get_group())
-        watch_buffers(self.model)  # FSDP's own buffers say which one ran out (fsdp/buffers.py)
+        # FSDP's own buffers say which one ran out (fsdp/buffers.py); DeviceTimeMonitor reads the time in them
+        self._watched = watch_buffers(self.model)
         materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -91,6 +92,8 @@ class WatchedCollective:
         self.group = group
         self.before: Before = nothing_before
         self.op: Any = None
+        self.seconds = 0.0
+        """Host seconds spent inside the collective's calls so far (``DeviceTimeMonitor`` reads the sum)."""
 
     @property
     def gathers(self) -> bool:
@@ -124,6 +127,7 @@ class WatchedCollective:
         if not self.gathers:
             self.op = kwargs.get("op", args[0] if args else None)
         self.before(self, output_tensor, input_tensor)  # every buffer is allocated: the ranks may meet
+        start = time.perf_counter()
         try:
             return self.inner(output_tensor, input_tensor, group, *args, **kwargs)
         except BaseException as error:
@@ -137,6 +141,8 @@ class WatchedCollective:
                 " (MGPUFSDPStrategy(block_classes=[...])), gather in bfloat16 (precision='bf16-mixed'), or"
                 " leave room for them (a smaller batch or micro_batch_size)"
             ) from error
+        finally:
+            self.seconds += time.perf_counter() - start
 
     def shadow(self, input_numel: int, output_numel: int, dtype: torch.dtype, device: torch.device) -> None:
         """Run this collective with buffers of this rank's own, whose values nobody reads."""
