@@ -18,8 +18,8 @@ the saving rank SIGKILLed:
 
 The environment may change the run's shape: ``FIT_DEVICES`` processes (2), ``FIT_BATCH`` rows per
 process (2), ``FIT_MAX_STEPS`` (-1), ``FIT_EVERY`` steps between checkpoints (3; 4 puts one at each
-epoch's end), ``FIT_WORKERS`` loader workers (0; ``FIT_WORKERS=2p``: 2, persistent), and
-``FIT_RESUME=1`` sets ``resume=True``.
+epoch's end), ``FIT_WORKERS`` loader workers (0; ``FIT_WORKERS=2p``: 2, persistent),
+``FIT_RESUME=1`` sets ``resume=True``, and ``FIT_MONITOR=1`` adds ``DeviceTimeMonitor``.
 
 Rank 0 writes ``OUT``: the final weights and, from a callback whose state is saved in every
 checkpoint, how many times each sample went through a training step that the final weights
@@ -133,12 +133,14 @@ if fault == "save" and strategy_name == "mgpu_fsdp" and first_attempt:
 
     dcp_filesystem.FileSystemWriter.write_data = dying_write_data
 
+timed = os.environ.get("FIT_MONITOR") == "1"
+monitor = [lightning_mgpu.DeviceTimeMonitor(flush_every_n_steps=2)] if timed else []
 plugins = [HalfWrite()] if fault == "save" and strategy_name == "mgpu_ddp" else []
 visits = Visits()
 trainer = L.Trainer(
     accelerator="cpu", devices=devices, strategy=strategy, max_epochs=3, max_steps=max_steps, logger=False,
     plugins=plugins,
-    callbacks=[visits, ModelCheckpoint(dirpath="ckpts", every_n_train_steps=every)],
+    callbacks=[visits, ModelCheckpoint(dirpath="ckpts", every_n_train_steps=every)] + monitor,
     enable_progress_bar=False, enable_model_summary=False,
 )
 module = Regression()

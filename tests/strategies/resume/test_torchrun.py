@@ -8,6 +8,7 @@ went exactly once per epoch through a step those weights include.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,11 +49,15 @@ def _assert_as_uncut(out: dict[str, Any], reference: dict[str, Any]) -> None:
 
 
 def test_a_rank_killed_mid_epoch(tmp_path: Path, uncut: dict[str, dict[str, Any]]) -> None:
-    """About 30 s: two attempts."""
-    result, out = _torchrun(tmp_path, "mgpu_ddp", "step")
+    """About 30 s: two attempts, with DeviceTimeMonitor on: the kill and the restart lose nothing else."""
+    result, out = _torchrun(tmp_path, "mgpu_ddp", "step", monitor="1")
     _assert_as_uncut(out, uncut["mgpu_ddp"])
     line = f"mgpu_ddp: attempt 2 of this job (restarted by torchrun): resuming from {tmp_path}/ckpts/"
     assert f"{line}epoch=0-step=3.ckpt, saved at global step 3 (epoch 0)" in result.output
+    # the monitor of the attempt that finished: both ranks, the 9 steps it trained after step 3
+    assert result.output.count("Time per rank over the fit:") == 1
+    summary = json.loads((tmp_path / "time_summary.json").read_text())
+    assert [(row["rank"], row["steps"]) for row in summary["ranks"]] == [(0, 9), (1, 9)]
 
 
 def test_a_rank_killed_while_writing_a_checkpoint(tmp_path: Path, uncut: dict[str, dict[str, Any]]) -> None:
