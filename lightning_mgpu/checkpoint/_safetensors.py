@@ -9,10 +9,10 @@ so ``safetensors.torch.load_model`` and :func:`read_safetensors` both restore th
 
 The writer streams one tensor at a time, without building the whole file in memory first: tensors
 memory-mapped from a checkpoint are copied file-to-file by the kernel, others straight from their
-memory. It stays hand-written because the library's writers cannot do this: ``save_file`` reads
-every tensor's pages into this process, where a tensor memory-mapped from a checkpoint is copied
-here file-to-file by the kernel (``_mapped.MappedFile``) without entering memory: an export's peak
-RSS is 0.22x a 1 GiB file, where the target is 0.3x (``benchmarks/export.py``).
+memory. It is hand-written because the library's ``save_file`` reads every tensor into this
+process, where this writer has the kernel copy a tensor memory-mapped from a checkpoint file-to-file
+(``_mapped.MappedFile``): an export's peak RSS is 0.22x a 1 GiB file, the target being <= 0.3x
+(``benchmarks/export.py``).
 
 Reading is the library's ``safe_open``; where it refuses a header for a ``__metadata__`` value that is
 not a string, it gives only a column, so :func:`_metadata_problem` names the field.
@@ -36,8 +36,8 @@ from lightning_mgpu._atomic import WRITEBACK_BYTES, start_writeback
 __all__ = ["ORDER_KEY", "PREFIXES_KEY", "dedupe", "read_safetensors", "view_key", "write_safetensors"]
 
 ORDER_KEY = "lightning_mgpu.order"
-_MAX_HEADER = 100 << 20  # the safetensors library's own limit
 PREFIXES_KEY = "lightning_mgpu.removed_prefixes"
+_MAX_HEADER = 100 << 20  # the safetensors library's own limit
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -191,7 +191,9 @@ def read_safetensors(
     except SafetensorError as err:
         problem = _metadata_problem(path)
         raise ValueError(
-            f"{path} has bad metadata: {problem}" if problem else f"{path} is truncated or corrupt: {err}"
+            f"{path} has bad metadata: {problem}; write it again with string metadata values"
+            if problem
+            else f"{path} is truncated or corrupt: {err}; copy it again from where it was written"
         ) from None
     listed = _listed_names(path, metadata)
     for alias, target in metadata.items():
