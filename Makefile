@@ -1,5 +1,7 @@
 # make demo  -- build .venv, install the project, train the digits recipe on all local devices
 # make test  -- build .venv with the test extras, lint, run the whole suite
+# make test-fast -- the edit loop: the suite without the tests that start processes or are slow
+#                   (markers `processes`, set by tests/conftest.py, and `slow`), no lint; under 2 minutes
 # make test-slurm -- the SLURM tests: a one-node cluster started for them (root; apt installs slurm-wlm)
 # make docs  -- install the docs extra into .venv, build the site in docs/ into site/ (mkdocs build --strict)
 # make test-compat -- a subset of the tests in fresh venvs at the declared floor (oldest Python, torch,
@@ -25,7 +27,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: venv test-venv demo test test-slurm test-compat lint format clean
+.PHONY: venv test-venv demo test test-fast test-slurm test-compat lint format clean
 
 venv: $(VENV)/.stamp-base
 
@@ -63,6 +65,10 @@ format: test-venv
 
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# this -m replaces pyproject's `-m 'not slurm'`, so it leaves slurm out itself
+test-fast: test-venv
+	$(BIN)/python -m pytest -m "not processes and not slow and not slurm" $(PYTEST_ARGS)
 
 # not part of `make test`: pyproject's addopts leave the slurm marker out, `-m slurm` brings it back
 test-slurm: test-venv

@@ -34,7 +34,12 @@ def test_config_opens_with_its_command(path: Path) -> None:
     assert first.startswith(f"# lightning-mgpu run {name}"), first
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+# a ResNet's fast_dev_run takes 10-20 s on two CPU cores: `make test-fast` leaves those two out
+SLOW = ("resnet18", "resnet50")
+FAST_DEV_RUNS = [pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW else p for p in CONFIGS]
+
+
+@pytest.mark.parametrize("path", FAST_DEV_RUNS, ids=lambda p: p.stem)
 def test_config_runs_fast_dev_run_on_one_cpu(
     path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
