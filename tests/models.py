@@ -1,4 +1,8 @@
-"""The tiny module the one-process resume tests train."""
+"""The tests' shared tiny model: what a test trains when the model itself is not what it checks.
+
+Tests and the scripts in tests/scripts/ import it (their processes get the repository on PYTHONPATH);
+a script that injects a fault subclasses it and overrides one hook.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from torch import nn
 
 
 class Regression(L.LightningModule):
-    """One linear layer, mean squared error, plain SGD."""
+    """One linear layer (4 -> 1), mean squared error of ``batch[0]`` against ``batch[1]``, plain SGD."""
 
     def __init__(self) -> None:
         super().__init__()

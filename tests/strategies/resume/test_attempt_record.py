@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_mgpu  # noqa: F401  # registers mgpu_ddp
 from lightning_mgpu.strategies.resume.attempt_record import RECORD_NAME
 from tests.helpers import Result, run_command, script_env
-from tests.strategies.resume._models import Regression
+from tests.models import Regression
 
 SCRIPT = r"""
 import os, signal, sys

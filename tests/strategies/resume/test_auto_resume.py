@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MGPUDDPStrategy
-from tests.strategies.resume._models import Regression
+from tests.models import Regression
 
 
 def _fit(folder: Path, max_steps: int, resume: bool | None = None, ckpt_path: str | None = None) -> L.Trainer:

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_mgpu import MGPUDDPStrategy
 from lightning_mgpu.strategies.resume.attempt_record import RECORD_NAME
 from lightning_mgpu.strategies.resume.safety_net import ResumeCheckpoint, plan_check, restartable
-from tests.strategies.resume._models import Regression
+from tests.models import Regression
 
 
 def _fit(folder: Path, every: object = "auto", checkpointing: bool = True, **strategy: object) -> L.Trainer:
