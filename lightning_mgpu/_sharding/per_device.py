@@ -5,9 +5,9 @@ Each device holds ``1/N`` of every parameter (FSDP2 splits dim 0 and pads it to 
 gathered. ``estimate_memory`` predicts the ``mgpu_fsdp`` peak with ``shard_share`` and
 ``unit_bytes``; the strategy and ``choose_strategy`` check the lower bound, ``sharded_need``:
 parameters, gradients and the optimizer state where it is counted, activations come on top. When
-even that exceeds a device's memory, no setting of the run can work, and the error says how many
-devices would hold it. Tensors on the meta device count by their shapes, so a model too
-large to build anywhere is measured too.
+even that exceeds a device's memory, no setting of the run can work, and the strategy's refusal
+(``strategies/fsdp/need.py``'s ``check_fits``) says how many devices would hold it. Tensors on the
+meta device count by their shapes, so a model too large to build anywhere is measured too.
 """
 
 from __future__ import annotations
@@ -19,12 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_mgpu.devices import format_bytes
-from lightning_mgpu.estimate.shard_plan import ShardingPlan
+from lightning_mgpu._sharding.plan import ShardingPlan
 
 __all__ = [
     "ShardedNeed",
-    "check_fits",
     "fewest_devices",
     "parameter_rows",
     "shard_bytes",
@@ -34,7 +32,6 @@ __all__ = [
 ]
 
 _MOST_DEVICES = 1 << 16  # where fewest_devices stops looking
-_ON_TOP = {False: "optimizer state and activations come on top", True: "activations come on top"}
 
 
 @dataclass(frozen=True)
@@ -193,37 +190,4 @@ def sharded_need(
         gradients=gradients,
         optimizer_state=optimizer_state,
         rows=rows,
-    )
-
-
-def check_fits(need: ShardedNeed, device_memory: int, device: str, strategy_name: str = "mgpu_fsdp") -> None:
-    """Raise when ``need`` cannot fit ``device_memory``, with the estimate and what would fit.
-
-    Raises:
-        ValueError: If the lower bound exceeds the device's memory.
-    """
-    if need.per_device <= device_memory:
-        return
-    parts = f"plus {format_bytes(need.largest_unit)} for the largest unit gathered"
-    if need.offloaded:
-        parts = f"the shards are in CPU memory; {parts}"
-    else:
-        what = (
-            "parameters, gradients and optimizer state"
-            if need.optimizer_state
-            else "parameters and gradients"
-        )
-        parts = f"{what} {format_bytes(need.state)}, 1/{need.world} each, {parts}"
-    fewest = need.devices_needed(device_memory)
-    if fewest is None:
-        fix = (
-            "no number of devices helps while one unit does not fit: shard smaller blocks"
-            " (block_classes=[...]) or use a lower precision"
-        )
-    else:
-        fix = f"use at least {fewest} devices (devices=, num_nodes=), cpu_offload=True or a lower precision"
-    raise ValueError(
-        f"{strategy_name}: the model needs at least {format_bytes(need.per_device)} per device on"
-        f" {need.world} process(es) ({parts}; {_ON_TOP[bool(need.optimizer_state)]}), but {device} has"
-        f" {format_bytes(device_memory)}. {fix[0].upper()}{fix[1:]}."
     )

@@ -20,8 +20,8 @@ The automatic policy (``find_blocks``), walking the tree from the root, outermos
 (given as classes, or as class names, plain or dotted) is a block. The root is always the
 last unit and is never listed as a block.
 
-It lives with the estimate, which predicts ``mgpu_fsdp``'s memory from the same units; the
-strategy (``strategies/fsdp``) builds on it, as strategies build on the estimate.
+``mgpu_fsdp`` shards by it (``strategies/fsdp/sharding.py``); the estimate predicts ``mgpu_fsdp``'s
+memory from the same units.
 """
 
 from __future__ import annotations

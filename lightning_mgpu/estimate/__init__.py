@@ -3,8 +3,6 @@
 - ``predict.py``: ``estimate_memory`` (public), and ``model_state_estimate``, the same before any batch
   (``mgpu_auto``'s numbers);
 - ``memory_estimate.py``: the ``MemoryEstimate`` it returns, each strategy's peak from it (public);
-- ``shard_plan.py``: which submodules ``mgpu_fsdp`` shards as units (the strategy uses it too);
-- ``sharded.py``: what sharding leaves on each device: shards with padding, gathered units, the lower bound;
 - ``report.py``: the estimate's one table, for ``str(estimate)`` and ``lightning-mgpu estimate``;
 - ``batch.py``: a batch's rows (Lightning's ``extract_batch_size``), its tensors, a resized copy;
 - ``measuring.py``: what both measurements share: copies of the module, byte counts, the result;
@@ -12,6 +10,9 @@
 - ``inference.py``: two measured forward passes under ``torch.no_grad()``;
 - ``live_bytes.py``: the one counter of bytes held by live tensors, on any device including ``meta``,
   and of bytes saved for backward (also used by ``mgpu_dp`` for each replica).
+
+``mgpu_fsdp``'s peak comes from its sharding plan and what it leaves on each device, which live with
+neither the estimate nor the strategy but in ``lightning_mgpu._sharding``, which both use.
 
 The public names load on first use, so ``mgpu_dp`` can use ``live_bytes`` without loading the rest.
 """

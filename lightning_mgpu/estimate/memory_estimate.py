@@ -1,8 +1,8 @@
 """``MemoryEstimate``: what ``estimate_memory`` measured, and each strategy's peak predicted from it.
 
 Plain data in, plain numbers out: the peak of each strategy at any batch, the largest batch
-that fits, and the fewest devices on which ``mgpu_fsdp`` fits (``sharded.py`` holds its
-arithmetic).
+that fits, and the fewest devices on which ``mgpu_fsdp`` fits (``lightning_mgpu._sharding.per_device``
+holds its arithmetic).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+from lightning_mgpu._sharding.per_device import fewest_devices, shard_share
 from lightning_mgpu.devices import parse_bytes
 from lightning_mgpu.estimate.report import format_estimate
-from lightning_mgpu.estimate.sharded import fewest_devices, shard_share
 
 __all__ = ["STRATEGIES", "MemoryEstimate"]
 

@@ -15,7 +15,7 @@ From these it predicts the fullest device's peak for a single device, ``mgpu_dp`
 ``mgpu_ddp`` (each device also holds DDP's gradient buckets) and ``mgpu_fsdp`` (each
 device holds 1/N of the parameters, gradients and optimizer state, padding included,
 plus the largest unit of ``mgpu_fsdp``'s sharding plan while it is gathered; see
-``sharded.py``), the largest per-device batch that fits a given memory, and how many
+``lightning_mgpu._sharding``), the largest per-device batch that fits a given memory, and how many
 devices make the model fit under ``mgpu_fsdp``. The module's own weights, gradients,
 buffers and random state are left untouched.
 
@@ -38,13 +38,13 @@ import torch
 from torch import nn
 
 from lightning_mgpu._compat.lightning import convert_precision_to_unified_args
+from lightning_mgpu._sharding.per_device import parameter_rows, unit_bytes
+from lightning_mgpu._sharding.plan import BlockClasses, plan_sharding
 from lightning_mgpu.devices import cuda_devices, parse_bytes
 from lightning_mgpu.estimate.inference import measure_inference
 from lightning_mgpu.estimate.measuring import MeasuredStep
 from lightning_mgpu.estimate.memory_estimate import STRATEGIES, MemoryEstimate
 from lightning_mgpu.estimate.optimizer_state import OptimizerState
-from lightning_mgpu.estimate.shard_plan import BlockClasses, plan_sharding
-from lightning_mgpu.estimate.sharded import parameter_rows, unit_bytes
 from lightning_mgpu.estimate.training import measure_steps
 from lightning_mgpu.precision import PRECISIONS, precision_names
 

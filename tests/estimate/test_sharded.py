@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from lightning_mgpu import MemoryEstimate, estimate_memory
-from lightning_mgpu.estimate.shard_plan import plan_sharding
-from lightning_mgpu.estimate.sharded import check_fits, sharded_need
-from lightning_mgpu.strategies.fsdp.need import sharded_model_need
+from lightning_mgpu._sharding.per_device import sharded_need
+from lightning_mgpu._sharding.plan import plan_sharding
+from lightning_mgpu.strategies.fsdp.need import check_fits, sharded_model_need
 
 KiB, MiB = 1024, 1024**2
 

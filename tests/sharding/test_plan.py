@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mgpu.estimate.shard_plan import find_blocks, plan_sharding, validate_block_classes
+from lightning_mgpu._sharding.plan import find_blocks, plan_sharding, validate_block_classes
 from recipes.resnet import resnet18
 
 

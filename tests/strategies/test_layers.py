@@ -1,7 +1,8 @@
 """strategies/ imports run one way: auto -> the families -> process_group -> resume; microbatch -> split.
 
-Read from the source with ``ast``, so a cycle dodged by an import inside a function shows too; the
-cycle check covers the whole package (two modules of one room importing each other included).
+Below strategies/, the estimate and the sharding plan never import upwards. Read from the source
+with ``ast``, so a cycle dodged by an import inside a function shows too; the cycle check covers the
+whole package (two modules of one room importing each other included).
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ ALLOWED = {
     "fsdp": {"mixin", "process_group", "microbatch"},
     "dp": {"mixin", "microbatch", "split"},
     "auto": {"ddp", "fsdp", "dp", "microbatch", "mixin", "resume"},
+}
+
+
+# room of the package -> the rooms it must not import. The sharding plan and what it leaves on each
+# device are used by mgpu_fsdp (which applies the plan and refuses a model too big) and by the estimate
+# (which predicts mgpu_fsdp's peak from the same units): they live in _sharding/, below both, so that
+# neither owns them and the estimate needs nothing of strategies/, which itself imports the estimate.
+BELOW = {
+    "lightning_mgpu._sharding": ("lightning_mgpu.strategies", "lightning_mgpu.estimate"),
+    "lightning_mgpu.estimate": ("lightning_mgpu.strategies",),
 }
 
 
@@ -79,6 +90,22 @@ def test_every_room_is_known_and_imports_only_below_it() -> None:
         for target, _ in _imports(path):
             if _room(target) != room and _room(target) not in ALLOWED[room]:
                 wrong.append(f"{module} imports {target}")
+    assert not wrong, "imports against the direction:\n" + "\n".join(wrong)
+
+
+def _within(module: str, room: str) -> bool:
+    return module == room or module.startswith(room + ".")
+
+
+def test_the_estimate_and_the_sharding_plan_import_nothing_above_them() -> None:
+    wrong = [
+        f"{module} imports {target}"
+        for module, path in ALL_MODULES.items()
+        for room, above in BELOW.items()
+        if _within(module, room)
+        for target, _ in _imports(path, "lightning_mgpu")
+        if any(_within(target, upper) for upper in above)
+    ]
     assert not wrong, "imports against the direction:\n" + "\n".join(wrong)
 
 

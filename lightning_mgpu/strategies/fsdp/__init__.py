@@ -4,11 +4,11 @@
   device mesh, sharded checkpoints) and ``process_group``'s ``ProcessGroupServices``;
 - ``base.py``: ``ShardingModelParallel``, Lightning's ``ModelParallelStrategy`` whose ``setup`` shards
   the model itself (no ``configure_model`` needed);
-- ``lightning_mgpu.estimate.shard_plan``: which submodules become units (shared with the estimate);
+- ``lightning_mgpu._sharding.plan``: which submodules become units (shared with the estimate);
 - ``sharding.py``: the options, the Trainer precision's dtypes, and the ``fully_shard`` calls;
-- ``lightning_mgpu.estimate.sharded``: the least memory a device needs under a plan;
-- ``need.py``: that need with the model's optimizer state and the Trainer precision's dtypes: checked on
-  GPUs before sharding, and weighed by ``mgpu_auto``;
+- ``lightning_mgpu._sharding.per_device``: the least memory a device needs under a plan;
+- ``need.py``: that need with the model's optimizer state and the Trainer precision's dtypes, weighed by
+  ``mgpu_auto``, and ``check_fits``, the refusal on GPUs before sharding when it exceeds a device;
 - ``saving.py``: sharded checkpoints saved again over the run's own (``last.ckpt``) without torch's warning;
 - ``sync_points.py``: checkpoints between FSDP's gathers, so micro-batching's ``"auto"`` survives an
   out-of-memory on one rank;

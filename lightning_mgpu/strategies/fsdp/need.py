@@ -1,10 +1,11 @@
-"""The least a device needs under ``mgpu_fsdp``, optimizer included: what its refusal checks before sharding.
+"""The least a device needs under ``mgpu_fsdp``, optimizer included, and the refusal when it does not fit.
 
 ``sharded_model_need`` counts the fullest device's shards of the parameters, gradients and optimizer
-state, and the largest unit gathered (``lightning_mgpu.estimate.sharded``), in the dtypes the Trainer's
+state, and the largest unit gathered (``lightning_mgpu._sharding.per_device``), in the dtypes the Trainer's
 precision gives them. The optimizer state is what one step of the model's ``configure_optimizers()``
 creates, counted on meta tensors (``lightning_mgpu.estimate.optimizer_state``) with the Trainer hidden,
 so counting loads no data; an optimizer that cannot be counted so is left out, and the result says why.
+``check_fits`` refuses, before sharding, a need above a device's memory: with the numbers and the fix.
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ from typing import Any
 import torch
 
 from lightning_mgpu._compat.lightning import attached_trainer, detach_trainer
+from lightning_mgpu._sharding.per_device import ShardedNeed, sharded_need
+from lightning_mgpu._sharding.plan import ShardingPlan, plan_sharding
+from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.estimate.optimizer_state import OptimizerState, count_optimizer_state
-from lightning_mgpu.estimate.shard_plan import ShardingPlan, plan_sharding
-from lightning_mgpu.estimate.sharded import ShardedNeed, sharded_need
 from lightning_mgpu.precision import PRECISIONS
 from lightning_mgpu.strategies.fsdp.sharding import mixed_precision_policy
 
-__all__ = ["sharded_model_need", "without_trainer"]
+__all__ = ["check_fits", "sharded_model_need", "without_trainer"]
+
+_ON_TOP = {False: "optimizer state and activations come on top", True: "activations come on top"}
 
 
 @contextlib.contextmanager
@@ -84,3 +88,36 @@ def sharded_model_need(
         optimizer_state=state.bytes,
     )
     return need, state
+
+
+def check_fits(need: ShardedNeed, device_memory: int, device: str, strategy_name: str = "mgpu_fsdp") -> None:
+    """Raise when ``need`` cannot fit ``device_memory``, with the estimate and what would fit.
+
+    Raises:
+        ValueError: If the lower bound exceeds the device's memory.
+    """
+    if need.per_device <= device_memory:
+        return
+    parts = f"plus {format_bytes(need.largest_unit)} for the largest unit gathered"
+    if need.offloaded:
+        parts = f"the shards are in CPU memory; {parts}"
+    else:
+        what = (
+            "parameters, gradients and optimizer state"
+            if need.optimizer_state
+            else "parameters and gradients"
+        )
+        parts = f"{what} {format_bytes(need.state)}, 1/{need.world} each, {parts}"
+    fewest = need.devices_needed(device_memory)
+    if fewest is None:
+        fix = (
+            "no number of devices helps while one unit does not fit: shard smaller blocks"
+            " (block_classes=[...]) or use a lower precision"
+        )
+    else:
+        fix = f"use at least {fewest} devices (devices=, num_nodes=), cpu_offload=True or a lower precision"
+    raise ValueError(
+        f"{strategy_name}: the model needs at least {format_bytes(need.per_device)} per device on"
+        f" {need.world} process(es) ({parts}; {_ON_TOP[bool(need.optimizer_state)]}), but {device} has"
+        f" {format_bytes(device_memory)}. {fix[0].upper()}{fix[1:]}."
+    )

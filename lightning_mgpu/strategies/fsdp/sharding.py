@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lightning_mgpu._compat.torch import activation_checkpoint
-from lightning_mgpu.estimate.shard_plan import ShardingPlan
+from lightning_mgpu._sharding.plan import ShardingPlan
 
 __all__ = [
     "ShardingOptions",

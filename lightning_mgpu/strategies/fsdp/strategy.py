@@ -18,13 +18,12 @@ from typing_extensions import override
 
 from lightning_mgpu._compat.lightning import StrategyRegistry
 from lightning_mgpu._compat.torch import FSDP_ON_CPU, require
+from lightning_mgpu._sharding.plan import ShardingPlan, plan_sharding, validate_block_classes
 from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.estimate.model_state import measure_model_state
-from lightning_mgpu.estimate.shard_plan import ShardingPlan, plan_sharding, validate_block_classes
-from lightning_mgpu.estimate.sharded import check_fits
 from lightning_mgpu.precision import FSDP_PRECISIONS
 from lightning_mgpu.strategies.fsdp.base import ShardingModelParallel
-from lightning_mgpu.strategies.fsdp.need import sharded_model_need
+from lightning_mgpu.strategies.fsdp.need import check_fits, sharded_model_need
 from lightning_mgpu.strategies.fsdp.saving import ResavingOwnCheckpoints
 from lightning_mgpu.strategies.fsdp.sharding import (
     ShardingOptions,
@@ -66,8 +65,8 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
 
     - **Automatic sharding**: a LightningModule without ``configure_model`` needs nothing:
       each repeated block (the same-class entries of an ``nn.ModuleList`` / ``nn.Sequential``,
-      transformer blocks, ResNet blocks, user-defined stages; see
-      ``lightning_mgpu.estimate.shard_plan``) is sharded, then the root. ``block_classes``
+      transformer blocks, ResNet blocks, user-defined stages; the policy in full is in
+      ``lightning_mgpu/_sharding/plan.py``) is sharded, then the root. ``block_classes``
       names the blocks instead. A ``configure_model`` that calls ``fully_shard`` itself is
       left as it is; one that only builds layers is sharded afterwards.
     - **Mixed precision from the Trainer**: ``precision="bf16-mixed"`` gathers the parameters
@@ -77,7 +76,7 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
       built the model from different seeds train one model.
     - **Refused early on GPUs**: a model whose parameter and gradient shards plus its largest
       unit exceed a device's memory fails before anything moves, with the numbers and the
-      fewest devices that would hold it (``lightning_mgpu.estimate.sharded``).
+      fewest devices that would hold it (``fsdp/need.py``).
 
     Args:
         block_classes: The classes (or class names) of the blocks to shard one by one, e.g.

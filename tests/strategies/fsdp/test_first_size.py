@@ -14,8 +14,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_mgpu import estimate_memory
+from lightning_mgpu._sharding.plan import plan_sharding
 from lightning_mgpu.devices import parse_bytes
-from lightning_mgpu.estimate.shard_plan import plan_sharding
 from lightning_mgpu.strategies.fsdp.sharding import ShardingOptions, apply_plan
 from lightning_mgpu.strategies.fsdp.strategy import MGPUFSDPStrategy
 from lightning_mgpu.strategies.microbatch.first_size import estimated_start, start_from_estimate
