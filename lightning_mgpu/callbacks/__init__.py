@@ -6,5 +6,6 @@
   ``time_report.py``: its verdict, table and JSON;
 - ``export.py``: ``PlainStateDictExport``;
 - ``predictions.py``: ``PredictionCSV``, the runner's ``predictions.csv``;
-- ``_distributed.py``: the object all-gather the callbacks share.
+- ``_distributed.py``: the object all-gather the callbacks share;
+- ``_report.py``: the monitors' lines at the start and tables at the end of ``fit``, one block for all.
 """

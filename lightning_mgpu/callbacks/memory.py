@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -14,12 +13,12 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_mgpu._atomic import atomic_write
 from lightning_mgpu._compat.lightning import batches_that_stepped
 from lightning_mgpu._compat.torch import tree_flatten
+from lightning_mgpu.callbacks import _report
 from lightning_mgpu.callbacks import memory_report as report
 from lightning_mgpu.callbacks._distributed import all_gather_objects
 from lightning_mgpu.callbacks.memory_readings import (
@@ -143,12 +142,15 @@ class DeviceMemoryMonitor(Callback):
         self._rows: int | None = None
         self._step_at_start = 0
         self._largest_ok: int | None = None
+        self.report_parts = _report.Parts()
+        self._start_line: str | None = None
 
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        _report.expect(self)  # before any monitor's on_train_start: one report with the others
         self._every = self.every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 50)))
         if not trainer.loggers:
             rank_zero_warn(
@@ -172,12 +174,19 @@ class DeviceMemoryMonitor(Callback):
         self._layouts = [[layout for layout, _ in rank] for rank in everyone]
         # what the OOM guidance shows of the other ranks until the first gather
         self.latest = [report.from_vector(layout, vec) for rank in everyone for layout, vec in rank]
+        self._start_line = (  # given at the first batch, below the strategy's start-up summary
+            f"DeviceMemoryMonitor: memory of {len(self.latest)} device(s), read every {self._every} step(s);"
+            " a table of the peaks at the end"
+        )
 
     # ------------------------------------------------------------------ steps
     @override
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self._start_line is not None:
+            _report.give(trainer, self, "start", self._start_line)
+            self._start_line = None
         # a gather started at the end of the last step ran while this batch was fetched
         self._finish_gather(trainer)
         self._rows = batch_rows(batch)
@@ -199,6 +208,7 @@ class DeviceMemoryMonitor(Callback):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._layouts is None:
+            _report.give(trainer, self, "end", None)
             return
         if self._batches % self._every != 0:  # include the peaks since the last log
             self._collect_and_log(trainer, last=True)
@@ -208,12 +218,12 @@ class DeviceMemoryMonitor(Callback):
         self.summary.micro_batches = micro_batch_sizes(trainer)  # a gather, when micro-batching
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank calls it
         if not trainer.is_global_zero or not self.summary.devices:
+            _report.give(trainer, self, "end", None)
             return
         rows, sizes = list(self.summary.devices.values()), self.summary.micro_batches
-        if self.print_summary:
-            rank_zero_info(report.table(rows, "Device memory over the fit (peaks):", sizes))
+        _report.give(trainer, self, "end", report.table(rows, "Device memory over the fit (peaks):", sizes))
         if self.summary_file is not None:
-            _write_json(os.path.join(log_dir, self.summary_file), self.summary.as_json())
+            _report.write_json(os.path.join(log_dir, self.summary_file), self.summary.as_json())
 
     # ------------------------------------------------------------------ OOM
     @override
@@ -388,9 +398,3 @@ class DeviceMemoryMonitor(Callback):
 def _accumulating(trainer: Trainer, pl_module: LightningModule) -> bool:
     """Whether gradients are being accumulated over several batches before an optimizer step."""
     return pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1
-
-
-def _write_json(path: str, data: dict[str, Any]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with atomic_write(path) as file:
-        file.write((json.dumps(data, indent=2) + "\n").encode())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import time
@@ -14,11 +13,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_mgpu._atomic import atomic_write
 from lightning_mgpu._compat.lightning import batches_that_stepped
+from lightning_mgpu.callbacks import _report
 from lightning_mgpu.callbacks import time_report as report
 from lightning_mgpu.callbacks.memory_readings import device_label, replica_devices
 from lightning_mgpu.callbacks.time_clocks import CudaStep, StepTimer, attach_timer
@@ -105,6 +103,8 @@ class DeviceTimeMonitor(Callback):
         self.totals: list[RankTime] = []
         """Every rank's totals so far (rank 0 only; filled at each gather)."""
         self.verdict: report.Verdict | None = None
+        self.report_parts = _report.Parts()
+        self._start_line: str | None = None
         self._timer: StepTimer | None = None
         self._window = _Window()
         self._pending: list[CudaStep] = []
@@ -118,6 +118,11 @@ class DeviceTimeMonitor(Callback):
         self._cuda = False
 
     # ------------------------------------------------------------------ fit
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":  # before any monitor's on_train_start: one report with the others
+            _report.expect(self)
+
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         root = trainer.strategy.root_device
@@ -139,6 +144,17 @@ class DeviceTimeMonitor(Callback):
             self._labels = [""] * dist.get_world_size()
             dist.all_gather_object(self._labels, self._device, group=self._group)
         self._timer = attach_timer(trainer, root if self._cuda else None)
+        if len(self._labels) == 1:
+            waiting = "no other rank to wait for"
+        elif self._timer is not None:
+            waiting = "waiting for the others measured"
+        else:
+            waiting = "waiting for the others not measured under this strategy, work includes it"
+        # given after the first batch, below the strategy's start-up summary
+        self._start_line = (
+            f"DeviceTimeMonitor: data loading, work and waiting of {len(self._labels)} rank(s) ({waiting});"
+            " a table and the slow rank at the end"
+        )
         self._mark = time.perf_counter()
 
     @override
@@ -175,6 +191,9 @@ class DeviceTimeMonitor(Callback):
         self._batches += 1
         if self._batches % self.flush_every_n_steps == 0:
             self._flush(trainer)
+        if self._start_line is not None:
+            _report.give(trainer, self, "start", self._start_line)
+            self._start_line = None
         self._mark = time.perf_counter()
 
     @override
@@ -190,17 +209,14 @@ class DeviceTimeMonitor(Callback):
             self._timer.detach()
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank calls it
         if not trainer.is_global_zero or not self.totals:
+            _report.give(trainer, self, "end", None)
             return
         accelerator = "cuda" if self._cuda else "cpu"
         self.verdict = report.verdict(self.totals, accelerator)
-        if self.print_summary:
-            rank_zero_info(report.table(self.totals) + "\n" + self.verdict.line())
+        _report.give(trainer, self, "end", report.table(self.totals) + "\n" + self.verdict.line())
         if self.summary_file is not None:
-            path = os.path.join(log_dir, self.summary_file)
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            with atomic_write(path) as file:
-                data = report.summary_json(self.totals, self.verdict)
-                file.write((json.dumps(data, indent=2) + "\n").encode())
+            data = report.summary_json(self.totals, self.verdict)
+            _report.write_json(os.path.join(log_dir, self.summary_file), data)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:

@@ -133,9 +133,8 @@ def verdict(ranks: list[RankTime], accelerator: str = "cpu") -> Verdict:
         advice = ""
         if max(waits) > 0.3:
             advice = (
-                f"{100 * max(waits):.0f} % of a step is the collectives themselves (the gradient all-reduce,"
-                " FSDP's gathers): fewer, larger steps"
-                " (a larger batch or accumulate_grad_batches) spend less of the time on it."
+                f"{100 * max(waits):.0f} % of a step is spent in the collectives themselves: fewer, larger"
+                " steps (a larger batch or accumulate_grad_batches) spend less of the time in them."
             )
         return Verdict(rank=None, advice=advice, note=note)
     if unmeasured:

@@ -50,7 +50,7 @@ def test_slow_cpu_rank_points_at_its_cores() -> None:
 def test_collective_bound_run_is_balanced_and_says_so() -> None:
     found = verdict([rank(0, 0.1, 1.0, 2.0), rank(1, 0.1, 1.0, 2.0)])
     assert found.rank is None
-    assert "65 % of a step is the collectives themselves (the gradient all-reduce" in found.line()
+    assert "65 % of a step is spent in the collectives themselves" in found.line()
 
 
 def test_one_process_waiting_for_batches_names_its_loader() -> None:
