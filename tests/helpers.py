@@ -71,6 +71,20 @@ def run_script(
     return run_command([sys.executable, str(path), *(args or [])], cwd=tmp_path, timeout=timeout, env=env)
 
 
+def run_file(
+    name: str,
+    tmp_path: Path,
+    *,
+    args: list[str] | None = None,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+) -> Result:
+    """Run tests/scripts/``name`` with this interpreter in ``tmp_path``, in its own process group."""
+    return run_command(
+        [sys.executable, str(SCRIPTS / name), *(args or [])], cwd=tmp_path, timeout=timeout, env=env
+    )
+
+
 def run_command(
     cmd: list[str], *, cwd: Path, timeout: float = 120, env: dict[str, str] | None = None
 ) -> Result:

@@ -1,7 +1,7 @@
 """``mgpu_ddp`` on real gloo processes: same weights as one device, and no silent death or hang.
 
-Every distributed run is a script in its own process group (Lightning's launcher re-runs
-``sys.argv``). The runs with a failing rank are in ``test_faults.py``.
+Every distributed run is a script of tests/scripts/ in its own process group (Lightning's launcher
+re-runs ``sys.argv``). The runs with a failing rank are in ``test_faults.py``.
 """
 
 from __future__ import annotations
@@ -9,77 +9,13 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from lightning_mgpu.devices import cpu_name
-from tests.helpers import free_port, run_script, script_env
-
-# A tiny regression fit. Rank 0 saves the data, the initial and the final weights, so the
-# test can train the single-process reference on the same global batches.
-FIT_SCRIPT = """
-import sys, threading, torch, lightning as L
-import lightning_mgpu
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-devices, num_nodes = int(sys.argv[1]), int(sys.argv[2])
-
-class Regression(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        self.seen = getattr(self, "seen", []) + [x[:, 0].tolist()]
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
-torch.manual_seed(0)
-x, y = torch.randn(64, 4), torch.randn(64, 1)
-model = Regression()
-initial = {k: v.clone() for k, v in model.state_dict().items()}
-trainer = L.Trainer(
-    accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy="mgpu_ddp", max_epochs=2,
-    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-)
-trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False))
-if trainer.is_global_zero:
-    torch.save({"x": x, "y": y, "initial": initial, "final": model.state_dict()}, "result.pt")
-
-# the user's shuffle=True still shuffles
-x[:, 0] = torch.arange(64.0)
-model = Regression()
-trainer = L.Trainer(
-    accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy="mgpu_ddp", max_steps=2,
-    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-)
-trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True))
-# one file per rank: two processes printing to one pipe can interleave their lines
-with open(f"shuffled_rank{trainer.global_rank}.txt", "w") as f:
-    f.write(str(model.seen))
-# nothing started for the runs outlives them
-with open(f"threads_rank{trainer.global_rank}.txt", "w") as f:
-    f.write("\\n".join(t.name for t in threading.enumerate()))
-
-if sys.argv[3:] == ["unused"]:  # a last fit in which every rank fails the same way
-    class Unused(Regression):
-        def __init__(self):
-            super().__init__()
-            self.extra = nn.Linear(4, 1)
-
-    trainer = L.Trainer(
-        accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy="mgpu_ddp", max_steps=3,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )
-    trainer.fit(Unused(), DataLoader(TensorDataset(x, y), batch_size=4))
-"""
+from tests.helpers import SCRIPTS, free_port, run_file, script_env
 
 
 def reference_weights(result: dict) -> dict[str, torch.Tensor]:
@@ -108,7 +44,7 @@ def assert_same_weights(result_file: Path) -> None:
 
 
 def test_two_processes_match_one_and_keep_shuffle(tmp_path: Path) -> None:
-    result = run_script(FIT_SCRIPT, tmp_path, args=["2", "1", "unused"], timeout=240)
+    result = run_file("ddp_fit.py", tmp_path, args=["2", "1", "unused"], timeout=240)
     assert_same_weights(tmp_path / "result.pt")
 
     # the summary, once per fit (three), by rank 0 only
@@ -140,55 +76,8 @@ def test_two_processes_match_one_and_keep_shuffle(tmp_path: Path) -> None:
     assert output.count("Traceback (most recent call last)") == 1, output
 
 
-SPAWN_SCRIPT = """
-import time, torch, lightning as L
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-from lightning_mgpu import MGPUDDPStrategy
-from lightning_mgpu.strategies.process_group.watchdog.watchdog import DEAD_AFTER, watchdog
-
-class Slow(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        if batch_idx == 0:
-            with open(f"rank{self.global_rank}.txt", "w") as f:
-                f.write(str(watchdog().rank))
-        time.sleep(0.1)
-        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-class Unused(Slow):
-    def __init__(self):
-        super().__init__()
-        self.extra = nn.Linear(4, 1)  # never reaches the loss
-
-    def training_step(self, batch, batch_idx):
-        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
-
-if __name__ == "__main__":
-    steps = int((DEAD_AFTER + 4) / 0.1)  # longer than a missing heartbeat takes to be noticed
-    loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=2)
-    quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    strategy = MGPUDDPStrategy(start_method="spawn")
-    L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, **quiet).fit(Slow(), loader)
-
-    # the launching process holds an unwrapped model: the ranks must name the unused parameters
-    strategy = MGPUDDPStrategy(start_method="spawn")
-    try:
-        L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=3, **quiet).fit(Unused(), loader)
-    except Exception as error:
-        with open("unused.txt", "w") as f:
-            f.write(f"{type(error).__name__}: {error}")
-"""
-
-
 def test_spawned_ranks_are_watched_under_their_own_rank(tmp_path: Path) -> None:
-    result = run_script(SPAWN_SCRIPT, tmp_path, timeout=240)
+    result = run_file("ddp_spawn.py", tmp_path, timeout=240)
     assert result.returncode == 0, result.output[-3000:]
     assert "never sent a heartbeat" not in result.output
     assert "`max_steps=140` reached" in result.output
@@ -204,13 +93,13 @@ def test_spawned_ranks_are_watched_under_their_own_rank(tmp_path: Path) -> None:
 
 def test_torchrun_two_nodes_match_one_process(tmp_path: Path) -> None:
     """Two torchrun "nodes" on loopback, one process each, started concurrently."""
-    (tmp_path / "fit.py").write_text(textwrap.dedent(FIT_SCRIPT))
     port = free_port()
     env = script_env()
     procs = []
     for node in range(2):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}"]
-        cmd += ["--master-addr=127.0.0.1", f"--master-port={port}", "--nproc-per-node=1", "fit.py", "1", "2"]
+        cmd += ["--master-addr=127.0.0.1", f"--master-port={port}", "--nproc-per-node=1"]
+        cmd += [str(SCRIPTS / "ddp_fit.py"), "1", "2"]
         out = open(tmp_path / f"node{node}.txt", "w")  # noqa: SIM115  closed below
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
         procs.append((proc, out))

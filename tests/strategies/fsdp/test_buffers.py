@@ -9,14 +9,13 @@ One launch of two processes, two fits. Rank 0's address space is limited right b
   runs the batch again in micro-batches of 8 rows (the limit is lifted for the rerun); the weights
   are those of plain training;
 - 6 MiB: the buffer fits, but gloo's own copy inside the all-gather does not, while rank 1 is in it:
-  every rank stops within seconds, the error naming the all-gather, instead of after ``stall_timeout``
+  every rank stops on rank 0's error, which names the all-gather, instead of after ``stall_timeout``
   (gloo, left alone, aborts both processes on the collectives that no longer match).
 """
 
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -28,7 +27,7 @@ from tests.helpers import run_script, script_env
 from tests.strategies.microbatch._models import LIMITED_MEMORY
 
 SCRIPT = """
-import json, resource, time
+import json, resource
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -65,9 +64,6 @@ class Model(L.LightningModule):
 
     def limit(self, module, args):
         self.forwards += 1
-        if self.forwards == 1:
-            with open("limited_at", "w") as f:
-                f.write(str(time.monotonic()))
         squeeze(self.room_mib if self.forwards == 1 else None)
 
     def training_step(self, batch, batch_idx):
@@ -136,12 +132,12 @@ def trained_reference() -> dict[str, torch.Tensor]:
 def buffers_run(tmp_path_factory: pytest.TempPathFactory):
     tmp_path = tmp_path_factory.mktemp("buffers")
     result = run_script(SCRIPT, tmp_path, timeout=240, env=script_env(**LIMITED_MEMORY))
-    return tmp_path, result, time.monotonic()
+    return tmp_path, result
 
 
 @pytest.mark.slow
 def test_no_room_for_the_all_gather_buffer_reruns_the_batch_smaller_on_every_rank(buffers_run) -> None:
-    tmp_path, result, _ = buffers_run
+    tmp_path, result = buffers_run
     assert (tmp_path / "recovered.pt").exists(), result.output[-4000:]
     line = f"[rank 0] out of memory allocating {format_bytes(WIDE_BYTES)} for mgpu_fsdp's all-gather of the"
     assert f"{line} parameters of unit 'wide'" in result.output
@@ -160,8 +156,8 @@ def test_no_room_for_the_all_gather_buffer_reruns_the_batch_smaller_on_every_ran
 
 
 @pytest.mark.slow
-def test_no_room_inside_the_all_gather_stops_every_rank_within_seconds_naming_it(buffers_run) -> None:
-    tmp_path, result, ended = buffers_run
+def test_no_room_inside_the_all_gather_stops_every_rank_naming_it(buffers_run) -> None:
+    tmp_path, result = buffers_run
     assert result.returncode != 0, result.output[-4000:]
     error = (
         "failed with CollectiveOutOfMemoryError: [rank 0] out of memory inside mgpu_fsdp's all-gather of the"
@@ -177,4 +173,5 @@ def test_no_room_inside_the_all_gather_stops_every_rank_within_seconds_naming_it
         result.output
     ), result.output[-4000:]
     assert "Received data size doesn't match" not in result.output  # no collective out of step
-    assert ended - float((tmp_path / "limited_at").read_text()) < 60  # stall_timeout is 300 s
+    # rank 0's error stopped rank 1, not stall_timeout (300 s)
+    assert "stalled: no progress" not in result.output, result.output[-4000:]

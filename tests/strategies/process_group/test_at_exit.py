@@ -4,7 +4,7 @@ group or thread is left, and each rank says why it stopped in one line.
 torchrun marked finished runs FAILED now and then: "terminate called without an active exception"
 (SIGABRT) at exit, from a gloo group torn down with the interpreter after its own shutdown. A failed run
 ended the same way (exit 134) when the watchdog, stopping rank 0, read rank 0's store while the main
-thread's exit destroyed the group, and with it the store.
+thread's exit destroyed the group, and with it the store. The run is tests/scripts/at_exit.py.
 """
 
 from __future__ import annotations
@@ -13,58 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_script
-
-# registered before Lightning and the strategy start, the report runs after their exit handlers
-SCRIPT = """
-import atexit, os, sys, threading, time
-import torch, lightning as L
-import torch.distributed as dist
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-import lightning_mgpu
-
-def report():
-    alive = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
-    with open(f"exit_rank{os.environ.get('LOCAL_RANK', '0')}.txt", "w") as f:
-        f.write(f"group alive: {dist.is_available() and dist.is_initialized()}, threads: {alive}")
-
-atexit.register(report)
-
-fault = sys.argv[2] if len(sys.argv) > 2 else "none"
-
-class Regression(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        if fault != "none" and self.global_rank == 1 and batch_idx == 2:
-            raise RuntimeError("a bad sample on rank 1")
-        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-class SlowExit(L.Callback):
-    # rank 0 writes its stderr to a file and, once its watchdog began to stop it, goes on exiting (the
-    # strategy's own line comes after the callbacks' on_exception: the line seen here is the watchdog's)
-
-    def setup(self, trainer, pl_module, stage):
-        if trainer.global_rank == 0:  # the child ranks have started: they keep the inherited stderr
-            os.dup2(os.open("rank0.err", os.O_WRONLY | os.O_CREAT, 0o644), 2)
-
-    def on_exception(self, trainer, pl_module, exception):
-        while trainer.global_rank == 0 and "[rank 0] " not in open("rank0.err").read():
-            time.sleep(0.1)
-
-trainer = L.Trainer(
-    accelerator="cpu", devices=2, strategy=sys.argv[1], max_epochs=1, logger=False,
-    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    callbacks=[SlowExit()] if fault == "slow-exit" else [],
-)
-trainer.fit(Regression(), DataLoader(TensorDataset(torch.randn(32, 4), torch.randn(32, 1)), batch_size=4))
-"""
+from tests.helpers import run_file
 
 
 @pytest.mark.parametrize("strategy", ["mgpu_ddp", "mgpu_fsdp"])
@@ -72,7 +21,7 @@ def test_the_group_and_every_thread_are_gone_before_the_interpreter_exits(
     tmp_path: Path, strategy: str
 ) -> None:
     """About 10 s each: one fit on two processes."""
-    result = run_script(SCRIPT, tmp_path, args=[strategy])
+    result = run_file("at_exit.py", tmp_path, args=[strategy])
     assert result.returncode == 0, result.output[-3000:]
     for rank in (0, 1):
         assert (tmp_path / f"exit_rank{rank}.txt").read_text() == "group alive: False, threads: []"
@@ -89,7 +38,7 @@ def test_a_failed_run_exits_1_with_one_line_from_rank_0(tmp_path: Path) -> None:
     watchdog ends it 3 s after it learned of the failure (``os._exit``: no report). On a loaded machine
     both at once ended rank 0 with three lines and exit status 134 (1 run in 7).
     """
-    result = run_script(SCRIPT, tmp_path, args=["mgpu_ddp", "raise"])
+    result = run_file("at_exit.py", tmp_path, args=["mgpu_ddp", "raise"])
     assert result.returncode == 1, result.output[-3000:]
     assert "terminate called" not in result.output, result.output[-3000:]
     lines = rank0_lines(result.output)
@@ -108,7 +57,7 @@ def test_the_watchdogs_stop_and_the_main_threads_exit_do_not_race(tmp_path: Path
     called without an active exception") when the watchdog's wait for the other ranks read the store its
     exit had destroyed.
     """
-    result = run_script(SCRIPT, tmp_path, args=["mgpu_ddp", "slow-exit"])
+    result = run_file("at_exit.py", tmp_path, args=["mgpu_ddp", "slow-exit"])
     rank0 = (tmp_path / "rank0.err").read_text()
     assert result.returncode == 1, rank0[-3000:]
     assert "terminate called" not in rank0, rank0[-3000:]

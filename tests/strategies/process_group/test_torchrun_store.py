@@ -16,47 +16,14 @@ import pytest
 import torch.distributed as dist
 
 from lightning_mgpu.strategies.process_group.torchrun_store import attempt_token
-from tests.helpers import free_port, run_command, script_env
-
-# Rank 1 is SIGKILLed at step 6 of the first attempt. In the second, rank 0 starts 1 s late, so
-# rank 1 looks for rank 0's address while only the dead attempt's is in the store.
-RESTART_SCRIPT = """
-import os, signal, time, torch, lightning as L
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-from lightning_mgpu import MGPUDDPStrategy
-
-attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-if attempt == 1 and os.environ["RANK"] == "0":
-    time.sleep(1)
-
-class Regression(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        if attempt == 0 and self.global_step == 6 and self.global_rank == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-trainer = L.Trainer(
-    accelerator="cpu", devices=2, strategy=MGPUDDPStrategy(), max_epochs=1, logger=False,
-    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-)
-trainer.fit(Regression(), DataLoader(TensorDataset(torch.randn(64, 4), torch.randn(64, 1)), batch_size=4))
-print(f"attempt {attempt} rank {trainer.global_rank} finished at step {trainer.global_step}")
-"""
+from tests.helpers import SCRIPTS, free_port, run_command, script_env
 
 
 def test_a_torchrun_restart_after_a_killed_rank_finishes(tmp_path: Path) -> None:
     """About 25 s: two torchrun attempts of a 16-step run."""
-    (tmp_path / "fit.py").write_text(RESTART_SCRIPT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    result = run_command([*cmd, "--max-restarts=1", "fit.py"], cwd=tmp_path, env=script_env(), timeout=150)
+    script = str(SCRIPTS / "torchrun_restart.py")
+    result = run_command([*cmd, "--max-restarts=1", script], cwd=tmp_path, env=script_env(), timeout=150)
     assert result.returncode == 0, result.output[-5000:]
     assert "attempt 1 rank 0 finished at step 8" in result.stdout, result.output[-5000:]
     assert "attempt 1 rank 1 finished at step 8" in result.stdout
