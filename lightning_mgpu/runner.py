@@ -39,7 +39,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import OmegaConf
 
 from lightning_mgpu.callbacks.predictions import PredictionCSV
-from lightning_mgpu.config.instantiate import build_callbacks, build_data, build_module, build_trainer
+from lightning_mgpu.config.callbacks import build_callbacks
+from lightning_mgpu.config.instantiate import build_data, build_module, build_trainer
 from lightning_mgpu.config.schema import RunConfig
 
 RUN_DIR_ENV = "LIGHTNING_MGPU_RUN_DIR"
@@ -133,7 +134,7 @@ def run_job(cfg: RunConfig) -> str | None:
         check_run_dir_unused(cfg, run_dir)  # the launching process decides, before anything starts
     data = build_data(cfg)
     module = build_module(cfg)
-    callbacks = build_callbacks(cfg, run_dir)
+    callbacks = build_callbacks(cfg.callbacks, run_dir)
     if cfg.task == "predict":
         callbacks.append(PredictionCSV(run_dir / "predictions.csv"))
     trainer = build_trainer(cfg, run_dir, callbacks)
@@ -232,6 +233,10 @@ def _describe_files(trainer: L.Trainer, run_dir: Path) -> list[str]:
         "metrics.csv": "every logged metric",
         "hparams.yaml": "the module's hyperparameters",
         "predictions.csv": "index, name, predicted class, probability",
+        "memory.png": "memory of each device over the steps",
+        "memory_summary.json": "each device's peak memory",
+        "time_summary.json": "each rank's data loading, work and waiting time, and the slow rank",
+        "time.png": "each rank's time as one bar: data loading, work, waiting",
     }
     out = []
     # a sharded checkpoint (mgpu_fsdp) is a folder named like a file: one entry, not its shards
@@ -248,14 +253,6 @@ def _describe_files(trainer: L.Trainer, run_dir: Path) -> list[str]:
         elif path.suffix in (".safetensors", ".pt") and path.parent.name == "checkpoints":
             ckpt = path.with_suffix(".ckpt")
             note = f"plain weights of {ckpt.name}" if ckpt.exists() else "plain weights at the end of fit"
-        elif path.name == "memory.png":
-            note = "memory of each device over the steps"
-        elif path.name == "memory_summary.json":
-            note = "each device's peak memory"
-        elif path.name == "time_summary.json":
-            note = "each rank's data loading, work and waiting time, and the slow rank"
-        elif path.name == "time.png":
-            note = "each rank's time as one bar: data loading, work, waiting"
         out.append(f"{rel}  {note}".rstrip())
     return out
 

@@ -1,160 +1,115 @@
-"""The ``callbacks`` section of a run config: one dataclass per callback, each with an ``enabled`` switch.
+"""The ``callbacks`` section: one sub-section per callback, its keys read from the callback's signature.
 
 - ``memory``: ``lightning_mgpu.DeviceMemoryMonitor`` (on by default);
 - ``time``: ``lightning_mgpu.DeviceTimeMonitor`` (on by default);
 - ``export``: ``lightning_mgpu.PlainStateDictExport``, plain weights next to each checkpoint (on);
-- ``checkpoint``: Lightning's ``ModelCheckpoint`` (on);
+- ``checkpoint``: Lightning's ``ModelCheckpoint``, writing to ``<run_dir>/checkpoints`` (on);
 - ``early_stopping``: Lightning's ``EarlyStopping`` (off).
 
-``config.instantiate.build_callbacks`` builds them. This module does not import torch.
+Each sub-section has an ``enabled`` switch and every keyword of its class's ``__init__`` (typed and
+checked as the ``trainer`` keys are, ``config/trainer.py``) but those the run gives (``RUN_SETS``), with
+the class's defaults unless ``CALLBACK_DEFAULTS`` gives the run's own. Its values are then checked by
+building the callback once, so a callback's own checks speak (``ModelCheckpoint``'s ``mode``, the memory
+monitor's ``every_n_steps``). ``build_callbacks`` builds the switched-on ones.
+
+Importing this module does not import torch; building the schema imports the callbacks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+import functools
+import importlib
+from pathlib import Path
+from typing import Any
 
-from lightning_mgpu.config.checks import at_least, one_of
+from lightning_mgpu.config.signature import checked, convert, describe, field_type, fits, keywords
 
-__all__ = [
-    "CallbacksConfig",
-    "CheckpointConfig",
-    "EarlyStoppingConfig",
-    "ExportConfig",
-    "MemoryConfig",
-    "TimeConfig",
-]
+__all__ = ["CALLBACKS", "CALLBACK_DEFAULTS", "RUN_SETS", "build_callbacks", "callbacks_schema"]
 
-_MODES = ("min", "max")
+CALLBACKS = {
+    "memory": ("lightning_mgpu.callbacks.memory.DeviceMemoryMonitor", True),
+    "time": ("lightning_mgpu.callbacks.time.DeviceTimeMonitor", True),
+    "export": ("lightning_mgpu.callbacks.export.PlainStateDictExport", True),
+    "checkpoint": ("lightning.pytorch.callbacks.ModelCheckpoint", True),
+    "early_stopping": ("lightning.pytorch.callbacks.EarlyStopping", False),
+}
+"""Each sub-section's callback class and whether it is on by default, in the order the Trainer gets them."""
 
+CALLBACK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "memory": {"every_n_steps": 10},  # the monitor's None reads memory at the flushes only
+    "checkpoint": {"save_last": True},  # last.ckpt: what a stopped run resumes from
+    "early_stopping": {"monitor": "val/loss"},  # every recipe logs val/loss
+}
+"""The run's defaults where they are not the callback class's."""
 
-@dataclass
-class MemoryConfig:
-    """``lightning_mgpu.DeviceMemoryMonitor``: per-device memory in the metrics, a summary JSON and a plot.
-
-    Example::
-
-        lightning-mgpu run digits callbacks.memory.every_n_steps=1
-    """
-
-    enabled: bool = True
-    """Turn the monitor on or off. It records training (``task: fit``) only: with ``validate`` or ``predict``
-    it records nothing, and validation warns."""
-    every_n_steps: int = 10
-    """Read memory every this many training steps."""
-    imbalance_threshold: float = 1.25
-    """Warn once when the fullest device's peak exceeds the mean peak by this factor."""
-
-    def problems(self) -> list[str]:
-        """Impossible values in this section, one message each."""
-        return at_least("every_n_steps", self.every_n_steps, 1) + at_least(
-            "imbalance_threshold", self.imbalance_threshold, 1.0, " (1.0 is perfectly balanced)"
-        )
+RUN_SETS = {
+    "print_summary": "the run's closing summary shows the monitors' tables",
+    "submodule": "the recipe's network is its module's net",
+    "dirpath": "checkpoints go to <run_dir>/checkpoints",
+}
+"""Callback arguments the run gives, which no sub-section takes, and why."""
 
 
-@dataclass
-class TimeConfig:
-    """``lightning_mgpu.DeviceTimeMonitor``: each rank's data loading, work and waiting; the slow rank named.
-
-    Example::
-
-        lightning-mgpu run digits callbacks.time.flush_every_n_steps=5
-    """
-
-    enabled: bool = True
-    """Turn the monitor on or off. It times training (``task: fit``) only."""
-    flush_every_n_steps: int = 25
-    """Gather every rank's times and log their means every this many training batches."""
-
-    def problems(self) -> list[str]:
-        """Impossible values in this section, one message each."""
-        return at_least("flush_every_n_steps", self.flush_every_n_steps, 1)
+def _class(name: str) -> type:
+    module, _, attr = CALLBACKS[name][0].rpartition(".")
+    cls: type = getattr(importlib.import_module(module), attr)
+    return cls
 
 
-@dataclass
-class ExportConfig:
-    """``lightning_mgpu.PlainStateDictExport``: plain weights of the network next to every checkpoint.
+def _given(run_dir: Path) -> dict[str, Any]:
+    return {"print_summary": False, "submodule": "net", "dirpath": run_dir / "checkpoints"}
+
+
+@functools.cache
+def callbacks_schema() -> type:
+    """The ``callbacks`` section as a dataclass of one dataclass per callback.
 
     Example::
 
-        lightning-mgpu run digits callbacks.export.dataparallel=true
+        OmegaConf.structured(callbacks_schema()).checkpoint.save_last  # True
     """
+    sections = []
+    for name, (_, enabled) in CALLBACKS.items():
+        params = {n: p for n, p in keywords(_class(name)).items() if n not in RUN_SETS}
+        defaults = {n: p.default for n, p in params.items()} | CALLBACK_DEFAULTS.get(name, {})
+        fields = [
+            (n, field_type(p.annotation), dataclasses.field(default=defaults[n])) for n, p in params.items()
+        ]
+        section = dataclasses.make_dataclass(f"{name.title()}Config", [("enabled", bool, enabled), *fields])
+        sections.append((name, section, dataclasses.field(default_factory=section)))
+    return dataclasses.make_dataclass("CallbacksConfig", sections, namespace={"problems": _problems})
 
-    enabled: bool = True
-    """Turn the export on or off."""
-    format: str = "safetensors"
-    """``safetensors`` (no pickle, memory-mappable) or ``pt`` (``torch.save``)."""
-    dataparallel: bool = False
-    """Write keys with ``module.`` in front, the form ``nn.DataParallel(model).load_state_dict`` expects."""
 
-    def problems(self) -> list[str]:
-        """Impossible values in this section, one message each."""
-        return one_of("format", self.format, ("safetensors", "pt"))
-
-
-@dataclass
-class CheckpointConfig:
-    """Lightning's ``ModelCheckpoint``, writing to ``<run_dir>/checkpoints``.
+def build_callbacks(section: Any, run_dir: Path) -> list[Any]:
+    """The callbacks a checked ``callbacks`` section switches on, writing under ``run_dir``.
 
     Example::
 
-        lightning-mgpu run digits callbacks.checkpoint.save_top_k=3
+        callbacks = build_callbacks(cfg.callbacks, Path("runs/digits-1"))
     """
-
-    enabled: bool = True
-    """Turn checkpointing on or off."""
-    monitor: str | None = None
-    """Metric that picks the best checkpoint (e.g. ``val/acc``); ``null`` keeps the latest."""
-    mode: str = "min"
-    """``min`` or ``max``: whether a smaller or larger ``monitor`` is better."""
-    save_top_k: int = 1
-    """How many best checkpoints to keep (-1 keeps all)."""
-    save_last: bool = True
-    """Also keep ``last.ckpt``."""
-
-    def problems(self) -> list[str]:
-        """Impossible values in this section, one message each."""
-        return one_of("mode", self.mode, _MODES) + at_least("save_top_k", self.save_top_k, -1)
+    return [_build(name, section, run_dir) for name in CALLBACKS if getattr(section, name).enabled]
 
 
-@dataclass
-class EarlyStoppingConfig:
-    """Lightning's ``EarlyStopping``.
-
-    Example::
-
-        lightning-mgpu run digits callbacks.early_stopping.enabled=true
-    """
-
-    enabled: bool = False
-    """Turn early stopping on or off."""
-    monitor: str = "val/loss"
-    """Metric to watch."""
-    mode: str = "min"
-    """``min`` or ``max``: whether a smaller or larger ``monitor`` is better."""
-    patience: int = 3
-    """Validation rounds without improvement before stopping."""
-
-    def problems(self) -> list[str]:
-        """Impossible values in this section, one message each."""
-        return one_of("mode", self.mode, _MODES) + at_least("patience", self.patience, 0)
+def _build(name: str, section: Any, run_dir: Path) -> Any:
+    cls = _class(name)
+    params = keywords(cls)
+    values = dataclasses.asdict(getattr(section, name))
+    kwargs = {k: convert(v, params[k].annotation) for k, v in values.items() if k != "enabled"}
+    return cls(**kwargs, **{k: v for k, v in _given(run_dir).items() if k in params})
 
 
-@dataclass
-class CallbacksConfig:
-    """The callbacks a run uses; each has an ``enabled`` switch.
-
-    Example::
-
-        lightning-mgpu run digits callbacks.memory.enabled=false
-    """
-
-    memory: MemoryConfig = field(default_factory=MemoryConfig)
-    """Per-device memory monitor (on by default)."""
-    time: TimeConfig = field(default_factory=TimeConfig)
-    """Per-rank time monitor (on by default)."""
-    export: ExportConfig = field(default_factory=ExportConfig)
-    """Plain weights export (on by default)."""
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    """Checkpoints (on by default)."""
-    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
-    """Early stopping (off by default)."""
+def _problems(section: Any) -> list[str]:
+    """Values the annotations refuse, else what each callback says of them, one message each."""
+    out = []
+    for name in CALLBACKS:
+        params = keywords(_class(name))
+        values = dataclasses.asdict(getattr(section, name))
+        hints = {key: params[key].annotation for key in values if key != "enabled"}
+        wrong = [
+            f"{name}.{k}: expected {describe(h)}, got {values[k]!r}"
+            for k, h in hints.items()
+            if not fits(values[k], h)
+        ]
+        out += wrong or checked(name, values, functools.partial(_build, name, section, Path("run")))
+    return out

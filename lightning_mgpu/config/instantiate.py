@@ -1,12 +1,7 @@
-"""Build what a validated config describes: the recipe's module and data, callbacks, logger and Trainer.
+"""Build what a validated config describes: the recipe's module and data, logger and Trainer.
 
 - ``resolve_devices`` turns ``devices: auto`` (or ``-1``) into every visible GPU, or on a machine
   without one into one CPU process per core, at most ``CPU_DEVICE_CAP`` (4).
-- ``build_callbacks`` adds the memory monitor (its summary is ``<run_dir>/memory_summary.json``), the
-  time monitor (``<run_dir>/time_summary.json``),
-  ``ModelCheckpoint`` (to ``<run_dir>/checkpoints``), the plain weights export (the network's
-  weights next to each checkpoint and ``final.safetensors``) and early stopping as the
-  ``callbacks`` section says.
 - ``build_trainer`` gives the Trainer a ``CSVLogger`` writing ``<run_dir>/metrics.csv`` and, with
   strategy options (or ``trainer.micro_batch_size``) set, the registered strategy built with them; when
   standard output is not a terminal (``make demo > log``) progress comes as one line per epoch
@@ -27,7 +22,7 @@ from typing import Any, cast
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -37,7 +32,6 @@ from lightning_mgpu.config.strategy import build_strategy
 from lightning_mgpu.config.trainer import trainer_arguments
 
 __all__ = [
-    "build_callbacks",
     "build_data",
     "build_module",
     "build_trainer",
@@ -153,52 +147,6 @@ def load_weights(net: torch.nn.Module, path: str | Path) -> None:
         raise LoadError(f"{err.problems}\n{hint}", err.report) from None
 
 
-def build_callbacks(cfg: RunConfig, run_dir: Path) -> list[Callback]:
-    """The callbacks the ``callbacks`` section turns on, writing under ``run_dir``.
-
-    Example::
-
-        callbacks = build_callbacks(cfg, Path("runs/digits-1"))
-    """
-    from lightning_mgpu.callbacks.memory import DeviceMemoryMonitor
-
-    section = cfg.callbacks
-    callbacks: list[Callback] = []
-    if section.memory.enabled:
-        mem = section.memory
-        # the run's summary shows each device's peak, so the callback's own table stays off
-        monitor = DeviceMemoryMonitor(
-            every_n_steps=mem.every_n_steps, imbalance_threshold=mem.imbalance_threshold, print_summary=False
-        )
-        callbacks.append(monitor)
-    if section.time.enabled:
-        from lightning_mgpu.callbacks.time import DeviceTimeMonitor
-
-        # the run's summary shows its table and verdict, so the callback's own print stays off
-        every = section.time.flush_every_n_steps
-        callbacks.append(DeviceTimeMonitor(flush_every_n_steps=every, print_summary=False))
-    if section.export.enabled:
-        from lightning_mgpu.callbacks.export import PlainStateDictExport
-
-        prefix = "module." if section.export.dataparallel else ""
-        callbacks.append(PlainStateDictExport(submodule="net", prefix=prefix, format=section.export.format))
-    if section.checkpoint.enabled:
-        ck = section.checkpoint
-        callbacks.append(
-            ModelCheckpoint(
-                dirpath=run_dir / "checkpoints",
-                monitor=ck.monitor,
-                mode=ck.mode,
-                save_top_k=ck.save_top_k,
-                save_last=ck.save_last,
-            )
-        )
-    if section.early_stopping.enabled:
-        es = section.early_stopping
-        callbacks.append(EarlyStopping(monitor=es.monitor, mode=es.mode, patience=es.patience))
-    return callbacks
-
-
 def build_trainer(cfg: RunConfig, run_dir: Path, callbacks: list[Callback]) -> L.Trainer:
     """The Trainer of the ``trainer`` section, logging to ``<run_dir>/metrics.csv``.
 
@@ -207,7 +155,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, callbacks: list[Callback]) -> L
 
     Example::
 
-        trainer = build_trainer(cfg, run_dir, build_callbacks(cfg, run_dir))
+        trainer = build_trainer(cfg, run_dir, [])
     """
     t = cfg.trainer
     accelerator, devices = resolve_devices(t.accelerator, t.devices)

@@ -2,10 +2,10 @@
 
 A run config has the sections ``trainer``, ``model``, ``data``, ``optimizer`` and
 ``callbacks`` plus a few top-level keys. ``model`` and the recipe-specific part of
-``data`` come from the recipe (its ``ModelConfig`` and ``DataConfig``), ``trainer`` from the
-signature of Lightning's ``Trainer`` (``config/trainer.py``); the rest is defined here, with the
-``optimizer`` section in ``config/optimizer.py`` and the ``callbacks`` sections in
-``config/callbacks.py`` (both importable from here). Types are checked by omegaconf; each
+``data`` come from the recipe (its ``ModelConfig`` and ``DataConfig``), ``trainer`` and
+``callbacks`` from the signatures of Lightning's ``Trainer`` and of the callbacks
+(``config/trainer.py``, ``config/callbacks.py``); the rest is defined here, with the ``optimizer``
+section in ``config/optimizer.py`` (importable from here). Types are checked by omegaconf; each
 dataclass's ``problems()`` lists impossible values (it never raises, so every mistake is reported
 at once).
 
@@ -19,24 +19,12 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from lightning_mgpu.config.callbacks import (
-    CallbacksConfig,
-    CheckpointConfig,
-    EarlyStoppingConfig,
-    ExportConfig,
-    MemoryConfig,
-)
 from lightning_mgpu.config.checks import at_least, minimums, one_of
 from lightning_mgpu.config.optimizer import OptimizerConfig
 
 __all__ = [
     "CPU_DEVICE_CAP",
-    "CallbacksConfig",
-    "CheckpointConfig",
     "DataConfig",
-    "EarlyStoppingConfig",
-    "ExportConfig",
-    "MemoryConfig",
     "OptimizerConfig",
     "RunConfig",
     "SplitDataConfig",
@@ -124,8 +112,8 @@ class RunConfig:
     """Data settings (the recipe's ``DataConfig``)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer settings."""
-    callbacks: CallbacksConfig = field(default_factory=CallbacksConfig)
-    """Callback settings."""
+    callbacks: Any = field(default_factory=dict)
+    """One sub-section per callback, its keys the callback's ``__init__``'s (``config/callbacks.py``)."""
 
     def problems(self) -> list[str]:
         """Impossible values and combinations at the top level, one message each."""

@@ -3,7 +3,10 @@
 - ``keywords(cls)``: each keyword argument with its annotation resolved (``Optional[int]``, not a string);
 - ``convert(value, hint)``: a config value as the annotation takes it (seconds become a ``timedelta``), or
   ``TypeError``;
-- ``describe(hint)``: the annotation in a config's words (``an integer or null``).
+- ``fits(value, hint)``: whether ``convert`` takes it;
+- ``describe(hint)``: the annotation in a config's words (``an integer or null``);
+- ``field_type(hint)``: the type omegaconf checks a key by (``Any`` where ``convert`` must);
+- ``checked(section, keys, build)``: what a class says of its arguments when built, as a config problem.
 
 Nothing here lists a class's arguments by hand, so a new keyword of Lightning's ``Trainer`` or of a
 strategy is a config key at once. This module does not import torch.
@@ -12,13 +15,17 @@ strategy is a config key at once. This module does not import torch.
 from __future__ import annotations
 
 import datetime
+import functools
 import inspect
 import sys
 import types
 import typing
+from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["convert", "describe", "keywords", "union_members"]
+__all__ = ["checked", "convert", "describe", "field_type", "fits", "keywords", "union_members"]
+
+_PLAIN = (bool, int, float, str)
 
 _WORDS = {
     int: "an integer",
@@ -32,6 +39,7 @@ _WORDS = {
 }
 
 
+@functools.cache
 def keywords(cls: type) -> dict[str, inspect.Parameter]:
     """Each keyword ``cls(...)`` takes, its annotation resolved (kept as a string where it names an import
     made for type checkers only, such as ``Accelerator``: no config value is one).
@@ -85,6 +93,15 @@ def convert(value: Any, hint: Any) -> Any:
     raise TypeError(value)
 
 
+def fits(value: Any, hint: Any) -> bool:
+    """Whether ``convert(value, hint)`` takes ``value``."""
+    try:
+        convert(value, hint)
+    except TypeError:
+        return False
+    return True
+
+
 def describe(hint: Any) -> str:
     """What a config may give for ``hint``, in words; members no config value can be are left out.
 
@@ -102,6 +119,39 @@ def describe(hint: Any) -> str:
     if not words:
         return str(hint)
     return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+def field_type(hint: Any) -> Any:
+    """The omegaconf type of a key: its one plain type (optional or not), else ``Any`` (``convert`` checks).
+
+    A ``Literal`` of names is a ``str`` (``precision``: ``16`` and ``"16"`` name the same); members no
+    config value can be (an ``Accelerator`` object) are left out.
+
+    Example::
+
+        field_type(typing.Union[str, Accelerator])  # str
+    """
+    members = [m for m in union_members(hint) if m is not type(None)]
+    optional = len(members) < len(union_members(hint))
+    if all(typing.get_origin(m) is typing.Literal for m in members):
+        members = [str]
+    elif len(members) > 1:
+        members = [m for m in members if m in _PLAIN or typing.get_origin(m)]
+    if len(members) != 1 or members[0] not in _PLAIN:
+        return Any
+    return members[0] | None if optional else members[0]
+
+
+def checked(section: str, keys: Iterable[str], build: Callable[[], object]) -> list[str]:
+    """``build()``'s error as a problem of ``section``; a message that opens with one of the ``keys``
+    (``micro_batch_size must be ...``) gets the section's path in front of that key."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    try:
+        build()
+    except (ValueError, TypeError, MisconfigurationException) as err:
+        return [f"{section}.{err}" if str(err).split(" ")[0] in keys else f"{section}: {err}"]
+    return []
 
 
 def _resolve(annotation: Any, module: dict[str, Any]) -> Any:

@@ -31,12 +31,11 @@ import difflib
 import inspect
 import logging
 import typing
-from collections.abc import Callable, Iterable
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_mgpu.config.signature import convert, keywords
+from lightning_mgpu.config.signature import checked, convert, keywords
 
 if typing.TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
@@ -100,7 +99,7 @@ def strategy_problems(value: Any, micro_batch_size: Any) -> list[str]:
     """
     from lightning_mgpu.strategies.microbatch.mixin import check_micro_batch_size
 
-    out = _checked("trainer", ["micro_batch_size"], lambda: check_micro_batch_size(micro_batch_size))
+    out = checked("trainer", ["micro_batch_size"], lambda: check_micro_batch_size(micro_batch_size))
     named = isinstance(value, str) or (isinstance(value, dict) and isinstance(value.get("name"), str))
     if not named:
         return [
@@ -130,7 +129,7 @@ def strategy_problems(value: Any, micro_batch_size: Any) -> list[str]:
             out.append(f"{paths[key]}: expected {hint}, got {given!r}")
     if not out and cls is not None and options:  # the strategy's own checks of the values
         kwargs = {**init_params, **options}
-        out += _checked("trainer.strategy", options, lambda: cls(**kwargs))
+        out += checked("trainer.strategy", options, lambda: cls(**kwargs))
     return out
 
 
@@ -205,16 +204,6 @@ def _options(cls: type) -> dict[str, Any]:
         wrapped = keywords(DistributedDataParallel)
         out.update({n: p.annotation for n, p in wrapped.items() if n not in ("module", "device_ids", *out)})
     return out
-
-
-def _checked(section: str, keys: Iterable[str], check: Callable[[], object]) -> list[str]:
-    """``check()``'s error as a problem of ``section``; a message that opens with one of the ``keys``
-    (``micro_batch_size must be ...``) gets the section's path in front of that key."""
-    try:
-        check()
-    except (ValueError, TypeError) as err:
-        return [f"{section}.{err}" if str(err).split(" ")[0] in keys else f"{section}: {err}"]
-    return []
 
 
 def _not_taken(path: str, name: str, key: str, params: list[str]) -> str:

@@ -22,21 +22,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import typing
 from typing import Any
 
 from lightning_mgpu.config.checks import at_least, one_of
-from lightning_mgpu.config.signature import convert, describe, keywords, union_members
+from lightning_mgpu.config.signature import convert, describe, field_type, fits, keywords
 from lightning_mgpu.precision import precision_names
 
 __all__ = ["RUN_OWNED", "TRAINER_DEFAULTS", "trainer_arguments", "trainer_problems", "trainer_schema"]
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "strategy": "mgpu_auto",  # DDP for several devices from a script, DP in a notebook, plain for one
-    "precision": "32-true",  # Lightning's None means the same; the config says it
     "max_epochs": 10,  # Lightning's 1000 is far beyond what a recipe needs
-    "log_every_n_steps": 10,  # the recipes' epochs are short: Lightning's 50 would log nothing
-    "num_sanity_val_steps": 0,  # the recipes are tested; a fresh run starts training at once
+    "log_every_n_steps": 10,  # a recipe's epoch is a few dozen steps: every 50 draws too few points
+    "num_sanity_val_steps": 0,  # the recipes' validation is tested; training starts at once
+    # what Lightning's None means, written out in the printed config
+    "precision": "32-true",
     "deterministic": False,
     "enable_progress_bar": True,
     "enable_model_summary": True,
@@ -52,7 +52,6 @@ RUN_OWNED = {
 """``Trainer`` arguments the run sets itself, and where a config says what it wants instead."""
 
 _ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
-_PLAIN = (bool, int, float, str)
 _MINIMUMS = {  # name: (lowest value, note)
     "num_nodes": (1, ""),
     "max_epochs": (-1, " (-1 means no limit)"),
@@ -84,9 +83,11 @@ def trainer_schema() -> type:
     from lightning.pytorch import Trainer
 
     defaults = {n: p.default for n, p in keywords(Trainer).items()} | TRAINER_DEFAULTS
-    fields = [(n, _field_type(h), dataclasses.field(default=defaults[n])) for n, h in trainer_keys().items()]
-    fields[[f[0] for f in fields].index("strategy")] = ("strategy", Any, TRAINER_DEFAULTS["strategy"])
-    fields.append(("micro_batch_size", Any, None))  # a name or a mapping: config/strategy.py checks both
+    fields = [  # strategy: a name or a mapping of its options, which config/strategy.py checks
+        (n, Any if n == "strategy" else field_type(h), dataclasses.field(default=defaults[n]))
+        for n, h in trainer_keys().items()
+    ]
+    fields.append(("micro_batch_size", Any, None))
     return dataclasses.make_dataclass("TrainerConfig", fields, namespace={"problems": trainer_problems})
 
 
@@ -103,12 +104,10 @@ def trainer_problems(section: Any) -> list[str]:
         elif name.startswith("limit_"):
             out += _batch_limit(name, value)
         elif name != "strategy":
-            try:
-                convert(value, hint)
-            except TypeError:
+            if not fits(value, hint):
                 out.append(f"{name}: expected {describe(hint)}, got {value!r}")
-                continue
-            out += at_least(name, value, *_MINIMUMS[name]) if name in _MINIMUMS else []
+            elif name in _MINIMUMS:
+                out += at_least(name, value, *_MINIMUMS[name])
     if section.max_epochs == 0 or section.max_steps == 0:
         out.append("max_epochs/max_steps: 0 trains nothing; use -1 for no limit")
     return out
@@ -119,19 +118,6 @@ def trainer_arguments(section: Any) -> dict[str, Any]:
     (``config.strategy.build_strategy`` builds it)."""
     keys = trainer_keys().items()
     return {name: convert(getattr(section, name), hint) for name, hint in keys if name != "strategy"}
-
-
-def _field_type(hint: Any) -> Any:
-    """The omegaconf type of a key: its one plain type (optional or not), else ``Any``."""
-    members = [m for m in union_members(hint) if m is not type(None)]
-    optional = len(members) < len(union_members(hint))
-    if all(typing.get_origin(m) is typing.Literal for m in members):
-        members = [str]  # precision: 16 and "16" are both names of a precision
-    elif len(members) > 1:
-        members = [m for m in members if m in _PLAIN or typing.get_origin(m)]  # not Accelerator objects
-    if len(members) != 1 or members[0] not in _PLAIN:
-        return Any
-    return members[0] | None if optional else members[0]
 
 
 def _devices(name: str, devices: Any) -> list[str]:

@@ -25,6 +25,7 @@ from typing import Any, cast
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
+from lightning_mgpu.config.callbacks import RUN_SETS, callbacks_schema
 from lightning_mgpu.config.optimizer import misplaced_arguments
 from lightning_mgpu.config.schema import RunConfig
 from lightning_mgpu.config.signature import describe
@@ -65,8 +66,10 @@ def run_schema(recipe: str | None) -> type[RunConfig]:
     """
     from lightning_mgpu.recipes import load_recipe
 
-    trainer = trainer_schema()
-    fields: list[Any] = [("trainer", trainer, dataclasses.field(default_factory=trainer))]
+    fields: list[Any] = [
+        (name, schema, dataclasses.field(default_factory=schema))
+        for name, schema in (("trainer", trainer_schema()), ("callbacks", callbacks_schema()))
+    ]
     if recipe is None:
         return dataclasses.make_dataclass("AnyRunConfig", fields, bases=(RunConfig,))
     spec = load_recipe(recipe)
@@ -200,8 +203,9 @@ def _all_keys(schema: type, prefix: str = "") -> list[str]:
 def _unknown_key(path: str, valid: list[str]) -> str:
     """The message for an unknown key: the closest key of its section, else that name in another section."""
     parent, _, leaf = path.rpartition(".")
-    if parent == "trainer" and leaf in RUN_OWNED:
-        return f"{path}: set by the run; {RUN_OWNED[leaf]}"
+    owned = RUN_OWNED if parent == "trainer" else RUN_SETS if parent.startswith("callbacks.") else {}
+    if leaf in owned:
+        return f"{path}: set by the run; {owned[leaf]}"
     siblings = {k.rpartition(".")[2]: k for k in valid if k.rpartition(".")[0] == parent}
     leaves = {k.rpartition(".")[2]: k for k in reversed(valid)}  # first key of each name wins
     if leaf in leaves:  # the exact name in another section: trainer.batch_size -> data.batch_size

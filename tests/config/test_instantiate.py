@@ -119,3 +119,29 @@ def test_trainer_arguments_from_a_config_file_and_overrides_reach_the_trainer(tm
 
     trainer.fit(build_module(cfg), datamodule=build_data(cfg))
     assert anomaly_mode == [True, True]
+
+
+def test_callback_arguments_from_the_config_reach_the_callbacks(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    from lightning_mgpu import DeviceMemoryMonitor, PlainStateDictExport
+    from lightning_mgpu.config.callbacks import build_callbacks
+
+    overrides = [
+        "callbacks.checkpoint.save_weights_only=true",  # arguments no config key listed before
+        "callbacks.export.prefix=module.",
+        "callbacks.early_stopping.enabled=true",
+        "callbacks.early_stopping.stopping_threshold=0.5",
+    ]
+    memory, _, export, checkpoint, stopping = build_callbacks(
+        load_config("digits", overrides).callbacks, tmp_path
+    )
+    assert isinstance(checkpoint, ModelCheckpoint)
+    assert (checkpoint.save_weights_only, checkpoint.monitor, checkpoint.save_last) == (True, "val/acc", True)
+    assert checkpoint.dirpath == str(tmp_path / "checkpoints")  # set by the run
+    assert isinstance(export, PlainStateDictExport)
+    assert (export.prefix, export.submodule) == ("module.", "net")
+    assert isinstance(stopping, EarlyStopping)
+    assert (stopping.stopping_threshold, stopping.monitor) == (0.5, "val/loss")
+    assert isinstance(memory, DeviceMemoryMonitor)
+    assert (memory.every_n_steps, memory.print_summary) == (10, False)

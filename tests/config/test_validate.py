@@ -315,3 +315,21 @@ def test_trainer_arguments_the_run_sets_say_where_to_set_them() -> None:
     assert logger.startswith("trainer.logger: set by the run;")
     assert "metrics.csv" in logger
     assert checkpointing.endswith("set callbacks.checkpoint.enabled")
+
+
+def test_callback_keys_are_the_callbacks_own_arguments_and_the_callbacks_check_them() -> None:
+    cfg = load_config(
+        "digits", ["callbacks.checkpoint.every_n_train_steps=2", "callbacks.early_stopping.min_delta=0.1"]
+    )
+    assert (cfg.callbacks.checkpoint.every_n_train_steps, cfg.callbacks.early_stopping.min_delta) == (2, 0.1)
+    typo, other, own = problems(
+        ["callbacks.checkpoint.every_n_train_step=2", "callbacks.checkpoint.mode=mni", "data.batch_size=0"]
+    )
+    assert typo.startswith("callbacks.checkpoint.every_n_train_step: unknown key; did you mean")
+    assert typo.endswith("callbacks.checkpoint.every_n_train_steps?")
+    assert other.startswith("data.batch_size: must be >= 1")
+    assert own.startswith("callbacks.checkpoint: `mode` can be min, max")  # ModelCheckpoint's own words
+    (rows,) = problems(["callbacks.memory.every_n_steps=0"])
+    assert rows.startswith("callbacks.memory.every_n_steps must be a positive integer")
+    (dirpath,) = problems(["callbacks.checkpoint.dirpath=elsewhere"])
+    assert dirpath.startswith("callbacks.checkpoint.dirpath: set by the run;")
