@@ -159,12 +159,12 @@ def run_job(cfg: RunConfig) -> str | None:
             os.environ.pop(RUN_DIR_ENV, None)
     if trainer.is_global_zero:
         seconds = time.monotonic() - start
-        notes = [note for note in (_plot_memory(cfg, trainer, run_dir), _plot_time(run_dir)) if note]
+        notes = [note for note in (_plot_memory(cfg, run_dir), _plot_time(run_dir)) if note]
         return "\n".join([summary(cfg, trainer, run_dir, seconds), *notes])
     return None
 
 
-def _plot_memory(cfg: RunConfig, trainer: L.Trainer, run_dir: Path) -> str:
+def _plot_memory(cfg: RunConfig, run_dir: Path) -> str:
     """Draw ``memory.png`` from the logged memory metrics; returns why not when it cannot."""
     if cfg.task != "fit" or not cfg.callbacks.memory.enabled or not (run_dir / "metrics.csv").is_file():
         return ""

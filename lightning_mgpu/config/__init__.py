@@ -1,12 +1,12 @@
 """Recipe configs: parse (YAML, ``key=value`` overrides), validate (every error at once), instantiate.
 
 - ``schema.py``: the run config's dataclasses, the one source of defaults (``RunConfig``,
-  ``DataConfig``); the ``trainer`` section is read from the signature of Lightning's ``Trainer`` in
-  ``trainer.py`` (every keyword a key, the run's defaults in ``TRAINER_DEFAULTS``), and
-  ``trainer.strategy`` (a name, or a mapping of the name and the strategy's options) from the strategy
-  class's in ``strategy.py``, both through ``signature.py``; the ``optimizer`` section lives in
-  ``optimizer.py`` (a class path such as ``torch.optim.AdamW``, checked and built there) and the
-  ``callbacks`` sections in ``callbacks.py``; ``checks.py`` holds the small value checks they share.
+  ``DataConfig``). Three sections are read from signatures through ``signature.py``: ``trainer``
+  from Lightning's ``Trainer`` (``trainer.py``, the run's defaults in ``TRAINER_DEFAULTS``), its
+  ``strategy`` options from the strategy class (``strategy.py``) and each ``callbacks`` sub-section
+  from its callback (``callbacks.py``). The ``optimizer`` section lives in ``optimizer.py`` (a class
+  path such as ``torch.optim.AdamW``, checked and built there); ``checks.py`` holds the small value
+  checks the sections share.
 - ``parse.py``: finding a shipped config or a file, reading overrides, merging them.
 - ``validate.py``: unknown keys with "did you mean", wrong types, impossible values, in one error.
 - ``instantiate.py``: the recipe's module and data, callbacks, logger and Trainer; ``progress.py``:

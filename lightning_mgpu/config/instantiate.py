@@ -162,7 +162,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, callbacks: list[Callback]) -> L
     kwargs = {**trainer_arguments(t), "accelerator": accelerator, "devices": devices}
     kwargs["strategy"] = build_strategy(t.strategy, t.micro_batch_size)
     hide_unactionable_warnings()
-    bar = progress_bar_for(sys.stdout) if t.enable_progress_bar else None
+    bar = progress_bar_for(sys.stdout) if t.enable_progress_bar is not False else None  # null: Lightning's on
     callbacks = [*callbacks, bar] if bar is not None else callbacks
     try:
         return L.Trainer(

@@ -2,8 +2,9 @@
 
 - Unknown keys: the error names the key and the closest valid one
   (``trainer.max_epoch: unknown key; did you mean trainer.max_epochs?``).
-- Wrong types: omegaconf's structured configs decide, the message says what was expected
-  and what was given (``trainer.max_epochs: expected an integer, got 'ten'``).
+- Wrong types: omegaconf's structured configs decide, or for a key of several types (Lightning's
+  ``val_check_interval``) its annotation (``config/signature.py``); the message says what was expected
+  and what was given (``trainer.max_epochs: expected an integer or null, got 'ten'``).
 - Impossible values: each section's ``problems()`` (``optimizer.lr: must be > 0, got -1``),
   the recipe name, and ``trainer.strategy`` with its options, checked against the strategy
   class's signature and by the strategy itself (``config/strategy.py``).
@@ -56,8 +57,9 @@ class ConfigError(ValueError):
 
 
 def run_schema(recipe: str | None) -> type[RunConfig]:
-    """The ``RunConfig`` dataclass of one recipe: the ``trainer`` section read from Lightning's ``Trainer``,
-    the recipe's ``ModelConfig`` and ``DataConfig``; without a recipe, no ``model`` or ``data`` checks.
+    """The ``RunConfig`` dataclass of one recipe: ``trainer`` and ``callbacks`` read from the signatures of
+    Lightning's ``Trainer`` and the callbacks, the recipe's ``ModelConfig`` and ``DataConfig`` (without a
+    recipe, no ``model`` or ``data`` checks).
 
     Example::
 
