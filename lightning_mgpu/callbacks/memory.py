@@ -57,6 +57,7 @@ class DeviceMemoryMonitor(Callback):
       on stderr unless logging is configured otherwise) and writes the
       same data to ``<trainer.log_dir>/memory_summary.json``; under a strategy given
       ``micro_batch_size=``, the rows per micro-batch each rank's last batch really ran in too.
+      A line at the first batch says what it watches; beside ``DeviceTimeMonitor``, one report.
     - When a step runs out of memory (``torch.cuda.OutOfMemoryError`` or ``MemoryError``)
       the failing rank logs (``logging``, level ERROR) which device failed, what every device
       held (other ranks' devices as last gathered) and options computed from the run; the original exception
@@ -87,7 +88,7 @@ class DeviceMemoryMonitor(Callback):
         imbalance_threshold: warn once when ``memory/imbalance`` exceeds this.
         summary_file: JSON written at the end of fit, relative to ``trainer.log_dir``;
             ``None`` writes none.
-        print_summary: whether rank 0 logs the end-of-fit table.
+        print_summary: whether rank 0 logs the start line and the end-of-fit table.
         flush_every_n_steps: hand the readings taken so far to the loggers at the first log
             at least this many training batches after the previous hand-over (under DDP after
             one all-gather of every rank's readings). Batching keeps logging every step cheap
@@ -217,12 +218,11 @@ class DeviceMemoryMonitor(Callback):
         self._finish_gather(trainer)
         self.summary.micro_batches = micro_batch_sizes(trainer)  # a gather, when micro-batching
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank calls it
-        if not trainer.is_global_zero or not self.summary.devices:
-            _report.give(trainer, self, "end", None)
-            return
         rows, sizes = list(self.summary.devices.values()), self.summary.micro_batches
-        _report.give(trainer, self, "end", report.table(rows, "Device memory over the fit (peaks):", sizes))
-        if self.summary_file is not None:
+        shown = trainer.is_global_zero and bool(rows)
+        table = report.table(rows, "Device memory over the fit (peaks):", sizes) if shown else None
+        _report.give(trainer, self, "end", table)
+        if shown and self.summary_file is not None:
             _report.write_json(os.path.join(log_dir, self.summary_file), self.summary.as_json())
 
     # ------------------------------------------------------------------ OOM

@@ -66,7 +66,9 @@ class DeviceTimeMonitor(Callback):
     (``rank_zero_info``, on stderr unless logging is configured otherwise) a table (rank, device,
     steps/s, data %, work %, waiting %, samples/s) and one verdict line: balanced, or the slowest
     rank, how much slower it is, the phase it loses the time in and what to try
-    (``time_report.verdict``); the same goes to ``<trainer.log_dir>/time_summary.json``.
+    (``time_report.verdict``); the same goes to ``<trainer.log_dir>/time_summary.json``. After the
+    first batch a line says what it times and whether waiting is measured. Beside
+    ``DeviceMemoryMonitor`` both monitors' lines and tables are logged as one report.
 
     **Logged metrics** (through ``logger.log_metrics`` on rank 0, means over each window):
     ``time/rank<r>/data_ms``, ``time/rank<r>/work_ms``, ``time/rank<r>/wait_ms`` (where measured)
@@ -76,7 +78,7 @@ class DeviceTimeMonitor(Callback):
         flush_every_n_steps: gather and log every this many training batches (one collective each).
         summary_file: JSON written at the end of fit, relative to ``trainer.log_dir``;
             ``None`` writes none.
-        print_summary: whether rank 0 logs the end-of-fit table and verdict.
+        print_summary: whether rank 0 logs the start line and the end-of-fit table and verdict.
 
     Raises:
         ValueError: if ``flush_every_n_steps`` is not a positive integer.
