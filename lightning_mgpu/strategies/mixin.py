@@ -1,7 +1,10 @@
 """``StrategyMixin``: the one base of the mixins an ``mgpu_*`` strategy is built from.
 
 ``MicroBatching`` and ``ProcessGroupServices`` go first in a strategy's bases, before a Lightning
-strategy (``class MGPUDDPStrategy(MicroBatching, ProcessGroupServices, DDPStrategy)``). A new mixin
+strategy (``class MGPUDDPStrategy(MicroBatching, ProcessGroupServices, DDPStrategy)``). A mixin takes
+no ``__init__`` argument: the strategy's ``__init__`` initialises its Lightning base with Lightning's
+arguments and hands each mixin its own options by name (``_init_services(stall_timeout=...)``,
+``_init_micro_batching(micro_batch_size)``), so each option can be followed to what uses it. A new mixin
 derives from ``StrategyMixin`` too; ``tests/strategies/auto/test_become.py`` checks that every
 registered ``mgpu_*`` class can still be chosen by ``mgpu_auto``.
 """

@@ -139,7 +139,7 @@ class MGPUDDPStrategy(MicroBatching, ProcessGroupServices, DDPStrategy):
         requeue_on_failure: int = 0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(
+        super().__init__(  # Lightning's DDPStrategy: the mixins before it take no argument
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -152,13 +152,15 @@ class MGPUDDPStrategy(MicroBatching, ProcessGroupServices, DDPStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
+            **kwargs,
+        )
+        self._init_services(
             stall_timeout=stall_timeout,
-            micro_batch_size=micro_batch_size,
             resume=resume,
             checkpoint_every=checkpoint_every,
             requeue_on_failure=requeue_on_failure,
-            **kwargs,
         )
+        self._init_micro_batching(micro_batch_size)
 
     # ---------------------------------------------------------- failures
     # DDP raises its unused-parameter error in the forward of the next step, or under manual

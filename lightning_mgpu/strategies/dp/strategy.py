@@ -138,14 +138,14 @@ class MGPUDataParallelStrategy(MicroBatching, ParallelStrategy):
         track_replica_memory: bool = False,
         micro_batch_size: int | str | None = None,
     ) -> None:
-        super().__init__(
+        super().__init__(  # Lightning's ParallelStrategy: MicroBatching takes no argument
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=None,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
-            micro_batch_size=micro_batch_size,
         )
+        self._init_micro_batching(micro_batch_size)
         self.track_replica_memory = track_replica_memory
         self.last_chunk_sizes: list[int] = []
         self.replica_saved_bytes: list[int] = []

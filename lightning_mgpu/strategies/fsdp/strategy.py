@@ -180,16 +180,18 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
             )
             if value is not default
         ]
-        super().__init__(
-            stall_timeout=stall_timeout,
+        super().__init__(  # Lightning's ModelParallelStrategy: the mixins before it take no argument
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
-            micro_batch_size=micro_batch_size,
+        )
+        self._init_services(
+            stall_timeout=stall_timeout,
             resume=resume,
             checkpoint_every=checkpoint_every,
             requeue_on_failure=requeue_on_failure,
         )
+        self._init_micro_batching(micro_batch_size)
         self._sync_points: SyncPoints | None = None
         self.plan: ShardingPlan | None = None
         """The plan applied by the last ``setup``; ``None`` before, and when ``configure_model`` shards."""

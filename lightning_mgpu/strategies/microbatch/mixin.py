@@ -46,7 +46,8 @@ def check_micro_batch_size(value: Any) -> int | str | None:
 class MicroBatching(StrategyMixin):
     """Runs each batch as micro-batches, training with one optimizer step; ``"auto"`` survives out-of-memory.
 
-    A mixin that goes first in a strategy's bases; it takes the keyword ``micro_batch_size``:
+    A mixin that goes first in a strategy's bases; the strategy's ``__init__`` hands it
+    ``micro_batch_size`` (``_init_micro_batching``):
 
     - ``None`` (default): off, the strategy as without it.
     - an ``int``: each training batch is cut into micro-batches of at most that many rows that run
@@ -106,9 +107,13 @@ class MicroBatching(StrategyMixin):
 
         def note_progress(self) -> None: ...
 
-    def __init__(self, *args: Any, micro_batch_size: int | str | None = None, **kwargs: Any) -> None:
+    def _init_micro_batching(self, micro_batch_size: int | str | None) -> None:
+        """Take ``micro_batch_size`` (checked) and build this rank's sizes and the runner of each step.
+
+        Called by the host's ``__init__`` once its Lightning base is initialised; the mixin has no
+        ``__init__`` of its own, so nothing reaches it through ``super().__init__(**kwargs)``.
+        """
         self.micro_batch_size = check_micro_batch_size(micro_batch_size)
-        super().__init__(*args, **kwargs)
         auto = self.micro_batch_size == "auto"
         start = None if auto else self.micro_batch_size
         assert start is None or isinstance(start, int)

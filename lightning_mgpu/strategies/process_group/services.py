@@ -6,9 +6,10 @@ device and creates a process group::
     class MGPUDDPStrategy(ProcessGroupServices, DDPStrategy): ...
     class MGPUFSDPStrategy(ProcessGroupServices, ModelParallelStrategy): ...
 
-It overrides these hooks and calls the host's own through ``super()`` in each:
+The host's ``__init__`` initialises its Lightning base with Lightning's arguments, then hands
+``stall_timeout`` and ``resume/``'s options to ``_init_services``. The mixin overrides these hooks
+and calls the host's own through ``super()`` in each:
 
-- ``__init__``: takes ``stall_timeout`` and ``resume/``'s options (keyword only), passes the rest on;
 - ``_configure_launcher``: ``checks.check_devices`` before any process starts, then the
   watched subprocess launcher for ``start_method="popen"`` (a host without
   ``_start_method`` counts as popen), the host's own launcher otherwise;
@@ -102,8 +103,9 @@ def _loop_progress(trainer: pl.Trainer) -> int:
 class ProcessGroupServices(ExplainedStepMemory):
     """Device checks, backend, watchdog, kept shuffle and start-up summary for a process-group strategy.
 
+    The options, which the host's ``__init__`` passes to ``_init_services``:
+
     Args:
-        *args: Positional arguments of the host strategy.
         stall_timeout: Seconds without progress on every rank (while some ranks wait in a
             collective for the others) after which the run stops. ``None`` turns stall
             detection off.
@@ -112,7 +114,6 @@ class ProcessGroupServices(ExplainedStepMemory):
         checkpoint_every: A resumable checkpoint every that many steps (``int``) or that often
             (``timedelta``); ``"auto"``: 30 minutes where the run can be restarted; ``None``: never.
         requeue_on_failure: Under SLURM, requeue the job after a failed task, at most this often.
-        **kwargs: Keyword arguments of the host strategy.
 
     Raises:
         ValueError: If ``stall_timeout`` or an option of ``resume/`` is none of those it accepts.
@@ -128,22 +129,25 @@ class ProcessGroupServices(ExplainedStepMemory):
 
         def set_world_ranks(self) -> None: ...
 
-    def __init__(
+    def _init_services(
         self,
-        *args: Any,
+        *,
         stall_timeout: float | None = 300.0,
         resume: bool | None = None,
         checkpoint_every: int | timedelta | str | None = "auto",
         requeue_on_failure: int = 0,
-        **kwargs: Any,
     ) -> None:
+        """Take the services' options (checked) and set up their state.
+
+        Called by the host's ``__init__`` once its Lightning base is initialised; the mixin has no
+        ``__init__`` of its own, so nothing reaches it through ``super().__init__(**kwargs)``.
+        """
         number = isinstance(stall_timeout, (int, float)) and not isinstance(stall_timeout, bool)
         if stall_timeout is not None and (not number or stall_timeout <= 0):
             raise ValueError(
                 f"stall_timeout must be a positive number of seconds or None (no stall detection),"
                 f" got {stall_timeout!r}"
             )
-        super().__init__(*args, **kwargs)
         self.stall_timeout = None if stall_timeout is None else float(stall_timeout)
         self._progress = 0
         self._watching = False

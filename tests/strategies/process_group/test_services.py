@@ -6,6 +6,8 @@ contract a second host relies on, inside ``Trainer(...)``, before any process st
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning as L
 import pytest
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -18,6 +20,10 @@ from lightning_mgpu.strategies.process_group.watchdog.verdicts import RankInfo
 
 class _Sharded(ProcessGroupServices, ModelParallelStrategy):
     strategy_name = "sharded_for_test"
+
+    def __init__(self, stall_timeout: float | None = 300.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)  # ModelParallelStrategy's arguments
+        self._init_services(stall_timeout=stall_timeout)
 
     def _summary_extra_lines(self) -> list[str]:
         return ["plan: every Linear sharded"]
