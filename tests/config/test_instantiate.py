@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, Timer
+from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint, Timer
 
-from lightning_mgpu import MGPUDDPStrategy
+from lightning_mgpu import DeviceMemoryMonitor, MGPUDDPStrategy, PlainStateDictExport
 from lightning_mgpu.config import load_config
-from lightning_mgpu.config.instantiate import build_trainer, resolve_devices
+from lightning_mgpu.config.callbacks import build_callbacks
+from lightning_mgpu.config.instantiate import build_data, build_module, build_trainer, resolve_devices
 from lightning_mgpu.config.schema import CPU_DEVICE_CAP
 
 
@@ -36,8 +37,6 @@ def test_device_indices_on_cpu_say_what_to_give_instead() -> None:
 def test_progress_in_a_log_is_one_line_per_epoch_without_lightnings_own_warnings(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from lightning_mgpu.config.instantiate import build_data, build_module
-
     cfg = load_config(
         "linear",
         ["trainer.accelerator=cpu", "trainer.devices=1", "trainer.strategy=auto", "trainer.max_epochs=2"],
@@ -115,18 +114,11 @@ def test_trainer_arguments_from_a_config_file_and_overrides_reach_the_trainer(tm
     assert trainer.gradient_clip_val == 1
     timer = next(cb for cb in trainer.callbacks if isinstance(cb, Timer))  # type: ignore[attr-defined]
     assert timer.time_remaining() == 3600  # seconds in the config, a timedelta for the Trainer
-    from lightning_mgpu.config.instantiate import build_data, build_module
-
     trainer.fit(build_module(cfg), datamodule=build_data(cfg))
     assert anomaly_mode == [True, True]
 
 
 def test_callback_arguments_from_the_config_reach_the_callbacks(tmp_path: Path) -> None:
-    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-
-    from lightning_mgpu import DeviceMemoryMonitor, PlainStateDictExport
-    from lightning_mgpu.config.callbacks import build_callbacks
-
     overrides = [
         "callbacks.checkpoint.save_weights_only=true",  # arguments no config key listed before
         "callbacks.export.prefix=module.",
