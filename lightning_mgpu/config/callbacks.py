@@ -37,7 +37,6 @@ CALLBACKS = {
 """Each sub-section's callback class and whether it is on by default, in the order the Trainer gets them."""
 
 CALLBACK_DEFAULTS: dict[str, dict[str, Any]] = {
-    "memory": {"every_n_steps": 10},  # the monitor's None reads memory at the flushes only
     "checkpoint": {"save_last": True},  # last.ckpt: what a stopped run resumes from
     "early_stopping": {"monitor": "val/loss"},  # every recipe logs val/loss
 }
