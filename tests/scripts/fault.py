@@ -16,10 +16,10 @@ from collections.abc import Iterator
 
 import lightning as L
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from lightning_mgpu import MGPUDDPStrategy
+from tests.models import Regression
 
 victim, fault = int(sys.argv[1]), sys.argv[2]
 stall_timeout = None if sys.argv[3] == "none" else float(sys.argv[3])
@@ -35,11 +35,7 @@ def write_fault_at() -> None:
         f.write(f"{time.time()} {os.getpid()}")
 
 
-class Regression(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Linear(4, 1)
-
+class Faulty(Regression):
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         if fault not in ("more", "end") and batch_idx == 5 and self.global_rank == victim:
             write_fault_at()
@@ -50,7 +46,7 @@ class Regression(L.LightningModule):
             if fault == "raise":
                 raise RuntimeError("the database connection timed out")
             stall_forever()
-        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        return super().training_step(batch, batch_idx)
 
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
         if fault == "more" and batch_idx == 5 and self.global_rank == victim:  # the others' last batch
@@ -60,9 +56,6 @@ class Regression(L.LightningModule):
         if fault == "end" and self.global_rank == victim:
             write_fault_at()
             raise RuntimeError("saving the report failed")
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 class Shard(IterableDataset):
@@ -82,4 +75,4 @@ trainer = L.Trainer(
     enable_model_summary=False,
 )
 data = Shard() if fault == "more" else TensorDataset(torch.randn(256, 4), torch.randn(256, 1))
-trainer.fit(Regression(), DataLoader(data, batch_size=4))
+trainer.fit(Faulty(), DataLoader(data, batch_size=4))

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MGPUFSDPStrategy, estimate_memory
-from tests.helpers import run_script
+from tests.helpers import run_file, run_script
 
 FIT_SCRIPT = """
 import json, os, torch, lightning as L
@@ -293,35 +293,8 @@ def test_the_summary_shows_the_plan_and_each_rank_share(fsdp_run) -> None:
     assert "model state per process: parameters 2.76 KiB of 5.39 KiB (51%) on rank 0" in result.output
 
 
-# rank 1 dies in the middle of training, between FSDP's gathers and reduce-scatters
-DEATH_SCRIPT = """
-import os, signal, torch, lightning as L
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-import lightning_mgpu
-
-class Regression(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-
-    def training_step(self, batch, batch_idx):
-        if batch_idx == 3 and self.global_rank == 1:
-            open("victim_pid", "w").write(str(os.getpid()))
-            os.kill(os.getpid(), signal.SIGKILL)
-        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-trainer = L.Trainer(accelerator="cpu", devices=2, strategy="mgpu_fsdp", max_epochs=1, logger=False,
-                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-trainer.fit(Regression(), DataLoader(TensorDataset(torch.randn(256, 4), torch.randn(256, 1)), batch_size=4))
-"""
-
-
 def test_a_dead_rank_stops_the_run_and_is_named(tmp_path: Path) -> None:
-    result = run_script(DEATH_SCRIPT, tmp_path, timeout=180)
+    result = run_file("fsdp_death.py", tmp_path, timeout=180)
     assert result.returncode != 0
     pid = (tmp_path / "victim_pid").read_text()
     assert f"rank 1 (pid {pid}) was killed by signal 9 (SIGKILL)" in result.output, result.output[-3000:]
