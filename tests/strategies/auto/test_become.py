@@ -1,7 +1,7 @@
 """mgpu_auto once the model is known, and with micro-batching: the decisions in this process.
 
 The whole run under real processes (a fit that ends under ``mgpu_fsdp``, one that stays on
-``mgpu_ddp``) is in ``test_auto.py``'s two-process script; here ``connect`` is called as the
+``mgpu_ddp``) is in ``test_strategy.py``'s two-process script; here ``connect`` is called as the
 Trainer calls it in each process, without starting any.
 """
 
