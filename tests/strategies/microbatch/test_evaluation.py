@@ -4,7 +4,7 @@ One launch runs every check. Rank 1's validation runs out of memory with its who
 the sanity check, whose first forward broadcasts DDP's buffers); its logs and metric must equal an
 unsplit fit's, and its sizes must stay apart from training's. Then ``trainer.predict`` runs out of
 memory on rank 1 over 17 rows, which Lightning's predict sampler gives rank 0 in two batches and
-rank 1 in one: the predictions come back whole and in order.
+rank 1 in one: the predictions come back whole and in order. The run: tests/scripts/micro_batch_evaluation.py.
 """
 
 from __future__ import annotations
@@ -15,68 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import run_script, script_env
+from tests.helpers import run_file, script_env
 from tests.strategies.microbatch._models import LIMITED_MEMORY, Hungry, regression_data
 
 ATOL = 1e-6
-
-SCRIPT = """
-import json, torch, lightning as L
-from lightning.pytorch.callbacks import Callback
-from lightning_mgpu import DeviceMemoryMonitor, MGPUDDPStrategy
-from tests.strategies.microbatch._models import QUIET, Hungry, loader, regression_data
-
-class Logged(Callback):
-    # what each validation run logged, the sanity check's included (Lightning resets it after)
-    def __init__(self):
-        self.runs = []
-    def on_validation_end(self, trainer, pl_module):
-        self.runs.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")})
-
-def trainer(callbacks=(), **strategy):
-    strategy = MGPUDDPStrategy(**strategy)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=2, callbacks=list(callbacks), **QUIET
-    )
-    return trainer, strategy
-
-# rank 1's validation (forward only: 2 row-sizes per row) fits 4 rows, not 8; its training has no limit
-fits = {}
-for name, micro, limit in (("whole", None, None), ("auto", "auto", 1)):
-    logged = Logged()
-    callbacks = [logged, DeviceMemoryMonitor(every_n_steps=1)] if micro else [logged]
-    fit, strategy = trainer(callbacks, micro_batch_size=micro)
-    model = Hungry(limit_rank=limit, budget=12, limit_in="eval")
-    fit.fit(model, loader(regression_data(), 8), loader(regression_data(32, seed=3), 8))
-    validation = strategy.micro_batches_eval["validation_step"]
-    fits[name] = {
-        "logged": logged.runs,
-        "seen": {"train": model.sizes_seen, "eval": model.eval_sizes_seen},
-        "sizes": {
-            "train": strategy.micro_batches.size, "train_last": strategy.micro_batches.last_rows,
-            "eval": validation.size, "eval_failed": validation.failed, "eval_last": validation.last_rows,
-        },
-    }
-with open(f"fits_rank{fit.global_rank}.json", "w") as f:
-    json.dump(fits, f)
-
-# predict: 17 rows, 9 on rank 0 (batches of 8 and 1), 8 on rank 1 (one batch, which fails whole)
-predict, strategy = trainer(micro_batch_size="auto")
-model = Hungry(limit_rank=1, budget=12, limit_in="eval")
-predictions = predict.predict(model, loader(regression_data(17, seed=4), 8))
-sizes = strategy.micro_batches_eval["predict_step"]
-torch.save(
-    {"predictions": predictions, "seen": model.eval_sizes_seen, "size": sizes.size,
-     "validation": strategy.micro_batches_eval["validation_step"].size, "train": strategy.micro_batches.size},
-    f"predict_rank{predict.global_rank}.pt",
-)
-"""
 
 
 @pytest.fixture(scope="module")
 def evaluation_run(tmp_path_factory: pytest.TempPathFactory):
     tmp_path = tmp_path_factory.mktemp("evaluation")
-    result = run_script(SCRIPT, tmp_path, timeout=300, env=script_env(**LIMITED_MEMORY))
+    result = run_file("micro_batch_evaluation.py", tmp_path, timeout=300, env=script_env(**LIMITED_MEMORY))
     assert result.returncode == 0, result.output
     return tmp_path, result
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import run_script
+from tests.helpers import run_file
 from tests.strategies.microbatch._models import (
     QUIET,
     TokenModel,
@@ -59,23 +59,8 @@ def test_dp_without_the_helper_differs_and_a_replica_that_skips_it_is_named() ->
     ), text
 
 
-DDP_SCRIPT = """
-import torch, lightning as L
-from tests.strategies.microbatch._models import QUIET, TokenModel, loader, token_data
-
-results = {}
-for kind in ("masked", "sum", "naive"):
-    model = TokenModel(kind)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="mgpu_ddp", max_steps=2, **QUIET)
-    trainer.fit(model, loader(token_data(), 8))
-    results[kind] = model.state_dict()
-if trainer.is_global_zero:
-    torch.save(results, "ddp.pt")
-"""
-
-
 def test_ddp_ranks_match_one_device(tmp_path: Path) -> None:
-    result = run_script(DDP_SCRIPT, tmp_path, timeout=240)
+    result = run_file("global_mean_ddp.py", tmp_path, timeout=240)
     assert result.returncode == 0, result.output
     final = torch.load(tmp_path / "ddp.pt")
     # two ranks of 8 rows = one device with batches of 16
