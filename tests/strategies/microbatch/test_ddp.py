@@ -3,7 +3,7 @@
 One launch runs every fit: ``global_mean`` losses and fixed micro-batches against one device, a
 real out-of-memory in backward on rank 1 only (the case that deadlocks plain DDP; the memory
 monitor's end-of-fit table then shows each rank's final size), and last a batch that does not
-fit even in micro-batches of one row on rank 1, which must end both ranks.
+fit even in micro-batches of one row on rank 1, which must end both ranks: tests/scripts/micro_batch_ddp.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.helpers import run_script, script_env
+from tests.helpers import run_file, script_env
 from tests.strategies.microbatch._models import (
     LIMITED_MEMORY,
     QUIET,
@@ -31,60 +31,10 @@ from tests.strategies.microbatch._models import (
 
 ATOL = 1e-6
 
-SCRIPT = """
-import json, time, torch, lightning as L
-from lightning_mgpu import DeviceMemoryMonitor, MGPUDDPStrategy
-from tests.strategies.microbatch._models import QUIET, Hungry, LoggedTokenModel, LossRecorder, loader
-from tests.strategies.microbatch._models import regression_data, token_data
-
-def fit(model, data, batch_size, steps, callbacks=(), **strategy):
-    strategy = MGPUDDPStrategy(**strategy)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, callbacks=list(callbacks), **QUIET
-    )
-    trainer.fit(model, loader(data, batch_size))
-    return trainer, strategy
-
-results, losses = {}, {}
-for kind in ("masked", "sum", "naive"):  # global_mean, 8 rows per rank
-    model, recorder = LoggedTokenModel(kind), LossRecorder()
-    trainer, _ = fit(model, token_data(), 8, 2, [recorder])
-    results[kind] = model.state_dict()
-    losses[kind] = recorder.losses()
-for kind in ("masked", "mean"):  # and in micro-batches of at most 3 rows
-    model, recorder = LoggedTokenModel(kind), LossRecorder()
-    trainer, _ = fit(model, token_data(), 8, 2, [recorder], micro_batch_size=3)
-    results["micro_" + kind] = model.state_dict()
-    losses["micro_" + kind] = recorder.losses()
-with open(f"losses_rank{trainer.global_rank}.json", "w") as f:
-    json.dump(losses, f)
-
-# rank 1 runs out of memory in backward with its whole batch of 8 rows; the monitor's table shows the sizes
-model = Hungry(limit_rank=1, budget=24)
-monitor = DeviceMemoryMonitor(every_n_steps=1)
-trainer, strategy = fit(model, regression_data(), 8, 2, [monitor], micro_batch_size="auto")
-results["oom"] = model.state_dict()
-with open(f"sizes_rank{trainer.global_rank}.json", "w") as f:
-    json.dump({"final": strategy.micro_batches.size, "seen": model.sizes_seen}, f)
-# the gradient average itself: a large tensor reduced in place, a small one and a strided one in a bucket
-from lightning_mgpu.strategies.microbatch.grads import average_over_ranks
-factor = trainer.global_rank + 1.0
-strided = torch.arange(6.0).reshape(2, 3).t() * factor
-grads = [torch.full((300_000,), factor), torch.full((3,), 10 * factor), strided]
-average_over_ranks(grads, 2)
-results["averaged"] = grads
-if trainer.is_global_zero:
-    torch.save(results, "ddp.pt")
-
-# rank 1 cannot hold the activations of one row: both ranks must stop, promptly
-print(f"rank {trainer.global_rank} starts the fit that cannot fit at {time.time()}", flush=True)
-fit(Hungry(limit_rank=1, budget=32, forward_extra=40), regression_data(), 8, 2, micro_batch_size="auto")
-"""
-
 
 def test_ddp_global_mean_micro_batches_and_out_of_memory(tmp_path: Path) -> None:
     env = script_env(**LIMITED_MEMORY)
-    result = run_script(SCRIPT, tmp_path, timeout=300, env=env)
+    result = run_file("micro_batch_ddp.py", tmp_path, timeout=300, env=env)
     final = torch.load(tmp_path / "ddp.pt")
 
     # two ranks of 8 rows = one device with batches of 16

@@ -1,16 +1,16 @@
 """A run started again by hand resumes by itself when its checkpoint folder holds its unfinished attempt.
 
-``fit.py`` trains one process under ``mgpu_ddp`` with no option set, a ``ModelCheckpoint`` every 2 steps
-in a fixed folder; its first run SIGKILLs itself at step 5. Run again with the same command, nothing
-counts a restart (no torchrun, no SLURM) but the record in the folder: it resumes from step 4 and ends
-with the weights of a run never cut. A finished run, or another command, starts afresh.
+tests/scripts/attempt_fit.py trains one process under ``mgpu_ddp`` with no option set, a
+``ModelCheckpoint`` every 2 steps in a fixed folder; its first run SIGKILLs itself at step 5. Run again
+with the same command, nothing counts a restart (no torchrun, no SLURM) but the record in the folder: it
+resumes from step 4 and ends with the weights of a run never cut. A finished run, or another command,
+starts afresh.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,55 +22,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mgpu  # noqa: F401  # registers mgpu_ddp
 from lightning_mgpu.strategies.resume.attempt_record import RECORD_NAME
-from tests.helpers import Result, run_command, script_env
+from tests.helpers import Result, run_file, script_env
 from tests.models import Regression
-
-SCRIPT = r"""
-import os, signal, sys
-import lightning as L, torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-from lightning_mgpu import MGPUDDPStrategy
-
-kill_at = int(sys.argv[1])
-
-
-class Net(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        if self.global_step == kill_at and os.path.exists("kill-once"):
-            os.remove("kill-once")
-            os.kill(os.getpid(), signal.SIGKILL)
-        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=float(os.environ.get("FIT_LR", "0.1")), momentum=0.9)
-
-
-generator = torch.Generator().manual_seed(0)
-data = TensorDataset(torch.randn(32, 4, generator=generator), torch.randn(32, 1, generator=generator))
-trainer = L.Trainer(
-    accelerator="cpu", devices=1, strategy=MGPUDDPStrategy(), max_epochs=2, logger=False,
-    callbacks=[ModelCheckpoint(dirpath="ckpts", every_n_train_steps=2)],
-    enable_progress_bar=False, enable_model_summary=False,
-)
-module = Net()
-trainer.fit(module, DataLoader(data, batch_size=4, shuffle=True))
-torch.save({"weight": module.net.weight.detach(), "step": trainer.global_step}, "out.pt")
-"""
 
 
 def _run(folder: Path, kill_at: int = 5, lr: float = 0.1) -> Result:
-    """``fit.py`` in ``folder``; the learning rate comes from the environment, not the command line."""
+    """attempt_fit.py in ``folder``; the learning rate comes from the environment, not the command line."""
     folder.mkdir(exist_ok=True)
-    (folder / "fit.py").write_text(SCRIPT)
     env = {**script_env(), "FIT_LR": str(lr)}
-    return run_command([sys.executable, "fit.py", str(kill_at)], cwd=folder, env=env, timeout=120)
+    return run_file("attempt_fit.py", folder, args=[str(kill_at)], env=env, timeout=120)
 
 
 def _assert_as_uncut(folder: Path, uncut: dict[str, Any]) -> None:
