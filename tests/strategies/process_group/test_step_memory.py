@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.strategies.process_group.step_memory import StepMemory, step_memory, step_oom_message
-from tests.helpers import run_script, script_env
+from tests.helpers import run_file, script_env
 from tests.strategies.microbatch._models import LIMITED_MEMORY
 
 MiB = 1024**2
@@ -66,45 +66,9 @@ def test_the_numbers_are_read_from_the_run_without_allocating_the_state() -> Non
     assert not optimizer.state  # counted on meta tensors
 
 
-# rank 0 can hold its parameters, gradients and the batch, but not AdamW's two moments of its 4 MiB weight
-STEP_SCRIPT = """
-import resource
-import lightning as L
-import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-import lightning_mgpu  # registers mgpu_ddp
-
-class Wide(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 1))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def on_before_optimizer_step(self, optimizer):
-        if self.global_rank == 0 and self.trainer.global_step == 0:
-            with open("/proc/self/status") as status:
-                held = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
-            _, hard = resource.getrlimit(resource.RLIMIT_AS)
-            resource.setrlimit(resource.RLIMIT_AS, (held + 3 * 2**20, hard))
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-trainer = L.Trainer(accelerator="cpu", devices=2, strategy="mgpu_ddp", max_steps=4, logger=False,
-                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-data = TensorDataset(torch.randn(64, 1024), torch.randn(64, 1))
-trainer.fit(Wide(), DataLoader(data, batch_size=4))
-"""
-
-
 @pytest.mark.slow
 def test_a_step_that_runs_out_stops_every_rank_with_the_numbers(tmp_path: Path) -> None:
-    result = run_script(STEP_SCRIPT, tmp_path, timeout=240, env=script_env(**LIMITED_MEMORY))
+    result = run_file("step_out_of_memory.py", tmp_path, timeout=240, env=script_env(**LIMITED_MEMORY))
     assert result.returncode != 0, result.output[-3000:]
     weights = (1024 * 1024 + 1024 + 1024 + 1) * 4
     line = (
