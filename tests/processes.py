@@ -28,7 +28,7 @@ def _starts(module: str) -> bool:
 
 
 def _names_used(node: ast.AST) -> set[str]:
-    """Names ``node`` reads, its arguments' names (fixtures it requests) and names it imports."""
+    """Names ``node`` reads, and its arguments' names (the fixtures it requests)."""
     used: set[str] = set()
     for child in ast.walk(node):
         if isinstance(child, ast.Name):
@@ -56,7 +56,10 @@ def _starting_imports(tree: ast.AST) -> set[str]:
 
 
 def _module_path(module: str) -> Path | None:
-    relative = Path(*module.split(".")[1:])
+    parts = module.split(".")[1:]
+    if not parts:  # `from tests import x`: no module of the tests is named
+        return None
+    relative = Path(*parts)
     for path in (TESTS / relative.with_suffix(".py"), TESTS / relative / "__init__.py"):
         if path.is_file():
             return path
