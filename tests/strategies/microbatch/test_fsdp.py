@@ -6,7 +6,7 @@ other rank would otherwise wait in the next gather for good) and in backward whi
 activation-checkpointed block, in forward and in backward at the second step (whose collectives the
 first taught every rank, so that nobody announces them), a validation batch that runs out of memory
 inside a block on rank 1 (its logs equal the unsplit validation's), and last a batch that does not fit
-even in micro-batches of one row on rank 1, which must end both ranks.
+even in micro-batches of one row on rank 1, which must end both ranks (tests/scripts/micro_batch_fsdp.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.helpers import run_script, script_env
+from tests.helpers import run_file, script_env
 from tests.strategies.microbatch._models import (
     LIMITED_MEMORY,
     QUIET,
@@ -35,79 +35,10 @@ from tests.strategies.microbatch._models import (
 
 ATOL = 1e-6
 
-SCRIPT = """
-import json, torch, lightning as L
-from lightning_mgpu import DeviceMemoryMonitor, MGPUFSDPStrategy
-from tests.strategies.microbatch._models import QUIET, HungryBlocks, LoggedTokenModel, LossRecorder
-from tests.strategies.microbatch._models import TokenModel, loader, regression_data, token_data
-
-def fit(model, data, batch_size, steps, accumulate=1, callbacks=(), **strategy):
-    strategy = MGPUFSDPStrategy(**strategy)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate,
-        callbacks=list(callbacks), **QUIET,
-    )
-    trainer.fit(model, loader(data, batch_size))
-    return trainer, strategy
-
-def full(model):
-    return {k: v.full_tensor() for k, v in model.state_dict().items()}
-
-results, losses = {}, {}
-for kind, micro in (("masked", None), ("masked", 3), ("sum", 3)):  # global_mean; 8 rows per rank
-    model, recorder = LoggedTokenModel(kind), LossRecorder()
-    trainer, _ = fit(model, token_data(), 8, 2, callbacks=[recorder], micro_batch_size=micro)
-    results[f"{kind}_{micro}"] = full(model)
-    losses[f"{kind}_{micro}"] = recorder.losses()
-with open(f"losses_rank{trainer.global_rank}.json", "w") as f:
-    json.dump(losses, f)
-for micro in (None, 3):  # two batches of 4 rows per rank accumulated into each step
-    model = TokenModel("mean")
-    trainer, _ = fit(model, token_data(), 4, 2, accumulate=2, micro_batch_size=micro)
-    results[f"accumulated_{micro}"] = full(model)
-
-sizes = {}
-# rank 1 fails with its whole batch of 8 rows; "recompute": in backward, recomputing a checkpointed block
-for phase, budget, recompute in [("forward", 24, False), ("backward", 32, False), ("recompute", 24, True)]:
-    model = HungryBlocks(limit_rank=1, budget=budget)
-    # the memory summary of the first: rank 0 ran micro-batches too, as many as rank 1
-    monitor = [DeviceMemoryMonitor(every_n_steps=1)] if phase == "forward" else []
-    trainer, strategy = fit(
-        model, regression_data(), 8, 2, callbacks=monitor, micro_batch_size="auto",
-        activation_checkpointing=recompute,
-    )
-    results[phase] = full(model)
-    sizes[phase] = {"final": strategy.micro_batches.size, "seen": model.sizes_seen}
-# the same at the second step, whose collectives the first taught: nobody announces them
-for phase, budget in [("later_forward", 24), ("later_backward", 32)]:
-    model = HungryBlocks(limit_rank=1, budget=budget, limit_from=1)
-    model._lift()  # the limit the fit before set on rank 1 stays until a new one is set
-    trainer, strategy = fit(model, regression_data(), 8, 2, micro_batch_size="auto")
-    results[phase] = full(model)
-    sizes[phase] = {"final": strategy.micro_batches.size, "seen": model.sizes_seen}
-with open(f"sizes_rank{trainer.global_rank}.json", "w") as f:
-    json.dump(sizes, f)
-# validation: rank 1 fits 4 rows, not 8 (forward only: 2 row-sizes per row), and fails inside a block
-validated = {}
-for micro, limit in ((None, None), ("auto", 1)):
-    model = HungryBlocks(limit_rank=limit, budget=12, limit_in="eval")
-    strategy = MGPUFSDPStrategy(micro_batch_size=micro)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, **QUIET)
-    metrics = trainer.validate(model, loader(regression_data(), 8), verbose=False)[0]
-    validated[str(micro)] = {"metrics": metrics, "seen": model.eval_sizes_seen}
-with open(f"validated_rank{trainer.global_rank}.json", "w") as f:
-    json.dump(validated, f)
-if trainer.is_global_zero:
-    torch.save(results, "fsdp.pt")
-
-# rank 1 cannot hold the activations of one row: both ranks must stop
-fit(HungryBlocks(limit_rank=1, budget=32, forward_extra=40), regression_data(), 8, 2, micro_batch_size="auto")
-"""
-
 
 def test_fsdp_micro_batches_and_out_of_memory_between_gathers(tmp_path: Path) -> None:
     env = script_env(**LIMITED_MEMORY)
-    result = run_script(SCRIPT, tmp_path, timeout=300, env=env)
+    result = run_file("micro_batch_fsdp.py", tmp_path, timeout=300, env=env)
     final = torch.load(tmp_path / "fsdp.pt")
 
     # two ranks of 8 rows, whole or in micro-batches of at most 3 = one device with batches of 16
