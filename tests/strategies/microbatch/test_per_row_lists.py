@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_mgpu.strategies.dp.strategy import MGPUDataParallelStrategy
-from tests.helpers import run_script, script_env
+from tests.helpers import run_file, script_env
 from tests.strategies.microbatch._models import LIMITED_MEMORY, QUIET
 
 
@@ -137,34 +137,8 @@ def test_the_module_s_split_batch_rows_cuts_what_the_rules_cannot(
     assert all(names == ["cat", "dog", "fish"] and len(rows) == 4 for names, rows in parts)
 
 
-OOM_SCRIPT = """
-import json, lightning as L
-from torch.utils.data import DataLoader
-from lightning_mgpu.strategies.dp.strategy import MGPUDataParallelStrategy
-from tests.strategies.microbatch._models import QUIET, Hungry
-from tests.strategies.microbatch.test_per_row_lists import WithIds
-
-class IdHungry(Hungry):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.parts = []
-
-    def training_step(self, batch, batch_idx):
-        x, y, ids = batch
-        self.parts.append((list(ids), [int(v) for v in x[:, 0].tolist()]))
-        return super().training_step((x, y), batch_idx)
-
-# backward needs about 4 row-sizes per row: 24 fit 4 rows, not 8
-model = IdHungry(limit_rank=0, budget=24)
-strategy = MGPUDataParallelStrategy(micro_batch_size="auto")
-trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, **QUIET)
-trainer.fit(model, DataLoader(WithIds(), batch_size=8))
-json.dump({"sizes": model.sizes_seen, "parts": model.parts}, open("seen.json", "w"))
-"""
-
-
 def test_after_a_real_out_of_memory_the_halves_get_their_own_rows_ids(tmp_path: Path) -> None:
-    result = run_script(OOM_SCRIPT, tmp_path, timeout=240, env=script_env(**LIMITED_MEMORY))
+    result = run_file("per_row_ids_oom.py", tmp_path, timeout=240, env=script_env(**LIMITED_MEMORY))
     assert result.returncode == 0, result.output
     assert "out of memory in backward at batch 0 of epoch 0 with micro-batches of 8 rows" in result.output
     seen = __import__("json").loads((tmp_path / "seen.json").read_text())
@@ -174,24 +148,8 @@ def test_after_a_real_out_of_memory_the_halves_get_their_own_rows_ids(tmp_path: 
     assert_ids_match_rows([tuple(seen["parts"][0])], 8)  # type: ignore[list-item]
 
 
-DDP_SCRIPT = """
-import json, lightning as L
-from torch.utils.data import DataLoader
-from lightning_mgpu import MGPUDDPStrategy
-from tests.strategies.microbatch._models import QUIET
-from tests.strategies.microbatch.test_per_row_lists import IdModel, WithIds
-
-parts = []
-trainer = L.Trainer(
-    accelerator="cpu", devices=2, strategy=MGPUDDPStrategy(micro_batch_size=2), max_steps=2, **QUIET
-)
-trainer.fit(IdModel(parts), DataLoader(WithIds(), batch_size=4))
-json.dump(parts, open(f"parts_rank{trainer.global_rank}.json", "w"))
-"""
-
-
 def test_under_mgpu_ddp_each_rank_s_micro_batches_get_their_own_rows_ids(tmp_path: Path) -> None:
-    result = run_script(DDP_SCRIPT, tmp_path, timeout=240)
+    result = run_file("per_row_ids_ddp.py", tmp_path, timeout=240)
     assert result.returncode == 0, result.output
     for rank in (0, 1):
         parts = __import__("json").loads((tmp_path / f"parts_rank{rank}.json").read_text())
