@@ -20,7 +20,7 @@ from torch import nn
 from torchmetrics import CatMetric, MeanSquaredError
 
 from lightning_mgpu.strategies.dp.strategy import MGPUDataParallelStrategy
-from tests.helpers import run_script, script_env
+from tests.helpers import run_file, script_env
 from tests.strategies.microbatch._models import (
     LIMITED_MEMORY,
     QUIET,
@@ -214,48 +214,9 @@ def test_manual_optimization_is_refused_at_the_start_of_fit_with_the_fix() -> No
     fit(Manual(), token_data(), 8, max_steps=2)  # without micro_batch_size it trains
 
 
-OOM_SCRIPT = """
-import json, logging, sys, lightning as L
-from lightning_mgpu.strategies.dp.strategy import MGPUDataParallelStrategy
-from tests.strategies.microbatch._models import QUIET, Hungry, LossRecorder, loader, regression_data
-
-logging.basicConfig()
-logging.getLogger("lightning_mgpu.strategies.microbatch").setLevel(logging.INFO)  # how the size grows
-
-def fit(model, batch_size, steps, grow_after=100, callbacks=()):
-    strategy = MGPUDataParallelStrategy(micro_batch_size="auto")
-    strategy.micro_batches.grow_after = grow_after
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, callbacks=list(callbacks), **QUIET
-    )
-    trainer.fit(model, loader(regression_data(), batch_size))
-    return model
-
-seen = {}
-# backward needs about 4 row-sizes per row, forward 1 (+ forward_extra): 24 fit 4 rows, not 8
-seen["backward"] = fit(Hungry(limit_rank=0, budget=24), 8, 2).sizes_seen
-seen["forward"] = fit(Hungry(limit_rank=0, budget=32, forward_extra=5), 8, 2).sizes_seen
-# a token mean: after the out-of-memory the micro-batches hold other counts than rows
-recorder = LossRecorder()
-seen["masked"] = fit(Hungry(limit_rank=0, budget=24, masked=True), 8, 2, callbacks=[recorder]).sizes_seen
-seen["masked_losses"] = recorder.losses()
-# 16 and 8 rows fail, 4 fit; the limit is lifted at step 1 and after 2 clean batches it grows to 6
-model = fit(Hungry(limit_rank=0, budget=24, lift_at=1), 16, 4, grow_after=2)
-seen["grow"] = model.sizes_seen
-# validation, forward only (2 row-sizes per row), fits 4 rows, not 8
-model = Hungry(limit_rank=0, budget=12, limit_in="eval")
-strategy = MGPUDataParallelStrategy(micro_batch_size="auto")
-trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, **QUIET)
-trainer.validate(model, loader(regression_data(), 8))
-seen["validate"] = model.eval_sizes_seen
-json.dump(seen, open("seen.json", "w"))
-fit(Hungry(limit_rank=0, budget=32, forward_extra=40), 8, 2)  # never fits: the run ends
-"""
-
-
 def test_auto_recovers_from_real_out_of_memory(tmp_path: Path) -> None:
     env = script_env(**LIMITED_MEMORY)
-    result = run_script(OOM_SCRIPT, tmp_path, timeout=240, env=env)
+    result = run_file("micro_batch_auto.py", tmp_path, timeout=240, env=env)
     seen = __import__("json").loads((tmp_path / "seen.json").read_text())
     out = result.output
     assert seen["backward"] == [8, 4, 4, 4, 4]
