@@ -1,7 +1,8 @@
 """FSDP's own buffers out of memory under ``mgpu_fsdp``: recovered before the collective, or a fast stop.
 
-One launch of two processes, two fits. Rank 0's address space is limited right before the unit
-``wide`` (4.13 MiB of parameters gathered) runs its first forward, with room for:
+One launch of two processes (tests/scripts/fsdp_buffers.py), two fits. Rank 0's address space is
+limited right before the unit ``wide`` (4.13 MiB of parameters gathered) runs its first forward, with
+room for:
 
 - 2 MiB, while the pass holds 16 MiB: FSDP's all-gather buffer does not fit. With
   ``micro_batch_size="auto"`` rank 0 leaves its pass, which frees the 16 MiB, and runs the all-gather
@@ -23,79 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mgpu.devices import format_bytes
-from tests.helpers import run_script, script_env
+from tests.helpers import run_file, script_env
 from tests.strategies.microbatch._models import LIMITED_MEMORY
-
-SCRIPT = """
-import json, resource
-import lightning as L
-import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-from lightning_mgpu import MGPUFSDPStrategy
-
-def squeeze(room_mib):
-    # the address space this process holds now, plus room_mib; None lifts the limit
-    with open("/proc/self/status") as status:
-        held = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (hard if room_mib is None else held + room_mib * 2**20, hard))
-
-class Wide(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.mid, self.down = nn.Linear(16, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 16)
-
-    def forward(self, h):
-        return self.down(torch.tanh(self.mid(torch.tanh(self.up(h)))))
-
-class Model(L.LightningModule):
-    def __init__(self, room_mib):
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin, self.wide, self.head = nn.Linear(4, 16), Wide(), nn.Linear(16, 1)
-        self.room_mib, self.forwards, self.rows = room_mib, 0, []
-
-    def on_train_start(self):
-        if self.global_rank == 0:  # before FSDP's own hook, which allocates and gathers
-            self.wide.register_forward_pre_hook(self.limit, prepend=True)
-
-    def limit(self, module, args):
-        self.forwards += 1
-        squeeze(self.room_mib if self.forwards == 1 else None)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        self.rows.append(len(x))
-        # what the pass held when the all-gather buffer found no room: freed with the failed attempt
-        held = torch.ones(4 * 2**20) if self.global_rank == 0 and self.forwards == 0 else None
-        return F.mse_loss(self.head(self.wide(torch.tanh(self.lin(x)))), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-def fit(room_mib):
-    model = Model(room_mib)
-    strategy = MGPUFSDPStrategy(block_classes=["Wide"], micro_batch_size="auto")
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )
-    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=16))
-    return trainer, model
-
-g = torch.Generator().manual_seed(2)
-x, y = torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)
-trainer, model = fit(2)
-final = {k: v.full_tensor() for k, v in model.state_dict().items()}  # a collective: every rank
-with open(f"rows_rank{trainer.global_rank}.json", "w") as f:
-    json.dump(model.rows, f)
-if trainer.global_rank == 0:
-    torch.save(final, "recovered.pt")
-fit(6)
-"""
 
 WIDE_BYTES = (16 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 16 + 16) * 4
 
@@ -131,7 +61,7 @@ def trained_reference() -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def buffers_run(tmp_path_factory: pytest.TempPathFactory):
     tmp_path = tmp_path_factory.mktemp("buffers")
-    result = run_script(SCRIPT, tmp_path, timeout=240, env=script_env(**LIMITED_MEMORY))
+    result = run_file("fsdp_buffers.py", tmp_path, timeout=240, env=script_env(**LIMITED_MEMORY))
     return tmp_path, result
 
 
