@@ -1,6 +1,6 @@
 """``mgpu_fsdp`` on real gloo processes: the same weights as one process, and 1/N of the state per rank.
 
-One launch of two processes runs every fit of ``FIT_SCRIPT`` (Lightning's launcher starts
+One launch of two processes runs every fit of tests/scripts/fsdp_fits.py (Lightning's launcher starts
 the second rank once and later Trainers reuse the process group), so this file pays for one
 process start-up. Each rank builds its model from its own seed: the strategy must start
 both from rank 0's weights, as DDP does.
@@ -18,102 +18,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MGPUFSDPStrategy, estimate_memory
-from tests.helpers import run_file, run_script
+from tests.helpers import run_file
 
-FIT_SCRIPT = """
-import json, os, torch, lightning as L
-from dataclasses import asdict
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning_mgpu import DeviceMemoryMonitor, MGPUFSDPStrategy, PlainStateDictExport
-from lightning_mgpu.estimate.model_state import measure_model_state
-
-RANK = int(os.environ.get("LOCAL_RANK", 0))
-
-class Regression(L.LightningModule):
-    def __init__(self, optimizer):
-        super().__init__()
-        self.optimizer = optimizer
-        self.net = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 33), nn.Tanh())
-        self.head = nn.Linear(33, 2)  # held by the root unit, gathered around the step
-        self.forward_dtypes = set()
-        self.net[2].register_forward_hook(lambda m, i, o: self.forward_dtypes.add(str(m.weight.dtype)))
-
-    def forward(self, x):
-        return self.head(self.net(x))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.mse_loss(self(x).float(), y)
-
-    def configure_optimizers(self):
-        if self.optimizer == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
-
-class Measure(Callback):
-    # what this rank holds at the second optimizer step, when AdamW's state exists
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if trainer.global_step == 1:
-            state = measure_model_state(pl_module, [optimizer])
-            rows = sum(p.numel() // p.shape[0] * p.element_size() for p in pl_module.parameters())
-            with open(f"state_rank{RANK}.json", "w") as f:
-                json.dump({**asdict(state), "rows": rows}, f)
-
-def fit(name, optimizer, precision="32-true", epochs=2, callbacks=(), ckpt_path=None, **strategy):
-    torch.manual_seed(RANK)  # a different init on each rank
-    model = Regression(optimizer)
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=MGPUFSDPStrategy(**strategy), max_epochs=epochs,
-        precision=precision, logger=False, enable_checkpointing=bool(callbacks), callbacks=list(callbacks),
-        enable_progress_bar=False, enable_model_summary=False,
-    )
-    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False), ckpt_path=ckpt_path)
-    sharded = {k: (type(v).__name__, str(v.dtype)) for k, v in model.state_dict().items()}
-    final = {k: v.full_tensor() for k, v in model.state_dict().items()}  # a collective: every rank
-    if RANK == 0:
-        torch.save({"initial": initial, "final": final, "sharded": sharded,
-                    "forward_dtypes": sorted(model.forward_dtypes)}, f"{name}.pt")
-
-torch.manual_seed(1234)
-x, y = torch.randn(64, 6), torch.randn(64, 2)
-if RANK == 0:
-    torch.save({"x": x, "y": y}, "data.pt")
-fit("sgd", "sgd")
-monitor = DeviceMemoryMonitor(every_n_steps=1, summary_file="adamw_memory.json")
-fit("adamw", "adamw", callbacks=[Measure(), monitor])
-fit("bf16", "sgd", precision="bf16-mixed")
-# resume: one epoch saved as a sharded folder, then a second epoch from it
-# (and the plain weights of the run and of its sharded checkpoint, as PlainStateDictExport writes them)
-saving = [ModelCheckpoint(dirpath="ckpt", save_last=True), PlainStateDictExport()]
-fit("first_epoch", "adamw", epochs=1, callbacks=saving)
-fit("resumed", "adamw", ckpt_path="ckpt/last.ckpt", reshard_after_forward=False)
-
-class Wrapped(L.LightningModule):  # its layers in one attribute, as a model from a library is held
-    def __init__(self):
-        super().__init__()
-        self.model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 2))
-
-    def training_step(self, batch, batch_idx):
-        return nn.functional.mse_loss(self.model(batch[0]), batch[1])
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-# last.ckpt saved at the end of each of two epochs, the second over the first; plain weights beside it
-wrapped = Wrapped()
-trainer = L.Trainer(
-    accelerator="cpu", devices=2, strategy="mgpu_fsdp", max_epochs=2, logger=False,
-    callbacks=[ModelCheckpoint(dirpath="wrapped", save_last=True), PlainStateDictExport()],
-    enable_progress_bar=False, enable_model_summary=False,
-)
-trainer.fit(wrapped, DataLoader(TensorDataset(x, y), batch_size=4))
-final = {k: v.full_tensor() for k, v in wrapped.model.state_dict().items()}
-if RANK == 0:
-    torch.save(final, "wrapped.pt")
-"""
 # (test_a_checkpoint_of_two_processes_resumes_in_one resumes ckpt/last.ckpt in this pytest process)
 
 
@@ -147,7 +53,7 @@ def reference(data: dict, initial: dict, optimizer: str, epochs: int = 2) -> dic
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory: pytest.TempPathFactory):
     tmp_path = tmp_path_factory.mktemp("fsdp")
-    result = run_script(FIT_SCRIPT, tmp_path, timeout=400)
+    result = run_file("fsdp_fits.py", tmp_path, timeout=400)
     assert result.returncode == 0, result.output
     return tmp_path, result
 
