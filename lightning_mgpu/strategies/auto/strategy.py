@@ -16,7 +16,8 @@ parameters, gradients and the state of the model's optimizer, in the Trainer's p
 with the numbers (``mgpu_ddp`` stays, with a warning, under a precision ``mgpu_fsdp``
 refuses), and a ``ValueError`` with the numbers when even the shards do not fit, before
 anything is moved. ``micro_batch_size=`` is passed on to the chosen strategy; one device
-and ``ddp_notebook``, which cannot micro-batch, give way to ``mgpu_dp``.
+and ``ddp_notebook``, which cannot micro-batch, give way to ``mgpu_dp``. A choice of one process per
+device (``become.TIMED``) adds a ``DeviceTimeMonitor`` to the Trainer's callbacks when it has none.
 """
 
 from __future__ import annotations
@@ -145,7 +146,10 @@ def choose_strategy(
 class MGPUAutoStrategy(ParallelStrategy):
     """Placeholder registered as ``mgpu_auto``: becomes the strategy ``choose_strategy`` picks.
 
-    See the module docstring for the rules and for how the Trainer's settings reach it.
+    See the module docstring for the rules and for how the Trainer's settings reach it. Where it
+    starts one process per device (``mgpu_ddp``, ``mgpu_fsdp``, ``ddp_notebook``) and the Trainer has
+    no ``DeviceTimeMonitor``, it adds one (``summary_file=None``): the run ends with every rank's
+    time table and the name of a slow rank.
 
     Args:
         facts: the environment facts to decide with; read from this process when ``None``.

@@ -191,20 +191,28 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_mgpu
+from lightning_mgpu import DeviceTimeMonitor
 from lightning_mgpu.strategies.auto import MGPUAutoStrategy
 from lightning_mgpu.strategies.ddp.strategy import MGPUDDPStrategy
 from lightning_mgpu.strategies.fsdp.strategy import MGPUFSDPStrategy
 from tests.strategies.dp._dp_models import QUIET, Regressor, regression_data
 
+def time_monitors(trainer):
+    return [c.flush_every_n_steps for c in trainer.callbacks if isinstance(c, DeviceTimeMonitor)]
+
 model = Regressor()
+# the user's own monitor: mgpu_auto adds none beside it
+mine = DeviceTimeMonitor(flush_every_n_steps=3, summary_file=None)
 trainer = L.Trainer(
-    accelerator="cpu", devices=2, strategy="mgpu_auto", max_epochs=2, use_distributed_sampler=False, **QUIET
+    accelerator="cpu", devices=2, strategy="mgpu_auto", max_epochs=2, use_distributed_sampler=False,
+    callbacks=[mine], **QUIET
 )
 # 5 rows per process, every other row of the global batch of 10: together, the single-device batches
 data = regression_data(rows=20)
 sampler = DistributedSampler(data, num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
 trainer.fit(model, DataLoader(data, batch_size=5, sampler=sampler), ckpt_path=sys.argv[1])
 assert type(trainer.strategy) is MGPUDDPStrategy, type(trainer.strategy)
+assert time_monitors(trainer) == [3], time_monitors(trainer)
 if trainer.is_global_zero:
     torch.save(model.state_dict(), sys.argv[2])
 
@@ -223,6 +231,7 @@ def fit_auto(device_memory):
         "is_fsdp": isinstance(trainer.strategy, MGPUFSDPStrategy),
         "dtensors": sorted({type(p).__name__ for p in model.parameters()}),
         "rows": [local.shape[0], weight.shape[0]],
+        "time_monitors": time_monitors(trainer),  # the one mgpu_auto added
     }
 
 with open(f"auto_rank{trainer.global_rank}.json", "w") as f:
@@ -269,10 +278,12 @@ def test_a_model_that_fits_only_sharded_trains_under_mgpu_fsdp(auto_run) -> None
     for rank in ranks:
         # parameters, gradients, DDP's buckets and momentum: 1552 B whole, 1004 B sharded (test_become.py)
         assert rank["1KiB"] == {
-            "strategy": "MGPUFSDPStrategy", "is_fsdp": True, "dtensors": ["DTensor"], "rows": [8, 16]
+            "strategy": "MGPUFSDPStrategy", "is_fsdp": True, "dtensors": ["DTensor"], "rows": [8, 16],
+            "time_monitors": [25],
         }  # fmt: skip
         assert rank["2KiB"] == {
-            "strategy": "MGPUDDPStrategy", "is_fsdp": False, "dtensors": ["Parameter"], "rows": [16, 16]
+            "strategy": "MGPUDDPStrategy", "is_fsdp": False, "dtensors": ["Parameter"], "rows": [16, 16],
+            "time_monitors": [25],
         }  # fmt: skip
     numbers = (
         "a whole copy of the parameters, gradients and optimizer state (SGD) takes 1.52 KiB per device with"
@@ -282,6 +293,8 @@ def test_a_model_that_fits_only_sharded_trains_under_mgpu_fsdp(auto_run) -> None
     assert result.output.count("mgpu_auto chose mgpu_fsdp: ") == 1, result.output[-3000:]
     assert numbers in result.output
     assert result.output.count("then mgpu_fsdp: decided when the model is known") == 2
+    # the time monitor mgpu_auto added: each of the two fits ends with its table on rank 0
+    assert result.output.count("Samples/s") == 3, result.output[-3000:]  # and the user's own, first
     # sharded or not, the same steps from the same start: the same weights
     sharded = torch.load(tmp_path / "1KiB.pt", weights_only=True)
     whole = torch.load(tmp_path / "2KiB.pt", weights_only=True)
