@@ -6,8 +6,8 @@
 - ``report.py``: the estimate's one table, for ``str(estimate)`` and ``lightning-mgpu estimate``;
 - ``batch.py``: a batch's rows (Lightning's ``extract_batch_size``), its tensors, a resized copy;
 - ``measuring.py``: what both measurements share: copies of the module, byte counts, the result;
-- ``training.py``: one warm-up and two measured training steps on copies of the module;
-- ``inference.py``: two measured forward passes under ``torch.no_grad()``;
+- ``steps.py``: one warm-up and two measured training steps on copies of the module, or two
+  measured forward passes under ``torch.no_grad()`` for inference;
 - ``live_bytes.py``: the one counter of bytes held by live tensors, on any device including ``meta``,
   and of bytes saved for backward (also used by ``mgpu_dp`` for each replica).
 

@@ -29,7 +29,6 @@ and the forward's live peak, with no gradients, optimizer state or saved activat
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -41,11 +40,10 @@ from lightning_mgpu._compat.lightning import convert_precision_to_unified_args
 from lightning_mgpu._sharding.per_device import parameter_rows, unit_bytes
 from lightning_mgpu._sharding.plan import BlockClasses, plan_sharding
 from lightning_mgpu.devices import cuda_devices, parse_bytes
-from lightning_mgpu.estimate.inference import measure_inference
 from lightning_mgpu.estimate.measuring import MeasuredStep
 from lightning_mgpu.estimate.memory_estimate import STRATEGIES, MemoryEstimate
 from lightning_mgpu.estimate.optimizer_state import OptimizerState
-from lightning_mgpu.estimate.training import measure_steps
+from lightning_mgpu.estimate.steps import measure_steps
 from lightning_mgpu.precision import PRECISIONS, precision_names
 
 __all__ = ["STRATEGIES", "MemoryEstimate", "estimate_memory", "model_state_estimate"]
@@ -154,17 +152,18 @@ def estimate_memory(
             )
         places = ["cpu"]
         log.debug("precision %s needs autocast, which meta tensors ignore: measuring on cpu", precision_name)
-    measure = measure_inference if inference else functools.partial(measure_steps, optimizer=optimizer)
     measured: MeasuredStep | None = None
     for place in places:
         try:
-            measured = measure(
+            measured = measure_steps(
                 module,
                 sample_batch,
                 device=torch.device(place),
+                optimizer=optimizer,
                 step_fn=step_fn,
                 param_dtype=param_dtype,
                 autocast_dtype=autocast_dtype,
+                inference=inference,
             )
             break
         except (RuntimeError, NotImplementedError, TypeError, AttributeError) as err:

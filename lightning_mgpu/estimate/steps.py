@@ -1,13 +1,17 @@
-"""One warm-up and two measured training steps on copies of a module's tensors.
+"""Measured steps on copies of a module's tensors: training (one warm-up, two measured) or inference (two).
 
 The copies live on ``meta`` (nothing is computed) or CPU; the module is called through
 ``torch.func.functional_call`` so its own parameters, buffers and gradients stay as
-they were. The order of work is Lightning's automatic optimization: forward (the last
+they were. The order of a training step is Lightning's automatic optimization: forward (the last
 step's gradients still alive), ``zero_grad(set_to_none=True)``, backward, optimizer step.
+An inference pass runs in eval mode under ``torch.no_grad()``: no gradients, no optimizer state,
+nothing saved for backward, only the parameters, buffers, the batch and the forward's peak.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -34,9 +38,15 @@ def _training_step(module: nn.Module, batch: Any) -> Any:
     return module.training_step(batch, 0)  # type: ignore[operator]
 
 
-def _resolve_step(module: nn.Module, step_fn: Callable[[nn.Module, Any], Any] | None) -> Any:
+def _predict_step(module: nn.Module, batch: Any) -> Any:
+    return module.predict_step(batch, 0)  # type: ignore[operator]
+
+
+def _resolve_step(module: nn.Module, step_fn: Callable[[nn.Module, Any], Any] | None, inference: bool) -> Any:
     if step_fn is not None:
         return step_fn
+    if inference:
+        return _predict_step if hasattr(module, "predict_step") else forward_step
     if hasattr(module, "training_step"):
         if getattr(module, "automatic_optimization", True) is False:
             raise ValueError(
@@ -70,6 +80,18 @@ def _loss_of(out: Any) -> torch.Tensor:
     if not out.requires_grad:
         raise ValueError("the training step's loss does not require grad: nothing would be trained")
     return out if out.numel() == 1 else out.sum()
+
+
+def _inference(call: Callable[[Any], Any], batch: Any, tracker: LiveBytes) -> dict[str, int]:
+    with tracker.phase() as forward:
+        out = call(batch)
+    return {
+        "forward_backward": forward["peak"],
+        "optimizer_step": 0,
+        "saved": 0,
+        "outputs": unique_bytes(tensors(out), min_dim=1),
+        "batch": unique_bytes(tensors(batch)),
+    }
 
 
 def _step(
@@ -112,12 +134,18 @@ def measure_steps(
     step_fn: Callable[[nn.Module, Any], Any] | None,
     param_dtype: torch.dtype | None,
     autocast_dtype: torch.dtype | None,
+    inference: bool = False,
 ) -> MeasuredStep:
-    """Warm up once, then measure steps at the sample's batch size and at half (or double) of it."""
+    """Measure steps at the sample's batch size and at half (or double) of it (training: after a warm-up).
+
+    With ``inference`` the steps are forward passes (eval mode, no gradients): a LightningModule
+    runs its ``predict_step(batch, 0)``, any other module ``module(batch)``; gradients, optimizer
+    state and saved activations are zero, ``forward_backward`` holds the forward's peak.
+    """
     notes: list[str] = []
-    step = _resolve_step(module, step_fn)
+    step = _resolve_step(module, step_fn, inference)
     b1, b2 = sample_sizes(sample_batch)
-    originals = _resolve_optimizers(module, optimizer, notes)
+    originals = [] if inference else _resolve_optimizers(module, optimizer, notes)
     copies, batch1 = make_copies(module, sample_batch, step, device, param_dtype, autocast_dtype)
     params, static, call = copies.params, copies.static, copies.call
     optimizers = [copy_optimizer(o, copies.leaf_of) for o in originals]
@@ -125,17 +153,25 @@ def measure_steps(
     tracker.track_all(static + tensors(batch1))
     # state some optimizers create when built (Adagrad's sums), before the counter started
     tracker.track_all([t for o in optimizers for state in o.state.values() for t in tensors(state)])
+    trainable = [p for p in params.values() if p.requires_grad]
+    if inference:
+        run: Callable[[Any], dict[str, int]] = functools.partial(_inference, call, tracker=tracker)
+    else:
+        run = functools.partial(
+            _step, call, optimizers=optimizers, leaves=trainable, tracker=tracker, static=static
+        )
     was_training = module.training
-    module.train()
+    module.train(not inference)
+    no_grad = torch.no_grad() if inference else contextlib.nullcontext()
     try:
-        with torch.random.fork_rng(devices=[]), quiet_lightning(), tracker:
-            trainable = [p for p in params.values() if p.requires_grad]
-            # the warm-up creates the gradients and the optimizer state, as Lightning's first step does
-            _step(call, batch1, optimizers, trainable, tracker, static)
-            m1 = _step(call, batch1, optimizers, trainable, tracker, static)
+        with torch.random.fork_rng(devices=[]), quiet_lightning(), tracker, no_grad:
+            # a training warm-up creates the gradients and optimizer state, as Lightning's first step does
+            if not inference:
+                run(batch1)
+            m1 = run(batch1)
             batch2 = resized(batch1, b1, b2)
             del batch1
-            m2 = _step(call, batch2, optimizers, trainable, tracker, static)
+            m2 = run(batch2)
     finally:
         module.train(was_training)
     return MeasuredStep(
@@ -146,8 +182,9 @@ def measure_steps(
         buffer_bytes=unique_bytes(list(copies.buffers.values())),
         gradient_bytes=unique_bytes([p.grad for p in params.values() if p.grad is not None]),
         optimizer_state_bytes=state_bytes(optimizers, device),
-        **{key: Line.through(b1, m1[key], b2, m2[key]) for key in ("batch", "saved", "outputs")},
-        forward_backward=Line.through(b1, m1["forward_backward"], b2, m2["forward_backward"]),
-        optimizer_step=Line.through(b1, m1["optimizer_step"], b2, m2["optimizer_step"]),
+        **{
+            key: Line.through(b1, m1[key], b2, m2[key])
+            for key in ("batch", "saved", "outputs", "forward_backward", "optimizer_step")
+        },
         notes=tuple(notes),
     )
