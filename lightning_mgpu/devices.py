@@ -110,9 +110,14 @@ def nvml_available() -> bool:
     return _nvml() is not None
 
 
-def _nvml_handle(nvml: Any, index: int) -> Any | None:
+def _physical(index: int) -> str:
+    """The entry of ``CUDA_VISIBLE_DEVICES`` (index or UUID) behind torch's ``cuda:<index>``."""
     visible = visible_cuda_devices()
-    physical = visible[index] if visible is not None and index < len(visible) else str(index)
+    return visible[index] if visible is not None and index < len(visible) else str(index)
+
+
+def _nvml_handle(nvml: Any, index: int) -> Any | None:
+    physical = _physical(index)
     try:
         if physical.isdigit():
             return nvml.nvmlDeviceGetHandleByIndex(int(physical))
@@ -132,32 +137,22 @@ def cuda_devices() -> list[DeviceInfo]:
     """
     if not torch.cuda.is_available():
         return []
-    nvml = _nvml()
-    visible = visible_cuda_devices()
+    nvml: Any = _nvml()
     result = []
     for index in range(torch.cuda.device_count()):
-        physical = visible[index] if visible is not None and index < len(visible) else str(index)
         handle = _nvml_handle(nvml, index) if nvml is not None else None
-        if nvml is not None and handle is not None:
-            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
-            procs = []
-            try:
-                for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                    procs.append(GPUProcess(p.pid, p.usedGpuMemory, _process_name(p.pid)))
-            except Exception:  # some drivers refuse the process query inside containers
-                procs = []
-            info = DeviceInfo(
-                index=index,
-                physical=physical,
-                name=_decode(nvml.nvmlDeviceGetName(handle)),
-                total_bytes=int(mem.total),
-                used_bytes=int(mem.used),
-                processes=tuple(procs),
-            )
-        else:
+        if handle is None:
             props = torch.cuda.get_device_properties(index)
-            info = DeviceInfo(index=index, physical=physical, name=props.name, total_bytes=props.total_memory)
-        result.append(info)
+            result.append(DeviceInfo(index, _physical(index), props.name, total_bytes=props.total_memory))
+            continue
+        mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+        try:
+            running = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        except Exception:  # some drivers refuse the process query inside containers
+            running = []
+        procs = tuple(GPUProcess(p.pid, p.usedGpuMemory, _process_name(p.pid)) for p in running)
+        name = _decode(nvml.nvmlDeviceGetName(handle))
+        result.append(DeviceInfo(index, _physical(index), name, int(mem.total), int(mem.used), procs))
     return result
 
 
@@ -269,21 +264,11 @@ def cpu_summary() -> dict[str, int]:
     }
 
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1024,
-    "kb": 1000,
-    "kib": 1024,
-    "m": 1024**2,
-    "mb": 1000**2,
-    "mib": 1024**2,
-    "g": 1024**3,
-    "gb": 1000**3,
-    "gib": 1024**3,
-    "t": 1024**4,
-    "tb": 1000**4,
-    "tib": 1024**4,
+# B, then for each power: K/M/G/T (1024), KB/MB/GB/TB (1000), KiB/MiB/GiB/TiB (1024), lower-cased
+_UNITS = {"": 1, "b": 1} | {
+    unit: base**power
+    for power, letter in enumerate("kmgt", start=1)
+    for unit, base in ((letter, 1024), (f"{letter}b", 1000), (f"{letter}ib", 1024))
 }
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
