@@ -69,14 +69,14 @@ def find_metrics_csv(path: str | os.PathLike[str]) -> Path:
 
 def read_memory_metrics(
     source: str | os.PathLike[str] | Sequence[Mapping[str, Any]],
-) -> dict[str, dict[str, list[tuple[int, float]]]]:
+) -> _Series:
     """``{device: {field: [(step, MiB), ...]}}`` from a run folder, a metrics.csv or a list of rows."""
     if isinstance(source, (str, os.PathLike)):
         with open(find_metrics_csv(source), newline="") as f:
             rows: Sequence[Mapping[str, Any]] = list(csv.DictReader(f))
     else:
         rows = source
-    series: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    series: _Series = {}
     for i, row in enumerate(rows):
         step_text = row.get("step")
         step = int(float(step_text)) if step_text not in (None, "") else i
@@ -122,11 +122,7 @@ def plot_memory(
 
         fig = plot_memory("lightning_logs/version_0", "memory.png")
     """
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as err:
-        raise ImportError("plot_memory needs matplotlib: pip install 'lightning-mgpu[plot]'") from err
-
+    Figure = _figure_class("plot_memory")
     series = read_memory_metrics(run_dir_or_metrics)
     if not series:
         raise ValueError(
@@ -149,27 +145,38 @@ def plot_memory(
         _draw_panel(ax, series, name, devices)
     axes[-1].set_xlabel("step")
     fig.suptitle(title or "Memory per device")
-    out = output_png(out_png)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_write(out) as file:
-        fig.savefig(file, format="png", dpi=100)
+    _save(fig, output_png(out_png))
     return fig
 
 
-def output_png(out_png: str | os.PathLike[str]) -> Path:
-    """Where ``plot_memory`` writes: ``out_png``, or ``out_png/memory.png`` when it is an existing folder.
+def output_png(out_png: str | os.PathLike[str], name: str = "memory.png") -> Path:
+    """Where a plot is written: ``out_png``, or ``out_png/<name>`` when it is an existing folder.
 
     Example::
 
         output_png("runs/digits-1")  # Path('runs/digits-1/memory.png') if that folder exists
     """
     out = Path(out_png)
-    return out / "memory.png" if out.is_dir() else out
+    return out / name if out.is_dir() else out
 
 
-def _draw_panel(
-    ax: Any, series: dict[str, dict[str, list[tuple[int, float]]]], name: str, devices: list[str]
-) -> None:
+def _figure_class(caller: str) -> Any:
+    """matplotlib's ``Figure`` (pyplot stays untouched), or the error saying how to install it."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise ImportError(f"{caller} needs matplotlib: pip install 'lightning-mgpu[plot]'") from err
+    return Figure
+
+
+def _save(fig: Any, out: Path) -> None:
+    """``fig`` as a PNG at ``out``, written whole or not at all; its folder created."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(out) as file:
+        fig.savefig(file, format="png", dpi=100)
+
+
+def _draw_panel(ax: Any, series: _Series, name: str, devices: list[str]) -> None:
     """One quantity for each of ``devices``, with limits dashed; KiB when every value is below 1 MiB."""
     drawn = [v for d in devices for _, v in series[d][name]]
     unit, scale = ("KiB", 1024.0) if drawn and max(drawn) < 1 else ("MiB", 1.0)
@@ -190,7 +197,7 @@ def _draw_panel(
     ax.legend(loc="best", fontsize="small")
 
 
-def _fields(series: dict[str, dict[str, list[tuple[int, float]]]]) -> str:
+def _fields(series: _Series) -> str:
     return ", ".join(sorted({f for fields in series.values() for f in fields}))
 
 
@@ -220,11 +227,7 @@ def plot_time(summary: str | os.PathLike[str] | Mapping[str, Any], out_png: str 
 
         fig = plot_time("runs/digits-1/time_summary.json", "time.png")
     """
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as err:
-        raise ImportError("plot_time needs matplotlib: pip install 'lightning-mgpu[plot]'") from err
-
+    Figure = _figure_class("plot_time")
     data = summary if isinstance(summary, Mapping) else _read_time_summary(Path(summary))
     ranks = list(data.get("ranks") or [])
     if not ranks:
@@ -244,11 +247,7 @@ def plot_time(summary: str | os.PathLike[str] | Mapping[str, Any], out_png: str 
     ax.grid(True, axis="x", alpha=0.3)
     verdict = str((data.get("verdict") or {}).get("line", ""))
     fig.suptitle(verdict.split(" Try:")[0], fontsize="medium", wrap=True)
-    out = Path(out_png)
-    out = out / "time.png" if out.is_dir() else out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_write(out) as file:
-        fig.savefig(file, format="png", dpi=100)
+    _save(fig, output_png(out_png, "time.png"))
     return fig
 
 
