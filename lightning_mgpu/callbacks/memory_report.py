@@ -164,7 +164,7 @@ def table(
         columns += [("Saved for backward", lambda r: format_bytes(r.values.get("saved", math.nan)))]
     if any(not math.isnan(r.values.get("model_state", math.nan)) for r in readings):
         # parameters, gradients and optimizer state this rank holds: 1/N of the model's under mgpu_fsdp
-        columns += [("Model state (rank)", lambda r: _bytes_or_dash(r.values.get("model_state", math.nan)))]
+        columns += [("Model state (rank)", lambda r: format_bytes(r.values.get("model_state", math.nan)))]
     cells = [[h for h, _ in columns]] + [[str(get(r)) for _, get in columns] for r in readings]
     if micro_batches:  # the rank's setting, not a device's: on its first row
         firsts = _first_of_each_rank(readings, set(micro_batches))
@@ -194,10 +194,6 @@ def _first_of_each_rank(readings: list[Reading], ranks: set[int] | None = None) 
 
 def _micro_batch_text(size: int | None) -> str:
     return "whole batch" if size is None else f"{size} row{'s' * (size != 1)}"
-
-
-def _bytes_or_dash(value: float) -> str:
-    return "-" if math.isnan(value) else format_bytes(value)
 
 
 def _used_total(r: Reading) -> str:
