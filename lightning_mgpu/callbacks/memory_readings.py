@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -130,7 +129,9 @@ def take_readings(
             values = {k: float(v) for k, v in allocator_memory(item.device, reset_peak=reset_peak).items()}
             nvml = nvml_memory(item.device)
             values["nvml_used"] = float(nvml[0]) if nvml else math.nan
-            values["total"] = float(nvml[1]) if nvml else float(_total_memory(item.device))
+            values["total"] = (
+                float(nvml[1]) if nvml else float(torch.cuda.get_device_properties(item.device).total_memory)
+            )
         if item.kind != "replica":  # the rank's model state, on its first device (the process's)
             values["model_state"] = float(state) if item.index in (0, None) else math.nan
         else:
@@ -156,8 +157,3 @@ def micro_batch_sizes(trainer: Trainer) -> dict[int, int | None]:
     everyone = all_gather_objects(trainer, (trainer.global_rank, sizes.last_rows))
     log.debug("micro-batch sizes at the end of fit: %s", everyone)
     return dict(everyone)
-
-
-@functools.lru_cache(maxsize=64)
-def _total_memory(device: torch.device) -> int:
-    return int(torch.cuda.get_device_properties(device).total_memory)
