@@ -17,7 +17,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_mgpu._compat.lightning import batches_that_stepped
-from lightning_mgpu._compat.torch import tree_flatten
 from lightning_mgpu.callbacks import _report
 from lightning_mgpu.callbacks import memory_report as report
 from lightning_mgpu.callbacks._distributed import all_gather_objects
@@ -32,7 +31,7 @@ from lightning_mgpu.callbacks.memory_readings import (
 )
 from lightning_mgpu.callbacks.memory_report import Facts, Layout, OOMContext, Reading, Summary
 from lightning_mgpu.devices import cuda_devices
-from lightning_mgpu.estimate.batch import batch_rows
+from lightning_mgpu.estimate.batch import batch_rows, tensors
 from lightning_mgpu.estimate.model_state import ModelStateMeter
 from lightning_mgpu.oom import is_out_of_memory
 
@@ -252,10 +251,9 @@ class DeviceMemoryMonitor(Callback):
         if isinstance(exception, torch.cuda.OutOfMemoryError) and match:
             failed = device_label(trainer, torch.device("cuda", int(match.group(1))))
         replicas = replica_devices(trainer)
-        if root.type == "cuda":
-            available = torch.cuda.device_count() * trainer.num_nodes
-        else:
-            available = trainer.world_size
+        available = (
+            torch.cuda.device_count() * trainer.num_nodes if root.type == "cuda" else trainer.world_size
+        )
         ctx = OOMContext(
             failed_device=failed,
             rank=trainer.global_rank,
@@ -369,12 +367,10 @@ class DeviceMemoryMonitor(Callback):
         strategy = trainer.strategy
         root = strategy.root_device
         mine: dict[str, Any] = {"rank": trainer.global_rank, "pid": os.getpid(), "state": {}, "allocated": {}}
-        for opt in trainer.optimizers:
-            for state in opt.state.values():
-                for t in tree_flatten(state)[0]:
-                    if isinstance(t, torch.Tensor) and t.dim() > 0 and t.device != root:
-                        label = device_label(trainer, t.device)
-                        mine["state"][label] = mine["state"].get(label, 0) + t.numel() * t.element_size()
+        for t in [t for opt in trainer.optimizers for state in opt.state.values() for t in tensors(state)]:
+            if t.dim() > 0 and t.device != root:
+                label = device_label(trainer, t.device)
+                mine["state"][label] = mine["state"].get(label, 0) + t.numel() * t.element_size()
         if root.type == "cuda" and torch.cuda.is_initialized():
             for i in range(torch.cuda.device_count()):
                 held = torch.cuda.memory_allocated(i)
