@@ -8,7 +8,8 @@ exactly one such run, or a ``metrics.csv``. The PNG goes next to the metrics as
 from __future__ import annotations
 
 import argparse
-import sys
+
+from lightning_mgpu.cli._errors import user_errors
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,11 +32,8 @@ def run(args: argparse.Namespace) -> int:
 
     metrics = find_metrics_csv(args.run_dir)
     target = args.output or metrics.parent
-    try:
+    with user_errors(ImportError):  # matplotlib missing: the message says how to install it
         fig = plot_memory(metrics, target, field=args.field, title=f"Memory per device: {metrics.parent}")
-    except ImportError as err:
-        print(f"lightning-mgpu plot-memory: error: {err}", file=sys.stderr)
-        return 1
     devices = sum(1 for ax in fig.axes for line in ax.get_lines() if line.get_linestyle() == "-")
     print(f"wrote {output_png(target)} ({devices} device(s))")
     return 0
