@@ -24,7 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_mgpu._compat.torch import TorchDispatchMode, tree_flatten
 
-__all__ = ["LiveBytes", "SavedBytes", "storage_bytes", "storage_of"]
+__all__ = ["LiveBytes", "SavedBytes", "storage_of"]
 
 
 def storage_of(t: torch.Tensor) -> Any | None:
@@ -32,12 +32,6 @@ def storage_of(t: torch.Tensor) -> Any | None:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # sparse and other layouts without one storage
         return None
-
-
-def storage_bytes(t: torch.Tensor) -> int:
-    """Bytes of the storage behind ``t`` (a view keeps its whole storage alive)."""
-    st = storage_of(t)
-    return int(st.nbytes()) if st is not None else t.numel() * t.element_size()
 
 
 class LiveBytes(TorchDispatchMode):

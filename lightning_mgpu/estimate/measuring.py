@@ -23,7 +23,7 @@ from torch.func import functional_call
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_mgpu.estimate.batch import batch_rows
-from lightning_mgpu.estimate.live_bytes import storage_bytes, storage_of
+from lightning_mgpu.estimate.live_bytes import storage_of
 
 __all__ = [
     "Copies",
@@ -101,16 +101,19 @@ def quiet_lightning() -> Iterator[None]:
 
 
 def unique_bytes(tensors: list[torch.Tensor], min_dim: int = 0) -> int:
-    """Bytes of the storages behind ``tensors``, each once; tensors under ``min_dim`` dimensions skipped."""
+    """Bytes of the storages behind ``tensors``, each once (a view keeps its whole storage alive); tensors
+    under ``min_dim`` dimensions skipped, one without a storage (sparse) counted by its elements."""
     seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
     total = 0
     for t in tensors:
         st = storage_of(t)
         if t.dim() < min_dim or (st is not None and st in seen):
             continue
-        if st is not None:
+        if st is None:
+            total += t.numel() * t.element_size()
+        else:
             seen[st] = True
-        total += storage_bytes(t)
+            total += int(st.nbytes())
     return total
 
 
