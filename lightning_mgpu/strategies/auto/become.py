@@ -135,7 +135,11 @@ def _connect_timed(strategy: Strategy, model: pl.LightningModule) -> None:
     file (``summary_file=None``); a monitor of the user's own, with any settings, takes its place.
     """
     type(strategy).connect(strategy, model)  # the class of the moment: PendingDDPStrategy may change it
-    callbacks = model.trainer.callbacks  # type: ignore[attr-defined]  # set by its callback connector
+    try:
+        trainer = model.trainer
+    except RuntimeError:  # connected outside a Trainer's run: no callbacks to add to
+        return
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by its callback connector
     if not any(isinstance(callback, DeviceTimeMonitor) for callback in callbacks):
         callbacks.append(DeviceTimeMonitor(summary_file=None))
         log.debug("mgpu_auto added DeviceTimeMonitor(summary_file=None) to the Trainer's callbacks")
