@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 from typing_extensions import override
 
 from lightning_mgpu._compat.lightning import SubprocessScriptLauncher, set_num_threads_if_needed
-from lightning_mgpu.strategies.process_group.watchdog.watchdog import PARENT_PID_ENV, watchdog
+from lightning_mgpu.strategies.process_group.watchdog.local_checks import PARENT_PID_ENV
+from lightning_mgpu.strategies.process_group.watchdog.watchdog import watchdog
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

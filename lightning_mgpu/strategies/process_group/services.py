@@ -71,6 +71,7 @@ from lightning_mgpu.strategies.process_group.launcher import _WatchedSubprocessS
 from lightning_mgpu.strategies.process_group.requeue import DeferredRequeue
 from lightning_mgpu.strategies.process_group.step_memory import ExplainedStepMemory
 from lightning_mgpu.strategies.process_group.summary import format_summary, launcher_name, rank_info
+from lightning_mgpu.strategies.process_group.watchdog.signals import quiet_sigterm
 from lightning_mgpu.strategies.process_group.watchdog.verdicts import RankInfo
 from lightning_mgpu.strategies.process_group.watchdog.watchdog import DEAD_AFTER, INTERVAL, watchdog
 from lightning_mgpu.strategies.resume.resumption import Resumption
@@ -373,9 +374,8 @@ class ProcessGroupServices(ExplainedStepMemory):
             self._resumption.after_failure(self.world_size, verdict.dead)
 
     def _explain_failure(self, exception: BaseException) -> None:
-        dog = watchdog()
-        dog.quiet_sigterm()
-        rank = self.global_rank
+        dog, rank = watchdog(), self.global_rank
+        quiet_sigterm()
         if is_communication_error(exception):
             # a peer went away: wait for the watchdog to learn which one and how
             verdict = dog.wait_for_verdict(DEAD_AFTER + 2 * INTERVAL)

@@ -5,7 +5,9 @@ Keys, under a prefix unique to the run:
 - ``info/<rank>``: the rank's :class:`RankInfo`, written once;
 - ``beat/<rank>``: its latest :class:`Beat`, rewritten once a second;
 - ``abort``: the first :class:`Verdict`, set with ``compare_set`` so the first one wins;
-- ``stopped``: how many ranks have read the verdict and are stopping.
+- ``settled/<rank>``: written once the rank no longer needs the store to learn why its run ends
+  (it holds a verdict, saw rank 0 finish, or finished itself): rank 0, whose process holds the
+  store, leaves once the others settled, so that none of them finds only a lost store.
 
 All of it runs on the watchdog thread (and once on the main thread at set-up); the
 training step never touches the store. ``Idleness`` turns this rank's progress counter into
@@ -14,8 +16,9 @@ the idle seconds and the waiting flag that its beats carry.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +63,8 @@ class Heartbeats:
     beating: list[int] = field(default_factory=list)
     """Ranks whose heartbeat key exists (keys are never deleted, so each is checked once)."""
     seq: int = 0
+    settled: bool = False
+    """Whether this rank wrote its ``settled/<rank>`` key."""
 
     @classmethod
     def open(
@@ -128,13 +133,17 @@ class Heartbeats:
         """The verdict some rank published, if any."""
         return Verdict.from_json(self.store.get("abort")) if self.store.check(["abort"]) else None
 
-    def stopping(self) -> None:
-        """Count this rank among those that read the verdict."""
-        self.store.add("stopped", 1)
+    def settle(self) -> None:
+        """Say that this rank learnt why its run ends (once; the store may be gone already)."""
+        if not self.settled:
+            self.settled = True
+            with contextlib.suppress(Exception):
+                self.store.set(f"settled/{self.rank}", "1")
 
-    def stopped(self) -> int:
-        """How many ranks have counted themselves with :meth:`stopping` (0 if the store is gone)."""
+    def unsettled(self, ranks: Iterable[int]) -> list[int]:
+        """Those of ``ranks`` that joined the run and have not settled yet (none once the store is gone)."""
         try:
-            return int(self.store.add("stopped", 0))
+            self.read_infos()
+            return [r for r in ranks if r in self.infos and not self.store.check([f"settled/{r}"])]
         except Exception:
-            return 0
+            return []

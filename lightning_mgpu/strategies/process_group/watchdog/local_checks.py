@@ -4,14 +4,16 @@
 
 - ``children``: the ranks this process launched; ``Popen`` gives their exact exit code or
   signal (``check_children``, ``child_finished``);
-- ``parent``: for a rank that Lightning's launcher started, the launching rank, looked up in
-  ``/proc`` (``parent_ended``); a pid reused by a new process is not mistaken for it;
+- ``parent``: for a rank that Lightning's launcher started, the launching rank, named by the
+  launcher in ``PARENT_PID_ENV`` (``find_parent``) and looked up in ``/proc`` (``parent_ended``);
+  a pid reused by a new process is not mistaken for it;
 - the other ranks on this machine that no rank launched, such as torchrun's workers, read
   from the heartbeat exchange's rank infos (``check_same_host``).
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 from dataclasses import dataclass, field
 
@@ -19,7 +21,10 @@ from lightning_mgpu.strategies.process_group.watchdog import processes
 from lightning_mgpu.strategies.process_group.watchdog.heartbeats import Heartbeats
 from lightning_mgpu.strategies.process_group.watchdog.verdicts import Verdict
 
-__all__ = ["LocalChecks", "Parent", "ParentEnded"]
+__all__ = ["PARENT_PID_ENV", "LocalChecks", "Parent", "ParentEnded"]
+
+PARENT_PID_ENV = "LIGHTNING_MGPU_LAUNCHER_PID"
+"""Set by the launcher for the ranks it starts: the pid of the launching process."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,17 @@ class LocalChecks:
         """Whether ``rank`` is a launched rank whose process ended cleanly."""
         proc = self.children.get(rank)
         return proc is not None and proc.poll() == 0
+
+    def find_parent(self, rank: int, local_rank: int) -> Verdict | None:
+        """Note the rank that launched this one, if one did; a verdict if it has ended already."""
+        launcher_pid = os.environ.get(PARENT_PID_ENV, "")
+        if local_rank == 0 or not launcher_pid.isdigit() or int(launcher_pid) == os.getpid():
+            return None
+        pid, parent = int(launcher_pid), rank - local_rank
+        self.parent = Parent(parent, pid, processes.start_time(pid))
+        if os.getppid() != pid:
+            return Verdict(f"rank {parent} (pid {pid}, which launched this rank) has ended")
+        return None
 
     def parent_ended(self) -> ParentEnded | None:
         """How the launching rank ended, reported once; ``None`` while it runs (or there is none)."""

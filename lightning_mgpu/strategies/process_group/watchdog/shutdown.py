@@ -2,8 +2,11 @@
 
 - ``stop_process``: prints the reason in one line (when a rank failed by itself, the line the
   main thread prints when its collective fails first) and a stuck rank's Python stack, counts
-  this rank among those stopping, gives the other ranks and the child processes a moment to
-  end, kills the children still running and ends the process with ``os._exit``;
+  this rank among those that know why the run ends, gives the other ranks (on rank 0: to read
+  it) and the child processes a moment to end, kills the children still running and ends the
+  process with ``os._exit``;
+- ``wait_until_settled``: rank 0 leaves, a bounded while, only once every other live rank has read
+  why the run ends (``unsettled_peers``);
 - ``wait_for_children``: at exit of the launching process after a clean run, waits for the
   ranks it started and ends with an error if one of them failed;
 - ``kill_children``: stops the child processes still running;
@@ -30,7 +33,14 @@ from lightning_mgpu.strategies.process_group.watchdog import processes
 from lightning_mgpu.strategies.process_group.watchdog.heartbeats import Heartbeats
 from lightning_mgpu.strategies.process_group.watchdog.verdicts import Verdict
 
-__all__ = ["ExitSummary", "kill_children", "stop_process", "wait_for_children"]
+__all__ = [
+    "ExitSummary",
+    "kill_children",
+    "stop_process",
+    "unsettled_peers",
+    "wait_for_children",
+    "wait_until_settled",
+]
 
 log = logging.getLogger(__name__)
 
@@ -69,23 +79,48 @@ def stop_process(
         out.write(f"[rank {rank}] this rank is stuck here (main thread, innermost call last):\n")
         out.write(processes.main_thread_stack())
     out.flush()
-    with contextlib.suppress(Exception):
-        if run is not None:
-            run.stopping()
-    # rank 0 holds the store: it waits for the ranks that read the reason there (not the dead ones, nor
-    # the one that failed by itself and ends through its own exception) to count themselves stopping
-    silent = {*verdict.dead, verdict.origin} - {rank, -1}
+    if run is not None:
+        run.settle()
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         children_done = all(p.poll() is not None for p in children.values())
-        expected = run.world_size - 1 - len(silent) if run is not None else 0
-        others_done = run is None or rank != 0 or run.stopped() >= expected
+        others_done = run is None or rank != 0 or not unsettled_peers(run, verdict, children)
         if children_done and others_done:
             break
         time.sleep(0.1)
     kill_children(children.values(), wait=5)
     log.debug("rank %d: ending the process with exit code %d", rank, exit_code)
     os._exit(exit_code)
+
+
+def unsettled_peers(
+    run: Heartbeats, verdict: Verdict | None, children: Mapping[int, subprocess.Popen]
+) -> list[int]:
+    """The other ranks that may still need rank 0 to learn why the run ends: not settled, not gone
+    by the ``verdict`` (dead, or failed by itself and ending through its own exception), and not a
+    child process that has ended."""
+    gone = {*verdict.dead, verdict.origin} if verdict is not None else set()
+    ended = {r for r, proc in children.items() if proc.poll() is not None}
+    return run.unsettled(sorted(set(range(run.world_size)) - {run.rank, *gone} - ended))
+
+
+def wait_until_settled(
+    run: Heartbeats, verdict: Verdict | None, children: Mapping[int, subprocess.Popen], limit: float
+) -> list[int]:
+    """Keep rank 0's process until the other ranks settled, at most ``limit`` s; the ranks that did not.
+
+    Rank 0's process holds the run's store (Lightning's launcher, SLURM), or its end makes torchrun stop
+    the other ranks. A rank whose watchdog had not yet read there the verdict, or that rank 0 finished
+    the run, could then only report a lost store, or a SIGTERM.
+    """
+    deadline = time.monotonic() + limit
+    waiting = unsettled_peers(run, verdict, children)
+    while waiting and time.monotonic() < deadline:
+        time.sleep(0.02)
+        waiting = unsettled_peers(run, verdict, children)
+    if waiting:
+        log.debug("rank %d: ranks %s did not read why the run ends within %g s", run.rank, waiting, limit)
+    return waiting
 
 
 def wait_for_children(rank: int, children: Mapping[int, subprocess.Popen], tell_after: float) -> None:

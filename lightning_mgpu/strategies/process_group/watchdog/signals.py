@@ -92,6 +92,8 @@ class SignalPipe:
 def quiet_sigterm() -> None:
     """Put a handler that does nothing in place of the SIGTERM handler (from the main thread only).
 
+    For a failing run: Lightning's handler broadcasts a tensor, which with a lost peer only fails or
+    hangs; the watchdog still sees the signal and ends the process if it does not end by itself.
     A Python-level handler must stay, so that the interpreter still writes the signal to the
     wakeup descriptor that ``SignalPipe`` reads.
     """

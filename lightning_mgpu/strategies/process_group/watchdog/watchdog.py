@@ -23,7 +23,10 @@ Python stack and ends at once.
 One way out per failed run: the first to begin (the main thread's exit or the watchdog's stop)
 takes it, the other stays silent. The main thread's way stops this thread before rank 0's store
 goes with the process group: a store call failing while the interpreter shuts down aborts the
-process ("terminate called without an active exception", exit 134).
+process ("terminate called without an active exception", exit 134). Either way, and after a
+finished run too, rank 0 (whose process holds the store, or whose end makes torchrun stop the
+others) leaves once the other ranks have read why the run ends (a bounded wait), or they could
+only report a lost store.
 """
 
 from __future__ import annotations
@@ -40,9 +43,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lightning_mgpu.strategies.process_group.watchdog import processes, shutdown, signals
+from lightning_mgpu.strategies.process_group.watchdog import processes, shutdown
 from lightning_mgpu.strategies.process_group.watchdog.heartbeats import Heartbeats, Idleness
-from lightning_mgpu.strategies.process_group.watchdog.local_checks import LocalChecks, Parent
+from lightning_mgpu.strategies.process_group.watchdog.local_checks import LocalChecks
 from lightning_mgpu.strategies.process_group.watchdog.signals import SignalPipe
 from lightning_mgpu.strategies.process_group.watchdog.verdicts import (
     Beat,
@@ -63,8 +66,6 @@ GRACE = 3.0
 """Seconds the main thread gets to end by itself once the run must stop."""
 DEAD_AFTER = 10.0
 """Seconds without a heartbeat after which a rank counts as gone."""
-PARENT_PID_ENV = "LIGHTNING_MGPU_LAUNCHER_PID"
-"""Set by the launcher for the ranks it starts: the pid of the launching process."""
 
 
 class Watchdog:
@@ -78,6 +79,7 @@ class Watchdog:
         self.rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
         self._local = LocalChecks()
         self._run: Heartbeats | None = None
+        self._last_run: Heartbeats | None = None  # kept after detach: the store outlives the run
         self._verdict: Verdict | None = None
         self._verdict_at = 0.0
         self._suspect: Suspect | None = None
@@ -113,13 +115,9 @@ class Watchdog:
         if self._verdict is not None and self._verdict.origin == rank:
             self._verdict = None  # an earlier run's own error, which the user caught
             self._verdict_event.clear()
-        launcher_pid = os.environ.get(PARENT_PID_ENV)
-        if launcher_pid and launcher_pid.isdigit() and int(launcher_pid) != os.getpid() and local_rank > 0:
-            pid = int(launcher_pid)
-            self._local.parent = Parent(rank - local_rank, pid, processes.start_time(pid))
-            if os.getppid() != pid:
-                parent = rank - local_rank
-                self._decide(Verdict(f"rank {parent} (pid {pid}, which launched this rank) has ended"))
+        gone = self._local.find_parent(rank, local_rank)
+        if gone is not None:
+            self._decide(gone)
         self._signals.install()
         self._exit_summary.install()
         self._start_thread()
@@ -144,7 +142,7 @@ class Watchdog:
         self._progress, self._rank0_done, self._ended_cleanly = progress, False, False
         self._done_peers = []
         with self._lock:
-            self._run = run
+            self._run = self._last_run = run
         self._beat(run, time.monotonic())
 
     def infos(self, timeout: float = 30.0) -> dict[int, RankInfo]:
@@ -159,6 +157,7 @@ class Watchdog:
         if run is not None:
             with contextlib.suppress(Exception):
                 run.beat(self._idleness.last or 0, 0.0, waiting=False, done=True)
+            run.settle()
         self._dead_man.disarm()
         self._ended_cleanly = run is not None and self._verdict is None
         if self._verdict is None or self._verdict.origin == self.rank:
@@ -184,14 +183,6 @@ class Watchdog:
                 self._verdict_event.wait(0.2)
         return self._verdict
 
-    def quiet_sigterm(self) -> None:
-        """Replace Lightning's SIGTERM handler (main thread only) once the run is failing.
-
-        Lightning's handler broadcasts a tensor, which with a lost peer only fails or hangs.
-        The watchdog still sees the signal and ends the process if it does not end by itself.
-        """
-        signals.quiet_sigterm()
-
     def report_own_error(self, message: str) -> Verdict:
         """This rank failed by itself: tell the others, but let this process end its own way."""
         return self._decide(Verdict(message, origin=self.rank))
@@ -213,6 +204,7 @@ class Watchdog:
                 self._verdict = run.publish(verdict)
             except Exception:
                 self._run = None
+            run.settle()
         self._verdict_event.set()
         return self._verdict
 
@@ -296,6 +288,7 @@ class Watchdog:
             published = run.abort() if self._verdict is None else None
             if published is not None:
                 self._adopt(published)
+                run.settle()
             run.read_infos()
             if self._verdict is None:
                 found = self._local.check_same_host(run, self.rank)
@@ -313,6 +306,8 @@ class Watchdog:
         beats = run.read_beats(range(run.world_size) if self.rank == 0 else [0, self.rank])
         if 0 in beats:
             self._rank0_done = beats[0].done
+            if self._rank0_done and self.rank != 0:
+                run.settle()  # told why rank 0 leaves: it may now take its store with it
         self._done_peers = [r for r, b in beats.items() if b.done and r != self.rank]
         return run.judge.look(beats, now, run.infos, self._local.child_finished)
 
@@ -374,8 +369,13 @@ class Watchdog:
             shutdown.wait_for_children(self.rank, self._local.children, tell_after=DEAD_AFTER)
 
     def _bound_exit(self) -> None:
-        """At interpreter exit after a failed run: end the process even if clean-up hangs; stop
-        this thread before the group is destroyed, or wait for its ``os._exit`` if it began first."""
+        """At interpreter exit, before the group (and rank 0's store) goes: on rank 0, wait until the
+        others have read why the run ends; after a failed run, end the process even if clean-up hangs,
+        and stop this thread, or wait for its ``os._exit`` if it began first."""
+        if self.rank == 0 and self._last_run is not None:
+            shutdown.wait_until_settled(
+                self._last_run, self._verdict, self._local.children, GRACE + 2 * INTERVAL
+            )
         if self._verdict is None:
             return
         self._dead_man.arm(GRACE + DEAD_AFTER, time.monotonic(), force=True)
