@@ -49,6 +49,7 @@ __all__ = [
     "materialize_distributed_module",
     "optimizers_to_device",
     "run_slurm_requeue",
+    "set_device_mesh",
     "set_launcher",
     "set_layer_sync",
     "set_num_threads_if_needed",
@@ -183,6 +184,13 @@ def strategy_parts(strategy: Any) -> tuple[Any, Any, Any, Any]:
 def set_layer_sync(strategy: Any, layer_sync: Any) -> None:
     """Keep the layer sync (``SyncBatchNorm``) a strategy had before it changed class (2.4-2.6)."""
     strategy._layer_sync = layer_sync
+
+
+def set_device_mesh(strategy: Any, mesh: Any) -> None:
+    """Give ``ModelParallelStrategy`` and its LightningModule (for ``configure_model``) another mesh after
+    ``setup_environment`` built one: no public setter (2.4-2.6)."""
+    strategy._device_mesh = mesh
+    strategy.lightning_module._device_mesh = mesh
 
 
 def launcher(strategy: Any) -> Any:

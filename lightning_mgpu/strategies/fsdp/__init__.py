@@ -4,6 +4,8 @@
   device mesh, sharded checkpoints) and ``process_group``'s ``ProcessGroupServices``;
 - ``base.py``: ``ShardingModelParallel``, Lightning's ``ModelParallelStrategy`` whose ``setup`` shards
   the model itself (no ``configure_model`` needed);
+- ``mesh.py``: ``shared_mesh``, the one device mesh every fit of a process uses, so that fits leave no
+  process groups behind;
 - ``lightning_mgpu._sharding.plan``: which submodules become units (shared with the estimate);
 - ``sharding.py``: the options, the Trainer precision's dtypes, and the ``fully_shard`` calls;
 - ``lightning_mgpu._sharding.per_device``: the least memory a device needs under a plan;

@@ -2,6 +2,7 @@
 
 The base of ``mgpu_fsdp``: Lightning's ``setup`` refuses a LightningModule without ``configure_model``;
 this one runs Lightning's own steps, with Lightning's own helpers, after the subclass's ``_shard_model``.
+Its ``setup_environment`` gives every fit of the process the same device mesh (``mesh.py``).
 """
 
 from __future__ import annotations
@@ -12,9 +13,14 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_mgpu._compat.lightning import materialize_distributed_module, optimizers_to_device
+from lightning_mgpu._compat.lightning import (
+    materialize_distributed_module,
+    optimizers_to_device,
+    set_device_mesh,
+)
 from lightning_mgpu.strategies.fsdp.buffers import Watched, watch_buffers
 from lightning_mgpu.strategies.fsdp.gloo_average import average_gradients_exactly
+from lightning_mgpu.strategies.fsdp.mesh import shared_mesh
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -44,6 +50,12 @@ class ShardingModelParallel(ModelParallelStrategy):
         if self._watched is None or self._watched.unwatched or not self._watched.collectives:
             return None
         return sum(collective.seconds for collective in self._watched.collectives)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # Lightning builds a new mesh, with new process groups, for every fit: the process keeps one
+        set_device_mesh(self, shared_mesh(self.device_mesh))
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
