@@ -1,44 +1,41 @@
 """What every multi-process ``mgpu_*`` strategy adds to its Lightning base: ``ProcessGroupServices``.
 
-The mixin goes first in the bases, before a Lightning strategy that runs one process per
-device and creates a process group::
+The mixin goes first in the bases, before a Lightning strategy that runs one process per device and creates
+a process group::
 
     class MGPUDDPStrategy(ProcessGroupServices, DDPStrategy): ...
     class MGPUFSDPStrategy(ProcessGroupServices, ModelParallelStrategy): ...
 
 The host's ``__init__`` initialises its Lightning base with Lightning's arguments, then hands
-``stall_timeout`` and ``resume/``'s options to ``_init_services``. The mixin overrides these hooks
-and calls the host's own through ``super()`` in each:
+``stall_timeout`` and ``resume/``'s options to ``_init_services``. The mixin overrides these hooks and calls
+the host's own through ``super()`` in each:
 
-- ``_configure_launcher``: ``checks.check_devices`` before any process starts, then the
-  watched subprocess launcher for ``start_method="popen"`` (a host without
-  ``_start_method`` counts as popen), the host's own launcher otherwise;
-- ``_get_process_group_backend``: the explicit ``process_group_backend``, else
-  ``checks.default_backend`` for the root device;
-- ``setup_environment`` / ``teardown``: the watchdog starts before the process group,
-  joins the run's store after it, and stops (thread joined) when the run ends; under torchrun
-  the group lives in a key space fresh to the attempt (``torchrun_store.py``); a ``fit`` gets the
-  ``checkpoint_every`` safety net and, on a restart, resumes by itself (``resume/``);
-- ``setup``: the training ``DataLoader``'s own ``shuffle`` is kept, and its place in the
-  epoch goes into every checkpoint (``resume/position.py``);
-- ``on_train_start``, ``on_validation_start``, ``on_test_start``, ``on_predict_start``:
-  rank 0 prints the start-up summary once;
-- ``pre_backward``, ``barrier``, ``broadcast``, ``reduce``, ``all_gather``: count progress
-  for the watchdog;
-- ``optimizer_step`` (its base ``step_memory.ExplainedStepMemory``): an out-of-memory in the
-  step itself gets this rank's optimizer state and the options in front of its message;
-- ``on_exception``: a communication error gets the watchdog's reason (which rank died and
-  how); this rank's own error is reported to the others. Should the exception end the
-  process, each rank prints one line naming the rank that failed first and the cause, and
-  only that rank prints its traceback.
+- ``_configure_launcher``: ``checks.check_devices`` before any process starts, then the watched subprocess
+  launcher for ``start_method="popen"`` (a host without ``_start_method`` counts as popen), the host's own
+  launcher otherwise;
+- ``_get_process_group_backend``: the explicit ``process_group_backend``, else ``checks.default_backend``
+  for the root device;
+- ``setup_environment`` / ``teardown``: the watchdog starts before the process group, joins the run's store
+  after it, and stops (thread joined) when the run ends; under torchrun the group lives in a key space fresh
+  to the attempt (``torchrun_store.py``); a ``fit`` gets the ``checkpoint_every`` safety net and, on a
+  restart, resumes by itself (``resume/``);
+- ``setup``: the training ``DataLoader``'s own ``shuffle`` is kept, and its place in the epoch goes into
+  every checkpoint (``resume/position.py``);
+- ``on_train_start``, ``on_validation_start``, ``on_test_start``, ``on_predict_start``: rank 0 prints the
+  start-up summary once;
+- ``pre_backward``, ``barrier``, ``broadcast``, ``reduce``, ``all_gather``: count progress for the watchdog;
+- ``optimizer_step`` (its base ``step_memory.ExplainedStepMemory``): an out-of-memory in the step itself
+  gets this rank's optimizer state and the options in front of its message;
+- ``on_exception``: a communication error gets the watchdog's reason (which rank died and how); this rank's
+  own error is reported to the others. Should the exception end the process, each rank prints one line
+  naming the rank that failed first and the cause, and only that rank prints its traceback.
 
-The host class must provide what Lightning's ``DDPStrategy`` and ``ModelParallelStrategy``
-both have: ``strategy_name`` (a class attribute, used in messages and the summary),
-``_process_group_backend``, ``_get_process_group_backend()``, ``set_world_ranks()``,
-``num_nodes``, ``num_processes``, ``parallel_devices``, ``cluster_environment``,
-``root_device``, ``global_rank``, ``local_rank``, ``node_rank`` and ``world_size``. A host
-adds lines to the start-up summary (a sharding plan, say) by overriding
-``_summary_extra_lines``.
+The host class must provide what Lightning's ``DDPStrategy`` and ``ModelParallelStrategy`` both have:
+``strategy_name`` (a class attribute, used in messages and the summary), ``_process_group_backend``,
+``_get_process_group_backend()``, ``set_world_ranks()``, ``num_nodes``, ``num_processes``,
+``parallel_devices``, ``cluster_environment``, ``root_device``, ``global_rank``, ``local_rank``,
+``node_rank`` and ``world_size``. A host adds lines to the start-up summary (a sharding plan, say) by
+overriding ``_summary_extra_lines``.
 """
 
 from __future__ import annotations
@@ -71,6 +68,7 @@ from lightning_mgpu.strategies.process_group.launcher import _WatchedSubprocessS
 from lightning_mgpu.strategies.process_group.requeue import DeferredRequeue
 from lightning_mgpu.strategies.process_group.step_memory import ExplainedStepMemory
 from lightning_mgpu.strategies.process_group.summary import format_summary, launcher_name, rank_info
+from lightning_mgpu.strategies.process_group.watchdog.heartbeats import loop_progress
 from lightning_mgpu.strategies.process_group.watchdog.signals import quiet_sigterm
 from lightning_mgpu.strategies.process_group.watchdog.verdicts import RankInfo
 from lightning_mgpu.strategies.process_group.watchdog.watchdog import DEAD_AFTER, INTERVAL, watchdog
@@ -83,22 +81,6 @@ __all__ = ["ProcessGroupServices"]
 
 log = logging.getLogger(__name__)
 _RUNS = itertools.count()
-
-
-def _loop_progress(trainer: pl.Trainer) -> int:
-    """Sum of Lightning's epoch and batch counters over its loops: they move between our hooks."""
-    total = 0
-    try:
-        fit = trainer.fit_loop
-        loops = (fit, fit.epoch_loop, fit.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop)
-        for loop in (*loops, trainer.predict_loop):
-            for name in ("epoch_progress", "batch_progress"):
-                counts = getattr(getattr(loop, name, None), "total", None)
-                for field in ("ready", "started", "processed", "completed"):
-                    total += getattr(counts, field, 0)
-    except Exception:  # read from another thread while the trainer changes: best effort
-        pass
-    return total
 
 
 class ProcessGroupServices(ExplainedStepMemory):
@@ -330,7 +312,7 @@ class ProcessGroupServices(ExplainedStepMemory):
         from the watchdog thread, never written) plus the backward passes and collectives that
         go through the strategy, which tell a rank waiting there from one stuck before it."""
         trainer = self._trainer()
-        return self._progress + (_loop_progress(trainer) if trainer is not None else 0)
+        return self._progress + (loop_progress(trainer) if trainer is not None else 0)
 
     def note_progress(self) -> None:
         """Count work that passes none of the hooks below (a micro-batch's backward, run by the module)."""

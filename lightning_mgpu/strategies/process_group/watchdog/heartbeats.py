@@ -10,8 +10,9 @@ Keys, under a prefix unique to the run:
   store, leaves once the others settled, so that none of them finds only a lost store.
 
 All of it runs on the watchdog thread (and once on the main thread at set-up); the
-training step never touches the store. ``Idleness`` turns this rank's progress counter into
-the idle seconds and the waiting flag that its beats carry.
+training step never touches the store. ``Idleness`` turns this rank's progress counter (to which
+``loop_progress`` adds Lightning's loop counters) into the idle seconds and the waiting flag that its
+beats carry.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 from lightning_mgpu.strategies.process_group.watchdog import processes
 from lightning_mgpu.strategies.process_group.watchdog.verdicts import Beat, Judge, RankInfo, Verdict
 
-__all__ = ["Heartbeats", "Idleness"]
+__all__ = ["Heartbeats", "Idleness", "loop_progress"]
 
 
 @dataclass
@@ -147,3 +148,19 @@ class Heartbeats:
             return [r for r in ranks if r in self.infos and not self.store.check([f"settled/{r}"])]
         except Exception:
             return []
+
+
+def loop_progress(trainer: Any) -> int:
+    """Sum of Lightning's epoch and batch counters over its loops: they move between our hooks."""
+    total = 0
+    try:
+        fit = trainer.fit_loop
+        loops = (fit, fit.epoch_loop, fit.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop)
+        for loop in (*loops, trainer.predict_loop):
+            for name in ("epoch_progress", "batch_progress"):
+                counts = getattr(getattr(loop, name, None), "total", None)
+                for field in ("ready", "started", "processed", "completed"):
+                    total += getattr(counts, field, 0)
+    except Exception:  # read from another thread while the trainer changes: best effort
+        pass
+    return total
