@@ -65,7 +65,9 @@ full = get_model_state_dict(lit.model, options=StateDictOptions(full_state_dict=
 if trainer.global_rank == 0:
     torch.save(full, "reference.pt")
 # a process group left to the interpreter's exit now and then aborts it ("terminate called without
-# an active exception") as gloo's threads are torn down
+# an active exception") as gloo's threads are torn down; both ranks meet first, so neither tears it down
+# while the other still writes
+torch.distributed.barrier()
 torch.distributed.destroy_process_group()
 """
 
