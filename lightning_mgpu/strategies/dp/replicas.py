@@ -103,7 +103,7 @@ def _replicate_on_one_device(module: nn.Module, count: int) -> list[nn.Module]:
             continue
         index[id(current)] = len(modules)
         modules.append(current)
-        if not isinstance(current, Metric):  # metrics get their own copies (see replica_metrics.py)
+        if not isinstance(current, Metric):  # metrics get their own copies (split.merge_metrics.PartMetrics)
             children = [child for child in current._modules.values() if child is not None]
             pending.extend(_unwrapped(child, wrapper) for child in children)
     copies = [[replicate_for_data_parallel(m) for m in modules] for _ in range(count)]

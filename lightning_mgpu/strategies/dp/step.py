@@ -23,7 +23,6 @@ from lightning_mgpu._compat.torchmetrics import set_forward_cache
 from lightning_mgpu._words import counted
 from lightning_mgpu.losses import replica_step_context
 from lightning_mgpu.strategies.dp.lockstep import Lockstep, manual_optimization_hooks, record_exit
-from lightning_mgpu.strategies.dp.replica_metrics import ReplicaMetrics
 from lightning_mgpu.strategies.dp.replicas import (
     ReplicaCall,
     compiled_submodules,
@@ -34,6 +33,7 @@ from lightning_mgpu.strategies.dp.replicas import (
 from lightning_mgpu.strategies.dp.threads import ReplicaThreads
 from lightning_mgpu.strategies.split.batch import combine_outputs, scatter_batch, split_rows, split_sizes
 from lightning_mgpu.strategies.split.logs import LogCapture, replay_logs
+from lightning_mgpu.strategies.split.merge_metrics import PartMetrics
 
 __all__ = ["ReplicaResult", "ReplicaStep"]
 
@@ -56,7 +56,7 @@ class ReplicaStep:
     """Runs steps over replicas; keeps the replicas' metric copies and threads from step to step."""
 
     def __init__(self) -> None:
-        self._metrics = ReplicaMetrics()
+        self._metrics = PartMetrics()
         self._threads: ReplicaThreads | None = None
         self._warned_uneven = False
         self._checked_compiled = False
@@ -109,7 +109,9 @@ class ReplicaStep:
             self._warn_compiled(module)
         chunks = scatter_batch(args[0], sizes, devices, "mgpu_dp", module)
         replicas = replicate(module, devices)
-        self._metrics.install(module, replicas, devices)
+        self._metrics.begin(module)
+        for index, (replica, device) in enumerate(zip(replicas, devices, strict=True)):
+            self._metrics.put(replica, index, device)
         manual = method == "training_step" and not module.automatic_optimization
         lockstep = Lockstep(len(sizes))  # manual optimization and global_mean meet there
         # replicas on one device share the module's parameters; elsewhere they hold copies

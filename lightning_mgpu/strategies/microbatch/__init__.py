@@ -8,10 +8,10 @@
 - ``agreement.py``: how the ranks learn of each other's out-of-memory errors (one all-reduce at
   the end of each attempt, and at the checkpoints ``mgpu_fsdp`` puts inside its passes);
 - ``sizes.py``: the micro-batch size of one rank: halve on out-of-memory, grow after clean batches;
-- ``grads.py``: the gradients of a batch kept apart until every rank succeeded, then averaged once;
-- ``micro_batch_metrics.py``: torchmetrics updated per micro-batch, merged as ``mgpu_dp`` merges replicas.
+- ``grads.py``: the gradients of a batch kept apart until every rank succeeded, then averaged once.
 
-Cutting the batch and replaying ``self.log`` are ``split/``'s; the out-of-memory predicate is
+Cutting the batch, replaying ``self.log`` and merging torchmetrics updated per micro-batch are
+``split/``'s; the out-of-memory predicate is
 ``lightning_mgpu.oom.is_out_of_memory``. ``MicroBatching`` is public (documented); the rest is internal.
 """
 

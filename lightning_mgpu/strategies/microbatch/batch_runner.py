@@ -40,6 +40,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_mgpu._compat.torchmetrics import set_forward_cache
 from lightning_mgpu._words import counted, ranks
 from lightning_mgpu.losses import MicroCounts, micro_counts
 from lightning_mgpu.oom import is_out_of_memory
@@ -47,7 +48,6 @@ from lightning_mgpu.strategies.microbatch.agreement import FATAL, OK, RETRY, Agr
 from lightning_mgpu.strategies.microbatch.first_size import estimated_start
 from lightning_mgpu.strategies.microbatch.grads import BatchGradients
 from lightning_mgpu.strategies.microbatch.host import CollectivePasses, MicroBatchHost
-from lightning_mgpu.strategies.microbatch.micro_batch_metrics import MicroBatchMetrics
 from lightning_mgpu.strategies.microbatch.sizes import MicroBatchSizes
 from lightning_mgpu.strategies.split.batch import (
     check_cuttable,
@@ -57,6 +57,7 @@ from lightning_mgpu.strategies.split.batch import (
     split_sizes,
 )
 from lightning_mgpu.strategies.split.logs import LogCapture, replay_logs
+from lightning_mgpu.strategies.split.merge_metrics import PartMetrics
 
 __all__ = ["EVALUATION_STEPS", "MicroBatchOutOfMemoryError", "MicroBatchRunner"]
 
@@ -134,7 +135,7 @@ class MicroBatchRunner:
         self.stage = stage
         self.feature = f"micro_batch_size under {strategy.strategy_name}"  # what cuts, for errors
         self.training = stage == "training_step"
-        self._metrics = MicroBatchMetrics()
+        self._metrics = PartMetrics()
         self._grads: BatchGradients | None = None
         self._phase = "forward"
         self._estimated = False
@@ -189,7 +190,7 @@ class MicroBatchRunner:
                     log.debug("[rank %d] another rank ran out of memory: attempt abandoned", self._rank())
                 except BaseException as err:
                     if not (self.sizes.auto and is_out_of_memory(err)):
-                        self._metrics.forget_attempt()
+                        self._metrics.forget()
                         raise
                     attempts.append(f"{counted(tried, 'row')} (out of memory in {self._phase})")
                     status = self._recover(tried, rows, where)
@@ -232,7 +233,7 @@ class MicroBatchRunner:
             with self._captured(module, LogCapture(), 0):
                 start = estimated_start(self.strategy, module, batch, rows)
         finally:
-            self._metrics.forget_attempt()
+            self._metrics.forget()
         if start is not None:
             self.sizes.start(start)
 
@@ -301,13 +302,13 @@ class MicroBatchRunner:
 
     @contextmanager
     def _captured(self, module: LightningModule, capture: LogCapture, index: int) -> Iterator[None]:
-        self._metrics.use(index)
+        self._metrics.put(module, index)
         module.__dict__["log"] = capture.log
         try:
             yield
         finally:
             module.__dict__.pop("log", None)
-            self._metrics.put_back()
+            self._metrics.put_back(module)
 
     def _no_sync(self, ddp: bool) -> Any:
         model = self.strategy.model
@@ -321,7 +322,7 @@ class MicroBatchRunner:
         """Free what an abandoned attempt held; under ``mgpu_fsdp`` reset its half-run pass too."""
         if grads is not None:
             grads.drop_attempt()
-        self._metrics.forget_attempt()
+        self._metrics.forget()
         model = self.strategy.model
         if isinstance(model, DistributedDataParallel):
             # DDP broadcasts its buffers at the start of a forward that follows a synced one, and only a
@@ -382,6 +383,10 @@ class MicroBatchRunner:
         mean, as ``global_mean`` returns it there); otherwise the mean by rows gives it.
         """
         originals = self._metrics.merge()
+        for original in {id(m): m for m in originals.values()}.values():
+            value = self._metrics.batch_value(original)
+            if value is not None:  # what `forward` returned for the whole batch, logged on step
+                set_forward_cache(original, value)
         replay_logs(module, done.captures, done.sizes, self.strategy.root_device, originals, shares)
         output = combine_outputs(done.outputs, done.sizes, self.strategy.root_device)
         losses = [loss for loss in map(_loss_of, done.outputs) if loss is not None]

@@ -8,6 +8,11 @@ Merging uses ``Metric.merge_state`` (torchmetrics >= 1.6). Where it is missing, 
 the metric (``full_state_update`` not ``False``, ``dist_sync_on_step=True``), the same per-state
 reductions run through ``Metric._reduce_states`` (``_compat/torchmetrics.py``): the reductions
 (``dist_reduce_fx``) that a DDP sync applies across processes.
+
+``PartMetrics`` holds the copies: one per part, kept from batch to batch and reset before each part
+runs. A part that updated the module's own metric would share its state tensors with the other parts
+(torchmetrics keeps them as plain attributes), and ``mgpu_dp``'s replicas update them from several
+threads at once.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from lightning_mgpu._compat.torchmetrics import (
     update_count,
 )
 
-__all__ = ["merge_in_order", "metric_paths", "replica_path"]
+__all__ = ["PartMetrics", "merge_in_order", "metric_paths", "replica_path"]
 
 
 def metric_paths(module: nn.Module) -> list[str]:
@@ -80,3 +85,87 @@ def merge_in_order(metric: Metric, parts: Sequence[Metric]) -> None:
 def replica_path(name: str) -> str:
     """Where the module's submodule or tensor ``name`` lies in a replica, which holds no compile wrappers."""
     return ".".join(part for part in name.split(".") if part != ORIG_MOD)
+
+
+def _place(tree: nn.Module, path: str, metric: Metric) -> None:
+    """Put ``metric`` at ``path`` in ``tree`` (the module, or a replica of it)."""
+    parent_path, _, leaf = replica_path(path).rpartition(".")
+    parent = tree.get_submodule(parent_path) if parent_path else tree
+    setattr(parent, leaf, metric)  # nn.Module puts a module value among its children
+
+
+class PartMetrics:
+    """Each part of a batch (a replica, a micro-batch) gets a fresh copy of every metric; merged after it.
+
+    Example::
+
+        metrics.begin(module)
+        metrics.put(replica, 0, device)  # or the module itself: a micro-batch, put_back after it
+        originals = metrics.merge()  # id(copy) -> the module's metric
+    """
+
+    def __init__(self) -> None:
+        self._copies: dict[str, tuple[Metric, list[Metric]]] = {}
+        self._used = 0
+
+    def begin(self, module: nn.Module) -> None:
+        """Find ``module``'s metrics for a new batch; copies of metrics it no longer holds are dropped."""
+        copies: dict[str, tuple[Metric, list[Metric]]] = {}
+        for path in metric_paths(module):
+            original = module.get_submodule(path)
+            assert isinstance(original, Metric)
+            entry = self._copies.get(path)
+            copies[path] = entry if entry is not None and entry[0] is original else (original, [])
+        self._copies = copies
+        self._used = 0
+
+    def put(self, tree: nn.Module, index: int, device: torch.device | None = None) -> None:
+        """Part ``index`` updates its own (reset) copy of every metric, placed in ``tree``.
+
+        The copies go to ``device``; ``None``: each to its metric's device.
+        """
+        self._used = max(self._used, index + 1)
+        for path, (original, copies) in self._copies.items():
+            while len(copies) <= index:
+                copies.append(original.clone())
+            copy = copies[index]
+            copy.reset()
+            if copy.device != (device or original.device):
+                copy.to(device or original.device)
+            _place(tree, path, copy)
+
+    def put_back(self, module: nn.Module) -> None:
+        """The module's own metrics in place again (after a part that ran in the module itself)."""
+        for path, (original, _) in self._copies.items():
+            _place(module, path, original)
+
+    def forget(self) -> None:
+        """The parts run so far count for nothing (an attempt that failed)."""
+        self._used = 0
+
+    def merge(self) -> dict[int, Metric]:
+        """Merge the copies used in this batch into the module's metrics.
+
+        Returns:
+            ``id(copy) -> metric of the module`` for every copy used, to map a metric
+            logged inside a part back to the module's own.
+        """
+        originals: dict[int, Metric] = {}
+        for original, copies in self._copies.values():
+            used = copies[: self._used]
+            merge_in_order(original, used)
+            originals.update((id(c), original) for c in used)
+        return originals
+
+    def batch_value(self, original: Metric) -> Any:
+        """The metric's value over the whole batch, as one device's ``forward`` gives it; ``None``: unused."""
+        for metric, copies in self._copies.values():
+            if metric is original and self._used:
+                head, rest = copies[0], copies[1 : self._used]
+                merge_in_order(head, rest)
+                return head.compute() if update_count(head) else None
+        return None
+
+    def clear(self) -> None:
+        """Drop every copy (the run ended)."""
+        self._copies.clear()
