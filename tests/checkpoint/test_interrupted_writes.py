@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -15,25 +14,13 @@ import safetensors.torch
 
 from lightning_mgpu import export_state_dict
 from tests.checkpoint._models import assert_same, net
-from tests.helpers import script_env
-
-_WRITER = """
-import time
-from lightning_mgpu._atomic import atomic_write
-
-with atomic_write("w.safetensors") as f:
-    f.write(b"half of an export")
-    f.flush()
-    print("writing", flush=True)
-    time.sleep(60)
-"""
+from tests.helpers import SCRIPTS, script_env
 
 
 def _writer_killed_by(tmp_path: Path, signum: int) -> tuple[int, list[str]]:
     """Run a writer, stop it mid-write with ``signum``; its pid and the temporary files it had."""
-    (tmp_path / "writer.py").write_text(textwrap.dedent(_WRITER))
     proc = subprocess.Popen(
-        [sys.executable, "writer.py"],
+        [sys.executable, str(SCRIPTS / "atomic_writer.py")],
         cwd=tmp_path,
         env=script_env(),
         stdout=subprocess.PIPE,
@@ -58,7 +45,7 @@ def test_sigterm_removes_the_temporary_file(tmp_path: Path) -> None:
     pid, temporary = _writer_killed_by(tmp_path, signal.SIGTERM)
     assert len(temporary) == 1
     assert f".{pid}." in temporary[0]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["writer.py"]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_next_write_removes_what_a_killed_writer_left(
@@ -80,5 +67,5 @@ def test_the_next_write_removes_what_a_killed_writer_left(
     assert f"removed {tmp_path / temporary[0]}, left by an earlier write of w.safetensors" in caplog.text
     assert f"({pid}) was killed" in caplog.text
     left = sorted(p.name for p in tmp_path.iterdir())
-    assert left == sorted(["writer.py", "epoch=1.safetensors", live.name, elsewhere.name])
+    assert left == sorted(["epoch=1.safetensors", live.name, elsewhere.name])
     assert_same(model.state_dict(), safetensors.torch.load_file(tmp_path / "epoch=1.safetensors"))

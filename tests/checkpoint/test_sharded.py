@@ -21,7 +21,7 @@ from torch import nn
 from lightning_mgpu import export_state_dict, inspect_checkpoint, load_state_dict
 from lightning_mgpu.cli.main import main
 from tests.checkpoint._sharded import Touch, copy_of, only_inputs_left, plain_model
-from tests.helpers import run_command, script_env
+from tests.helpers import run_file
 
 
 def test_the_run_wrote_shards_of_every_tensor(fsdp_run: tuple[Path, dict]) -> None:
@@ -267,25 +267,6 @@ def test_every_dtype_and_chunks_side_by_side(tmp_path: Path) -> None:
             torch.testing.assert_close(out[key], value, rtol=0, atol=0, msg=key)
 
 
-_PEAK = """
-import sys
-from pathlib import Path
-from lightning_mgpu import export_state_dict
-
-def status(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-folder, warm, out = (Path(a) for a in sys.argv[1:])
-export_state_dict(warm, out.with_name("warm.safetensors"))  # imports and first-call set-up, not counted
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # the peak (VmHWM) starts again from here: imports peaked higher than they ended
-before = status("VmRSS")
-export_state_dict(folder, out)
-print(status("VmHWM") - before)
-"""
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_export_memory_stays_near_the_largest_tensor(tmp_path: Path) -> None:
     mib = 1 << 20
@@ -301,10 +282,8 @@ def test_export_memory_stays_near_the_largest_tensor(tmp_path: Path) -> None:
     assert total > 70 * mib  # weights and optimizer state
 
     out = tmp_path / "out.safetensors"
-    result = run_command(
-        [sys.executable, "-c", _PEAK, str(tmp_path / "big"), str(tmp_path / "warm"), str(out)],
-        cwd=tmp_path,
-        env=script_env(),
+    result = run_file(
+        "export_peak.py", tmp_path, args=[str(tmp_path / "big"), str(tmp_path / "warm"), str(out)]
     )
     assert result.returncode == 0, result.output
     growth = int(result.stdout.split()[-1])
