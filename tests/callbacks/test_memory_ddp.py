@@ -10,58 +10,11 @@ from pathlib import Path
 import pytest
 
 from tests.callbacks.test_memory import memory_rows, read_csv
-from tests.helpers import run_script
-
-MODULE = """
-import os, sys
-import lightning as L, torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-from lightning.pytorch.loggers import CSVLogger
-from lightning_mgpu import DeviceMemoryMonitor
-
-class Model(L.LightningModule):
-    def __init__(self, fail_rank=None, fail_batch=None):
-        super().__init__()
-        self.net = nn.Linear(8, 1)
-        self.fail_rank, self.fail_batch = fail_rank, fail_batch
-
-    def training_step(self, batch, batch_idx):
-        if self.global_rank == self.fail_rank and batch_idx == self.fail_batch:
-            raise MemoryError("could not allocate 3 GiB")
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-def trainer(log_dir, every, flush=25):
-    monitor = DeviceMemoryMonitor(every_n_steps=every, flush_every_n_steps=flush)
-    return L.Trainer(
-        accelerator="cpu", devices=2, strategy="mgpu_ddp", max_epochs=1, logger=CSVLogger(log_dir),
-        callbacks=[monitor], log_every_n_steps=every, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )
-
-data = DataLoader(TensorDataset(torch.randn(64, 8), torch.randn(64, 1)), batch_size=4)
-"""
+from tests.helpers import run_file
 
 
 def test_ddp_ranks_reach_rank0_logger_imbalance_warned_and_summarized(tmp_path: Path) -> None:
-    code = (
-        MODULE
-        + """
-class Hoarder(Model):
-    def on_train_start(self):
-        if self.global_rank == 0:
-            self.hoard = torch.ones(100 * 2**20)  # 400 MiB that only rank 0 keeps
-
-t = trainer(sys.argv[1], every=2)
-t.fit(Hoarder(), data)
-print("LOG_DIR", t.log_dir)
-"""
-    )
-    result = run_script(code, tmp_path, args=[str(tmp_path / "logs")], timeout=180)
+    result = run_file("memory_ddp.py", tmp_path, args=[str(tmp_path / "logs"), "hoard"], timeout=180)
     assert result.returncode == 0, result.output[-3000:]
     rows = memory_rows(tmp_path / "logs")
     assert len(rows) == 4  # 8 batches per rank, logged every 2
@@ -89,26 +42,13 @@ print("LOG_DIR", t.log_dir)
     assert [d["device"] for d in summary["devices"]] == ["cpu:rank0", "cpu:rank1"]
     assert summary["max_imbalance"] > 1.25
     assert summary["devices"][0]["peak_rss_bytes"] > summary["devices"][1]["peak_rss_bytes"] + 300 * 2**20
-    # each DDP rank holds the whole model state: 9 float32 parameters and their gradients (plain SGD)
-    assert [d["model_state_bytes"] for d in summary["devices"]] == [72, 72]
+    # each DDP rank holds the whole model state: 5 float32 parameters and their gradients (plain SGD)
+    assert [d["model_state_bytes"] for d in summary["devices"]] == [40, 40]
     assert "Model state (rank)" in table
 
 
 def test_ddp_readings_gathered_in_windows_keep_their_steps(tmp_path: Path) -> None:
-    code = (
-        MODULE
-        + """
-class Logging(Model):
-    def training_step(self, batch, batch_idx):
-        loss = super().training_step(batch, batch_idx)
-        self.log("rank_batch", float(self.global_rank * 100 + batch_idx))
-        return loss
-
-t = trainer(sys.argv[1], every=1, flush=3)  # 8 logs: gathers after batches 3 and 6, the rest at the end
-t.fit(Logging(), data)
-"""
-    )
-    result = run_script(code, tmp_path, args=[str(tmp_path / "logs")], timeout=180)
+    result = run_file("memory_ddp.py", tmp_path, args=[str(tmp_path / "logs"), "windows"], timeout=180)
     assert result.returncode == 0, result.output[-3000:]
     rows = read_csv(next((tmp_path / "logs").rglob("metrics.csv")))
     lightning_steps = [int(r["step"]) for r in rows if r.get("rank_batch")]
@@ -121,18 +61,8 @@ t.fit(Logging(), data)
 
 
 def test_ddp_out_of_memory_on_one_rank_explains_and_both_ranks_end(tmp_path: Path) -> None:
-    code = (
-        MODULE
-        + """
-t = trainer(sys.argv[1], every=1)
-try:
-    t.fit(Model(fail_rank=1, fail_batch=3), data)
-finally:
-    print(f"rank {t.global_rank} ended", file=sys.stderr, flush=True)
-"""
-    )
     # returning at all means every process that shared the output pipes has exited: no hang
-    result = run_script(code, tmp_path, args=[str(tmp_path / "logs")], timeout=120)
+    result = run_file("memory_ddp.py", tmp_path, args=[str(tmp_path / "logs"), "oom"], timeout=120)
     out = result.output
     assert result.returncode != 0
     assert "rank 0 ended" in out
