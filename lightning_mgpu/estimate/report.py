@@ -15,69 +15,16 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from lightning_mgpu.devices import format_bytes
 
-__all__ = ["Estimate", "StrategyRow", "format_estimate", "strategy_rows"]
+if TYPE_CHECKING:  # MemoryEstimate's str() imports this module: its type only, not the reverse
+    from lightning_mgpu.estimate.memory_estimate import MemoryEstimate
+
+__all__ = ["StrategyRow", "format_estimate", "strategy_rows"]
 
 log = logging.getLogger(__name__)
-
-
-class Estimate(Protocol):
-    """What the report reads of a ``MemoryEstimate``, whose ``str()`` imports this module: not the reverse."""
-
-    @property
-    def model(self) -> str: ...
-    @property
-    def batch_size(self) -> int: ...
-    @property
-    def devices(self) -> int: ...
-    @property
-    def device_memory(self) -> int | None: ...
-    @property
-    def measured_on(self) -> str: ...
-    @property
-    def precision(self) -> str: ...
-    @property
-    def optimizer(self) -> str: ...
-    @property
-    def parameter_bytes(self) -> int: ...
-    @property
-    def buffer_bytes(self) -> int: ...
-    @property
-    def gradient_bytes(self) -> int: ...
-    @property
-    def optimizer_state_bytes(self) -> int: ...
-    @property
-    def batch_bytes_per_sample(self) -> float: ...
-    @property
-    def activation_bytes_per_sample(self) -> float: ...
-    @property
-    def output_bytes_per_sample(self) -> float: ...
-    @property
-    def forward_backward(self) -> tuple[float, float]: ...
-    @property
-    def notes(self) -> tuple[str, ...]: ...
-    @property
-    def inference(self) -> bool: ...
-    @property
-    def unit_bytes(self) -> tuple[int, ...]: ...
-    @property
-    def model_state_bytes(self) -> int: ...
-    @property
-    def largest_unit_bytes(self) -> int: ...
-    def sharded_state_bytes(self, devices: int | None = None) -> int: ...
-    def peak(
-        self, strategy: str = "single", per_device_batch: int | None = None, devices: int | None = None
-    ) -> int: ...
-    def largest_per_device_batch(
-        self, strategy: str = "single", device_memory: int | str | None = None
-    ) -> int: ...
-    def devices_to_fit(
-        self, device_memory: int | str | None = None, per_device_batch: int | None = None
-    ) -> int | None: ...
-    def other_device_peak(self, per_device_batch: int | None = None) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -101,7 +48,7 @@ class StrategyRow:
         return None if self.largest_per_device is None else self.largest_per_device * self.devices
 
 
-def strategy_rows(est: Estimate, *, global_batch: bool = False) -> list[StrategyRow]:
+def strategy_rows(est: MemoryEstimate, *, global_batch: bool = False) -> list[StrategyRow]:
     """Each strategy's row; ``global_batch`` reads ``est.batch_size`` as split over the devices by all.
 
     With one device only the ``single`` row is given: the others would run the same step.
@@ -131,7 +78,7 @@ def strategy_rows(est: Estimate, *, global_batch: bool = False) -> list[Strategy
     return rows
 
 
-def format_estimate(est: Estimate, *, heading: str | None = None, global_batch: bool = False) -> str:
+def format_estimate(est: MemoryEstimate, *, heading: str | None = None, global_batch: bool = False) -> str:
     """The report: what was measured, one row per strategy, and notes.
 
     Args:
@@ -189,7 +136,7 @@ def format_estimate(est: Estimate, *, heading: str | None = None, global_batch: 
     return "\n".join(lines)
 
 
-def _sharded_lines(est: Estimate, rows: list[StrategyRow]) -> list[str]:
+def _sharded_lines(est: MemoryEstimate, rows: list[StrategyRow]) -> list[str]:
     """What each ``mgpu_fsdp`` device holds, and on how many devices the model fits."""
     if not est.unit_bytes:
         return []
@@ -226,7 +173,7 @@ def _largest(value: int | None) -> str:
     return "none" if value == 0 else str(value)
 
 
-def _per_sample(est: Estimate) -> str:
+def _per_sample(est: MemoryEstimate) -> str:
     """What one more sample on a device adds: the batch, then saved activations or the forward's peak."""
     held = (
         f"live at the forward's peak {format_bytes(est.forward_backward[1])} (the batch included)"
@@ -237,7 +184,7 @@ def _per_sample(est: Estimate) -> str:
     return f"batch {batch}, {held}, outputs {outputs}"
 
 
-def _nothing_fits(est: Estimate, rows: list[StrategyRow]) -> list[str]:
+def _nothing_fits(est: MemoryEstimate, rows: list[StrategyRow]) -> list[str]:
     """Which strategies cannot take even one sample per device, and, when none can, what would."""
     if est.device_memory is None:
         return []
