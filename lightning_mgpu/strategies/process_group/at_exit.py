@@ -30,6 +30,7 @@ import threading
 import time
 
 from lightning_mgpu._compat.lightning import destroy_dist_connection
+from lightning_mgpu.strategies.process_group.watchdog.processes import stat_fields
 
 __all__ = ["SETTLE_SECONDS", "destroy_at_exit"]
 
@@ -43,22 +44,12 @@ _REGISTERED = False
 
 def _runnable_threads() -> int:
     """How many threads of this process, the calling one aside, are running or ready to run (Linux)."""
-    own = threading.get_native_id()
-    runnable = 0
     try:
-        tasks = os.listdir("/proc/self/task")
+        tasks = [task for task in os.listdir("/proc/self/task") if int(task) != threading.get_native_id()]
     except OSError:
         return 0
-    for task in tasks:
-        if int(task) == own:
-            continue
-        try:
-            with open(f"/proc/self/task/{task}/stat", "rb") as stat:
-                state = stat.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue  # the thread ended meanwhile
-        runnable += state == b"R"
-    return runnable
+    states = [stat_fields(f"/proc/self/task/{task}/stat") for task in tasks]  # None: the thread ended
+    return sum(1 for fields in states if fields and fields[0] == "R")
 
 
 def _let_threads_settle(limit: float = SETTLE_SECONDS) -> None:

@@ -39,13 +39,6 @@ def _as_device(entry: object) -> torch.device | None:
     return None
 
 
-def _sync_batchnorm_device_types() -> set[str]:
-    """The device types whose tensors ``torch.nn.SyncBatchNorm`` synchronises (see its ``forward``)."""
-    types = {"cuda", "hpu", "xpu"}
-    types.add(privateuse1_backend_name())
-    return types
-
-
 def default_backend(device: object) -> str:
     """The backend ``mgpu_ddp`` uses for ``device`` when none was given (gloo for what is not a device)."""
     parsed = _as_device(device)
@@ -64,11 +57,7 @@ def default_backend(device: object) -> str:
 
 def available_backends() -> list[str]:
     """Backends this torch build can create."""
-    check = getattr(dist, "is_backend_available", None)
-    if check is not None:
-        return [b for b in _KNOWN_BACKENDS if check(b)]
-    flags = {"gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available, "mpi": dist.is_mpi_available}
-    return [name for name, available in flags.items() if available()]
+    return [backend for backend in _KNOWN_BACKENDS if dist.is_backend_available(backend)]
 
 
 def describe_devices() -> str:
@@ -97,8 +86,9 @@ def check_devices(devices: Sequence[object], backend: str | None, sync_batchnorm
             ``sync_batchnorm=True`` on devices ``SyncBatchNorm`` cannot synchronise.
     """
     parsed = [d for d in map(_as_device, devices) if d is not None]
-    if sync_batchnorm:
-        refused = sorted({d.type for d in parsed} - _sync_batchnorm_device_types())
+    if sync_batchnorm:  # the device types torch.nn.SyncBatchNorm synchronises (see its forward)
+        synchronised = {"cuda", "hpu", "xpu", privateuse1_backend_name()}
+        refused = sorted({d.type for d in parsed} - synchronised)
         if refused:
             raise ValueError(
                 f"sync_batchnorm=True needs GPUs: torch's SyncBatchNorm cannot synchronise tensors on"

@@ -77,10 +77,13 @@ from lightning_mgpu.strategies.resume.resumption import Resumption
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["ProcessGroupServices"]
+__all__ = ["STALL_TIMEOUT", "ProcessGroupServices"]
 
 log = logging.getLogger(__name__)
 _RUNS = itertools.count()
+
+STALL_TIMEOUT = 300.0
+"""``stall_timeout``'s default in every strategy that takes it: 5 minutes."""
 
 
 class ProcessGroupServices(ExplainedStepMemory):
@@ -115,7 +118,7 @@ class ProcessGroupServices(ExplainedStepMemory):
     def _init_services(
         self,
         *,
-        stall_timeout: float | None = 300.0,
+        stall_timeout: float | None = STALL_TIMEOUT,
         resume: bool | None = None,
         checkpoint_every: int | timedelta | str | None = "auto",
         requeue_on_failure: int = 0,
@@ -221,13 +224,7 @@ class ProcessGroupServices(ExplainedStepMemory):
         visible there, so this trainer's connector gets the shuffle its loader had.
         """
         connector = data_connector(trainer)
-        original = getattr(type(connector), PREPARE_DATALOADER, None)
-        if original is None:
-            rank_zero_warn(
-                f"{self.strategy_name}: this Lightning version has no `_prepare_dataloader`; the training"
-                " sampler shuffles even if the DataLoader did not"
-            )
-            return
+        original = getattr(type(connector), PREPARE_DATALOADER)
         if PREPARE_DATALOADER in vars(connector):
             return  # installed by an earlier fit/validate/test of this trainer
 

@@ -25,7 +25,6 @@ next one starts (torchrun stops a node's workers before it joins the next rendez
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import secrets
@@ -34,8 +33,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-from lightning_mgpu._compat.lightning import destroy_dist_connection
 
 __all__ = ["attempt_token", "current_token", "init_process_group", "uses_agent_store"]
 
@@ -138,7 +135,5 @@ def init_process_group(
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
     )
-    if backend == "nccl":  # as Lightning does when it creates the group
-        atexit.register(destroy_dist_connection)
     log.debug("rank %d: process group created under torchrun's store, attempt token %s", rank, token)
     return token

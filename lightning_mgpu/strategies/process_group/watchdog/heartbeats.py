@@ -52,14 +52,16 @@ class Idleness:
 
 @dataclass
 class Heartbeats:
-    """The store side of one run, seen from one rank."""
+    """The store side of one run, seen from ``rank``: rank 0 watches all and judges stalls, the others
+    watch rank 0."""
 
     store: Any
     rank: int
     world_size: int
     progress: Callable[[], int]
     stall_timeout: float | None
-    judge: Judge
+    dead_after: float
+    judge: Judge = field(init=False)
     infos: dict[int, RankInfo] = field(default_factory=dict)
     beating: list[int] = field(default_factory=list)
     """Ranks whose heartbeat key exists (keys are never deleted, so each is checked once)."""
@@ -67,23 +69,12 @@ class Heartbeats:
     settled: bool = False
     """Whether this rank wrote its ``settled/<rank>`` key."""
 
-    @classmethod
-    def open(
-        cls,
-        store: Any,
-        rank: int,
-        world_size: int,
-        progress: Callable[[], int],
-        stall_timeout: float | None,
-        dead_after: float,
-    ) -> Heartbeats:
-        """The exchange seen from ``rank``: rank 0 watches all and judges stalls, the others watch rank 0."""
+    def __post_init__(self) -> None:
         now = time.monotonic()
-        if rank == 0:
-            judge = Judge(list(range(1, world_size)), now, dead_after, stall_timeout)
+        if self.rank == 0:
+            self.judge = Judge(list(range(1, self.world_size)), now, self.dead_after, self.stall_timeout)
         else:
-            judge = Judge([0], now, dead_after, None)
-        return cls(store, rank, world_size, progress, stall_timeout, judge)
+            self.judge = Judge([0], now, self.dead_after, None)
 
     def introduce(self, info: RankInfo) -> None:
         self.store.set(f"info/{self.rank}", info.to_json())
@@ -115,9 +106,7 @@ class Heartbeats:
         present = [rank for rank in ranks if rank in self.beating]
         if not present:
             return {}
-        keys = [f"beat/{rank}" for rank in present]
-        multi_get = getattr(self.store, "multi_get", None)
-        values = multi_get(keys) if multi_get is not None else [self.store.get(key) for key in keys]
+        values = self.store.multi_get([f"beat/{rank}" for rank in present])
         return {rank: Beat.decode(value) for rank, value in zip(present, values, strict=True)}
 
     def finished(self, rank: int) -> bool:

@@ -31,6 +31,7 @@ __all__ = [
     "main_thread_waits",
     "pid_status",
     "start_time",
+    "stat_fields",
 ]
 
 # innermost frames that mean "blocked until the other ranks arrive"
@@ -61,9 +62,11 @@ class PidStatus:
     """``Popen``-style code (negative: signal) while the process is a zombie; ``None`` when unknown."""
 
 
-def _stat_fields(pid: int) -> list[str] | None:
+def stat_fields(path: str) -> list[str] | None:
+    """The fields of a ``/proc/<pid>/stat`` (or ``/proc/self/task/<tid>/stat``) from the state on, ``None``
+    when it cannot be read (the process ended, not Linux)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(path) as f:
             stat = f.read()
     except OSError:
         return None
@@ -73,7 +76,7 @@ def _stat_fields(pid: int) -> list[str] | None:
 
 def start_time(pid: int) -> str | None:
     """The process start time in clock ticks (``/proc/<pid>/stat`` field 22), to tell a reused pid apart."""
-    fields = _stat_fields(pid)
+    fields = stat_fields(f"/proc/{pid}/stat")
     return fields[19] if fields is not None and len(fields) > 19 else None
 
 
@@ -83,7 +86,7 @@ def pid_status(pid: int, started: str | None = None) -> PidStatus:
     ``started`` is the start time seen earlier: a process with another start time is a
     new one that reused the pid, so the one we knew is gone.
     """
-    fields = _stat_fields(pid)
+    fields = stat_fields(f"/proc/{pid}/stat")
     if fields is None:
         if sys.platform != "linux":
             try:

@@ -79,14 +79,12 @@ def stop_process(
         out.write(f"[rank {rank}] this rank is stuck here (main thread, innermost call last):\n")
         out.write(processes.main_thread_stack())
     out.flush()
+    deadline = time.monotonic() + grace
     if run is not None:
         run.settle()
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        children_done = all(p.poll() is not None for p in children.values())
-        others_done = run is None or rank != 0 or not unsettled_peers(run, verdict, children)
-        if children_done and others_done:
-            break
+        if rank == 0:
+            wait_until_settled(run, verdict, children, grace)
+    while any(p.poll() is None for p in children.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     kill_children(children.values(), wait=5)
     log.debug("rank %d: ending the process with exit code %d", rank, exit_code)

@@ -90,7 +90,6 @@ class Watchdog:
         self._exit_summary = shutdown.ExitSummary(claim=lambda: self._claim_exit("main"))
         self._dead_man = processes.DeadManSwitch()
         self._rank0_done = False
-        self._progress: Callable[[], int] | None = None
         self._done_peers: list[int] = []
         self._exit_guarded = False
         self._waits_at_exit = False
@@ -111,7 +110,7 @@ class Watchdog:
     def start(self, rank: int, local_rank: int) -> None:
         """Start watching as ``rank``; call from the main thread before the process group exists."""
         self.rank = rank
-        self._rank0_done, self._progress, self._done_peers = False, None, []  # an earlier run's
+        self._rank0_done, self._done_peers = False, []  # an earlier run's
         if self._verdict is not None and self._verdict.origin == rank:
             self._verdict = None  # an earlier run's own error, which the user caught
             self._verdict_event.clear()
@@ -131,7 +130,7 @@ class Watchdog:
         stall_timeout: float | None,
     ) -> None:
         """Join the run's heartbeat exchange through ``store`` (after the process group exists)."""
-        run = Heartbeats.open(store, self.rank, world_size, progress, stall_timeout, DEAD_AFTER)
+        run = Heartbeats(store, self.rank, world_size, progress, stall_timeout, DEAD_AFTER)
         run.introduce(info)
         if not self._exit_guarded:
             # registered after the process group, so it runs before the atexit handler that
@@ -139,8 +138,7 @@ class Watchdog:
             atexit.register(self._bound_exit)
             self._exit_guarded = True
         self._idleness.reset(time.monotonic())
-        self._progress, self._rank0_done, self._ended_cleanly = progress, False, False
-        self._done_peers = []
+        self._rank0_done, self._ended_cleanly, self._done_peers = False, False, []
         with self._lock:
             self._run = self._last_run = run
         self._beat(run, time.monotonic())
@@ -185,23 +183,27 @@ class Watchdog:
 
     def report_own_error(self, message: str) -> Verdict:
         """This rank failed by itself: tell the others, but let this process end its own way."""
-        return self._decide(Verdict(message, origin=self.rank))
+        own = Verdict(message, origin=self.rank)
+        return self._decide(own) or own
 
     def summarise_at_exit(self, exception: BaseException, line: str, traceback: bool) -> None:
         """Should ``exception`` end the process: print ``line``, and its traceback only if ``traceback``."""
         self._exit_summary.set(exception, line, traceback)
 
-    def _decide(self, verdict: Verdict) -> Verdict:
+    def _decide(self, verdict: Verdict | None, publish: bool = True) -> Verdict | None:
+        """Make ``verdict`` (if any) the run's, unless it has one: the run's verdict. ``publish``: offer it
+        to the others (an earlier one published wins); ``False`` for one read from the store."""
         with self._lock:
-            if self._verdict is not None:
+            if self._verdict is not None or verdict is None:
                 return self._verdict
             self._verdict = verdict
             self._verdict_at = time.monotonic()
             run = self._run
-        log.debug("rank %d: the run must stop: %s", self.rank, verdict)
+        log.debug("rank %d: the run must stop (published: %s): %s", self.rank, not publish, verdict)
         if run is not None:
             try:
-                self._verdict = run.publish(verdict)
+                if publish:
+                    self._verdict = run.publish(verdict)
             except Exception:
                 self._run = None
             run.settle()
@@ -236,15 +238,11 @@ class Watchdog:
     def _tick(self, now: float, signum: int | None = None) -> None:
         run = self._run
         if self._verdict is None:
-            found = self._local.check_children() or self._check_parent()
-            if found is not None:
-                self._decide(found)
+            self._decide(self._local.check_children() or self._check_parent())
         if run is not None:
             self._exchange(run, now)
         elif self._rank0_done and self.rank != 0 and self._verdict is None:
-            found = self._left_behind_rank0(now)
-            if found is not None:
-                self._decide(found)
+            self._decide(self._left_behind_rank0(now))
         suspect = self._suspect
         if self._verdict is None and suspect is not None and now - suspect.since >= DEAD_AFTER:
             self._decide(suspect.verdict())
@@ -285,19 +283,13 @@ class Watchdog:
     def _exchange(self, run: Heartbeats, now: float) -> None:
         try:
             self._beat(run, now)
-            published = run.abort() if self._verdict is None else None
-            if published is not None:
-                self._adopt(published)
-                run.settle()
+            if self._verdict is None:
+                self._decide(run.abort(), publish=False)
             run.read_infos()
             if self._verdict is None:
-                found = self._local.check_same_host(run, self.rank)
-                if found is not None:
-                    self._decide(found)
+                self._decide(self._local.check_same_host(run, self.rank))
             if self._verdict is None:
-                found = self._judge(run, now)
-                if found is not None:
-                    self._decide(found)
+                self._decide(self._judge(run, now))
         except Exception:
             self._store_lost(run)
 
@@ -313,24 +305,16 @@ class Watchdog:
 
     def _left_behind_rank0(self, now: float) -> Verdict | None:
         """Once rank 0 finished the run and its store is gone: is this rank still waiting in a collective?"""
-        own = self._idleness.look(self._progress() if self._progress is not None else None, now)
+        assert self._last_run is not None  # rank 0's beats came through it
+        own = self._idleness.look(self._last_run.progress(), now)
         beats = {0: Beat(0, 0, 0.0, waiting=False, done=True), self.rank: own}
         return left_behind(beats, DEAD_AFTER)
-
-    def _adopt(self, verdict: Verdict) -> None:
-        with self._lock:
-            if self._verdict is None:
-                self._verdict, self._verdict_at = verdict, time.monotonic()
-        log.debug("rank %d: the run must stop, as another rank published: %s", self.rank, verdict)
-        self._verdict_event.set()
 
     def _store_lost(self, run: Heartbeats) -> None:
         with self._lock:
             if self._run is run:
                 self._run = None
-        found = self._check_parent()  # a dead launcher explains a lost store best
-        if found is not None:
-            self._decide(found)
+        self._decide(self._check_parent())  # a dead launcher explains a lost store best
         if self._verdict is not None or self._suspect is not None or self._rank0_done:
             return
         addr = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
@@ -349,7 +333,8 @@ class Watchdog:
             return  # this rank's own error: it ends through the exception it raised
         stuck = self.rank in verdict.stuck
         if (stuck or now - self._verdict_at >= GRACE) and self._claim_exit("watchdog"):
-            self._exit(verdict, stuck)
+            children, grace = self._local.children, GRACE + 2 * INTERVAL
+            shutdown.stop_process(self.rank, verdict, stuck, self._run, children, self._exit_code, grace)
 
     def _claim_exit(self, who: str) -> bool:
         """Whether ``who`` ends this process: the first to ask, once a failed run ends."""
@@ -357,11 +342,6 @@ class Watchdog:
             if self._exit_owner is None:
                 self._exit_owner = who
             return self._exit_owner == who
-
-    def _exit(self, verdict: Verdict, stuck: bool) -> None:
-        run = self._run
-        children = self._local.children
-        shutdown.stop_process(self.rank, verdict, stuck, run, children, self._exit_code, GRACE + 2 * INTERVAL)
 
     def _wait_for_children(self) -> None:
         """At exit of the launching process: after a clean run, fail if a rank it started failed."""

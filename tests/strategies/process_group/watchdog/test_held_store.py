@@ -21,7 +21,7 @@ from tests.helpers import run_file
 
 
 def joined(store: dist.Store, rank: int, world_size: int = 4) -> Heartbeats:
-    run = Heartbeats.open(store, rank, world_size, progress=lambda: 0, stall_timeout=None, dead_after=10.0)
+    run = Heartbeats(store, rank, world_size, progress=lambda: 0, stall_timeout=None, dead_after=10.0)
     run.introduce(RankInfo(rank, 1000 + rank, 1, "node-a", 0, rank, f"cuda:{rank}", "GPU"))
     return run
 
