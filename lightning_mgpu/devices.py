@@ -126,10 +126,6 @@ def _nvml_handle(nvml: Any, index: int) -> Any | None:
         return None
 
 
-def _decode(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def cuda_devices() -> list[DeviceInfo]:
     """Every CUDA device torch can see, with NVML's view of its memory where NVML is installed.
 
@@ -151,7 +147,7 @@ def cuda_devices() -> list[DeviceInfo]:
         except Exception:  # some drivers refuse the process query inside containers
             running = []
         procs = tuple(GPUProcess(p.pid, p.usedGpuMemory, _process_name(p.pid)) for p in running)
-        name = _decode(nvml.nvmlDeviceGetName(handle))
+        name = nvml.nvmlDeviceGetName(handle)  # a str since nvidia-ml-py 11.515, below the floor (12)
         result.append(DeviceInfo(index, _physical(index), name, int(mem.total), int(mem.used), procs))
     return result
 

@@ -26,7 +26,7 @@ from lightning_mgpu.cli._config_args import add_config_arguments, split_override
 _SAMPLE = 8
 
 
-def _options(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gpu-memory",
         metavar="SIZE",
@@ -38,10 +38,7 @@ def _options(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="devices to spread the batch over (default: the config's devices)",
     )
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_arguments(parser, _options)
+    add_config_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,14 +19,11 @@ from lightning_mgpu.cli._config_args import add_config_arguments, split_override
 from lightning_mgpu.cli._errors import user_errors
 
 
-def _options(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved, validated config and exit"
     )
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_arguments(parser, _options, default="digits")
+    add_config_arguments(parser, default="digits")
 
 
 def run(args: argparse.Namespace) -> int:
