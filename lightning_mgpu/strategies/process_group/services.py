@@ -236,7 +236,7 @@ class ProcessGroupServices(ExplainedStepMemory):
                 shuffle = is_dataloader_shuffled(dataloader)
             prepared = original(connector, dataloader, shuffle=shuffle, mode=mode)
             if mode == RunningStage.TRAINING:  # its place in the epoch goes into every checkpoint
-                prepared = self._resumption.training_loader(prepared, trainer)
+                prepared = self._resumption.position.wrap(prepared, trainer)
             return prepared
 
         setattr(connector, PREPARE_DATALOADER, prepare)

@@ -27,7 +27,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -53,12 +53,7 @@ class ResumeHost(Protocol):
     @property
     def global_rank(self) -> int: ...
 
-    @property
-    def root_device(self) -> torch.device: ...
-
     def broadcast(self, obj: Any, src: int = 0) -> Any: ...
-
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any: ...
 
 
 def check_resume(resume: object) -> bool | None:
@@ -75,14 +70,14 @@ class AutoResume:
     """Chooses, on a restart, the checkpoint a ``fit`` without ``ckpt_path`` resumes from.
 
     Args:
-        host: The strategy (its ranks, broadcast and reduce).
+        host: The strategy (its rank and broadcast).
         resume: ``None``: only when the run is a restart; ``True``: always, from the newest
             complete checkpoint if there is one; ``False``: never.
     """
 
     def __init__(self, host: ResumeHost, resume: bool | None) -> None:
         self.host = host
-        self.resume = check_resume(resume)
+        self.resume = resume
         self.record = AttemptRecord()
 
     def install(self, trainer: pl.Trainer) -> None:
@@ -159,13 +154,11 @@ class AutoResume:
             earlier = self.record.earlier_attempts(folder, run)
             if earlier > own.count:
                 own = Restart(earlier, own.by, found_in=str(folder))
-        count = torch.tensor(float(own.count), device=self.host.root_device)
-        largest = int(self.host.reduce(count, reduce_op="max").item())
-        first: Restart = self.host.broadcast(own)  # rank 0's words, when its count is the largest
-        if first.count == largest:
-            agreed = first
-        else:
-            agreed = Restart(largest, own.by or "torchrun") if largest != own.count else own
+        every: list[Restart] = [own]
+        if dist.is_initialized():
+            every = [own] * dist.get_world_size()
+            dist.all_gather_object(every, own)
+        agreed = max(every, key=lambda restart: restart.count)  # the lowest rank's words on a tie
         if run is not None:  # rank 0, once the count is agreed: another node's restart is this run's too
             self.record.start(run, attempt=agreed.count)
         return agreed

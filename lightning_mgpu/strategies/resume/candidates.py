@@ -97,30 +97,30 @@ def interruption(path: Path) -> str | None:
     return _zip_problem(path)
 
 
-def _written(path: Path) -> int:
-    """When the checkpoint's last part was written, in ``st_mtime_ns`` (a folder: its newest file)."""
-    if path.is_dir():
-        newest = (p.stat().st_mtime_ns for p in path.iterdir() if p.is_file())
-        return max(newest, default=path.stat().st_mtime_ns)
-    return path.stat().st_mtime_ns if path.exists() else path.lstat().st_mtime_ns
+def _written(path: Path) -> int | None:
+    """When the checkpoint's last part was written, in ``st_mtime_ns`` (a folder: its newest file);
+    ``None`` once it is gone (an older checkpoint a ``ModelCheckpoint`` replaced meanwhile)."""
+    try:
+        if path.is_dir():
+            newest = (p.stat().st_mtime_ns for p in path.iterdir() if p.is_file())
+            return max(newest, default=path.stat().st_mtime_ns)
+        return path.stat().st_mtime_ns if path.exists() else path.lstat().st_mtime_ns
+    except OSError:
+        return None
 
 
 def find_checkpoints(checkpoint_folders: Iterable[str | Path], hpc_folder: str | Path | None) -> list[Path]:
     """Every checkpoint of the run, newest first: ``*.ckpt`` in ``checkpoint_folders``,
     ``hpc_ckpt_*.ckpt`` in ``hpc_folder``."""
-    found: dict[Path, int] = {}
+    found: dict[Path, int | None] = {}
     for folder, pattern in [
         *((Path(f), "*.ckpt") for f in checkpoint_folders),
         (hpc_folder, "hpc_ckpt_*.ckpt"),
     ]:
-        if folder is None or not Path(folder).is_dir():
-            continue
-        for path in Path(folder).glob(pattern):
-            try:
-                found[path] = _written(path)
-            except OSError:  # removed meanwhile (an older checkpoint a ModelCheckpoint replaced)
-                continue
-    return sorted(found, key=lambda p: (found[p], str(p)), reverse=True)
+        if folder is not None and Path(folder).is_dir():
+            found.update((path, _written(path)) for path in Path(folder).glob(pattern))
+    written = {path: when for path, when in found.items() if when is not None}
+    return sorted(written, key=lambda p: (written[p], str(p)), reverse=True)
 
 
 def newest_complete(
@@ -132,14 +132,9 @@ def newest_complete(
     """
     earlier: list[Path] = []
     if since_ns is not None:
-        kept: list[Path] = []
-        for path in candidates:
-            try:
-                written = _written(path)
-            except OSError:  # removed meanwhile
-                continue
-            (kept if written >= since_ns else earlier).append(path)
-        candidates = kept
+        written = {path: _written(path) for path in candidates}
+        earlier = [path for path, when in written.items() if when is not None and when < since_ns]
+        candidates = [path for path, when in written.items() if when is not None and when >= since_ns]
     older = tuple(str(p) for p in earlier)
     skipped: list[Skipped] = []
     seen: set[Path] = set()

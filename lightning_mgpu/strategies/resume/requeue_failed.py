@@ -20,7 +20,9 @@ import logging
 import subprocess
 from collections.abc import Mapping
 
-__all__ = ["check_requeue_on_failure", "requeue_decision", "requeue_job"]
+from lightning_mgpu.strategies.resume.restart import env_count
+
+__all__ = ["check_requeue_on_failure", "requeue_decision", "scontrol"]
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +42,7 @@ def requeue_decision(limit: int, environ: Mapping[str, str], steps_this_attempt:
     job = environ.get("SLURM_JOB_ID", "")
     if limit <= 0 or not job:
         return False, "requeue_on_failure is off" if job else "not a SLURM job"
-    try:
-        restarts = int(environ.get("SLURM_RESTART_COUNT", "0") or 0)
-    except ValueError:
-        restarts = 0
+    restarts = env_count(environ, "SLURM_RESTART_COUNT")
     if restarts >= limit:
         return False, f"not requeued: requeued {restarts} time(s) already, requeue_on_failure={limit}"
     if steps_this_attempt <= 0:
@@ -51,10 +50,12 @@ def requeue_decision(limit: int, environ: Mapping[str, str], steps_this_attempt:
     return True, f"requeue {restarts + 1} of at most {limit}"
 
 
-def requeue_job(job: str) -> str | None:
-    """``scontrol requeue job``; ``None`` on success, else what went wrong."""
+def scontrol(*args: str) -> tuple[bool, str]:
+    """Run ``scontrol *args``: whether it succeeded, and its output, else what went wrong."""
     try:
-        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=30)
+        done = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError) as err:
-        return str(err)
-    return None if done.returncode == 0 else (done.stderr or done.stdout).strip() or f"exit {done.returncode}"
+        return False, str(err)
+    if done.returncode == 0:
+        return True, done.stdout
+    return False, (done.stderr or done.stdout).strip() or f"exit {done.returncode}"

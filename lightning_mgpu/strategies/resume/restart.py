@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["Restart", "restart_of"]
+__all__ = ["Restart", "env_count", "restart_of"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,8 @@ class Restart:
         return f"attempt {self.count + 1} of this job (restarted by {self.by})"
 
 
-def _count(environ: Mapping[str, str], name: str) -> int:
+def env_count(environ: Mapping[str, str], name: str) -> int:
+    """The count in variable ``name`` of ``environ``; 0 where it is unset, empty or not a number."""
     try:
         return max(0, int(environ.get(name, "0")))
     except ValueError:
@@ -54,8 +55,8 @@ def _count(environ: Mapping[str, str], name: str) -> int:
 def restart_of(environ: Mapping[str, str]) -> Restart:
     """This process's :class:`Restart`, from torchrun's and SLURM's variables in ``environ``."""
     counts = {
-        "SLURM": _count(environ, "SLURM_RESTART_COUNT"),
-        "torchrun": _count(environ, "TORCHELASTIC_RESTART_COUNT"),
+        "SLURM": env_count(environ, "SLURM_RESTART_COUNT"),
+        "torchrun": env_count(environ, "TORCHELASTIC_RESTART_COUNT"),
     }
     # a requeued SLURM job that runs torchrun: both count, each since its own start
     return Restart(sum(counts.values()), " and ".join(name for name, count in counts.items() if count))

@@ -24,7 +24,7 @@ from lightning_mgpu.strategies.resume.position import LoaderPosition
 from lightning_mgpu.strategies.resume.requeue_failed import (
     check_requeue_on_failure,
     requeue_decision,
-    requeue_job,
+    scontrol,
 )
 from lightning_mgpu.strategies.resume.safety_net import check_checkpoint_every, install_safety_net
 
@@ -81,18 +81,12 @@ class Resumption:
         """Before a ``fit`` loads its checkpoint: the loader's position, the safety net, and the choice
         of the checkpoint."""
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning
-        positions = [cb for cb in callbacks if isinstance(cb, LoaderPosition)]
-        if positions:
-            self.position = positions[0]
-        else:
+        self.position = next((cb for cb in callbacks if isinstance(cb, LoaderPosition)), self.position)
+        if self.position not in callbacks:
             callbacks.append(self.position)
         install_safety_net(trainer, self.checkpoint_every, self.host.strategy_name, cluster_environment)
         self.auto.install(trainer)
         self._trainer, self._first_step = trainer, None
-
-    def training_loader(self, loader: object, trainer: pl.Trainer) -> object:
-        """The training loader, with its place in the epoch saved in every checkpoint."""
-        return self.position.wrap(loader, trainer)
 
     def on_train_start(self, trainer: pl.Trainer) -> None:
         self._first_step = trainer.global_step
@@ -114,8 +108,8 @@ class Resumption:
         if requeue:
             # before the request: SLURM may end this process as soon as it requeues the job
             print(f"{said} requeuing ({reason})", file=sys.stderr, flush=True)
-            problem = requeue_job(job)
-            if problem is None:
+            ok, output = scontrol("requeue", job)
+            if ok:
                 return
-            reason = f"scontrol requeue failed: {problem}"
+            reason = f"scontrol requeue failed: {output}"
         print(f"{said} {reason}", file=sys.stderr, flush=True)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import subprocess
 import time
 from collections.abc import Mapping
 from datetime import timedelta
@@ -39,6 +38,9 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
+
+from lightning_mgpu.strategies.resume.requeue_failed import scontrol
+from lightning_mgpu.strategies.resume.restart import env_count
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -138,27 +140,19 @@ class ResumeCheckpoint(ModelCheckpoint):
 
 def _slurm_requeues(job_id: str) -> bool:
     """Whether SLURM may requeue job ``job_id`` (``scontrol show job``'s ``Requeue=1``)."""
-    try:
-        shown = subprocess.run(
-            ["scontrol", "show", "job", job_id, "--oneliner"], capture_output=True, text=True, timeout=10
-        ).stdout
-    except (OSError, subprocess.SubprocessError) as err:
-        log.debug("scontrol show job %s: %s", job_id, err)
-        return False
-    return "Requeue=1" in shown.split()
+    ok, shown = scontrol("show", "job", job_id, "--oneliner")
+    log.debug("scontrol show job %s: %s", job_id, shown)
+    return ok and "Requeue=1" in shown.split()
 
 
 def restartable(environ: Mapping[str, str], cluster_environment: Any) -> str | None:
     """What may restart this run (``"torchrun --max-restarts=2"``, ``"SLURM's requeue"``), or ``None``."""
-    try:
-        restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-    except ValueError:
-        restarts = 0
+    restarts = env_count(environ, "TORCHELASTIC_MAX_RESTARTS")
     if restarts > 0:
         return f"torchrun --max-restarts={restarts}"
     if isinstance(cluster_environment, SLURMEnvironment) and cluster_environment.auto_requeue:
         job = environ.get("SLURM_JOB_ID", "")
-        if int(environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0 or (job and _slurm_requeues(job)):
+        if env_count(environ, "SLURM_RESTART_COUNT") > 0 or (job and _slurm_requeues(job)):
             return "SLURM's requeue"
     return None
 
