@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable
-from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -18,7 +15,10 @@ from typing_extensions import override
 
 from lightning_mgpu._compat.lightning import StrategyRegistry
 from lightning_mgpu.strategies.dp.step import ReplicaStep
-from lightning_mgpu.strategies.microbatch.mixin import MicroBatching
+from lightning_mgpu.strategies.microbatch.mixin import STEP_CONTEXTS, MicroBatching
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 log = logging.getLogger(__name__)
 
@@ -244,42 +244,19 @@ class MGPUDataParallelStrategy(MicroBatching, ParallelStrategy):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
 
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._check_micro_batching(trainer)
+        super().setup(trainer)
+
     # each step runs over the replicas; micro-batching, when set, runs it once per micro-batch
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        replicated = functools.partial(
-            self._data_parallel, "training_step", self.precision_plugin.train_step_context
-        )
-        return self.micro_batched(replicated, *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        replicated = functools.partial(
-            self._data_parallel, "validation_step", self.precision_plugin.val_step_context
-        )
-        return self.micro_batched(replicated, *args, stage="validation_step", **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        replicated = functools.partial(
-            self._data_parallel, "test_step", self.precision_plugin.test_step_context
-        )
-        return self.micro_batched(replicated, *args, stage="test_step", **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        replicated = functools.partial(
-            self._data_parallel, "predict_step", self.precision_plugin.predict_step_context
-        )
-        return self.micro_batched(replicated, *args, stage="predict_step", **kwargs)
-
-    def _data_parallel(
-        self, method: str, step_context: Callable[[], AbstractContextManager[Any]], *args: Any, **kwargs: Any
-    ) -> Any:
+    def _unbatched_step(self, stage: str, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         assert module is not None
+        step_context = getattr(self.precision_plugin, STEP_CONTEXTS[stage])
         result = self._replicated.run(
-            module, method, step_context, args, kwargs, self.replica_devices, self.track_replica_memory
+            module, stage, step_context, args, kwargs, self.replica_devices, self.track_replica_memory
         )
         self.last_chunk_sizes = result.sizes
         self.replica_saved_bytes = result.saved_bytes

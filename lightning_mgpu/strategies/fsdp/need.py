@@ -5,12 +5,14 @@ state, and the largest unit gathered (``lightning_mgpu._sharding.per_device``), 
 precision gives them. The optimizer state is what one step of the model's ``configure_optimizers()``
 creates, counted on meta tensors (``lightning_mgpu.estimate.optimizer_state``) with the Trainer hidden,
 so counting loads no data; an optimizer that cannot be counted so is left out, and the result says why.
-``check_fits`` refuses, before sharding, a need above a device's memory: with the numbers and the fix.
+``check_fits`` refuses, before sharding, a need above a device's memory: with the numbers and the fix;
+``check_model_fits`` counts a model's need and checks it against a CUDA device's memory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +26,9 @@ from lightning_mgpu.estimate.optimizer_state import OptimizerState, count_optimi
 from lightning_mgpu.precision import PRECISIONS
 from lightning_mgpu.strategies.fsdp.sharding import mixed_precision_policy
 
-__all__ = ["check_fits", "sharded_model_need", "without_trainer"]
+__all__ = ["check_fits", "check_model_fits", "sharded_model_need", "without_trainer"]
+
+log = logging.getLogger(__name__)
 
 _ON_TOP = {False: "optimizer state and activations come on top", True: "activations come on top"}
 
@@ -121,3 +125,19 @@ def check_fits(need: ShardedNeed, device_memory: int, device: str, strategy_name
         f" {need.world} process(es) ({parts}; {_ON_TOP[bool(need.optimizer_state)]}), but {device} has"
         f" {format_bytes(device_memory)}. {fix[0].upper()}{fix[1:]}."
     )
+
+
+def check_model_fits(
+    module: Any, plan: ShardingPlan, precision: str, world: int, device: torch.device, offloaded: bool
+) -> None:
+    """Refuse, before anything moves to the CUDA ``device``, a model whose shards and optimizer overflow it.
+
+    Raises:
+        ValueError: as ``check_fits``.
+    """
+    need, state = sharded_model_need(module, world, precision, plan=plan, offloaded=offloaded)
+    if not state.counted:
+        log.debug("mgpu_fsdp: optimizer state not counted in the fit check: %s", state.note)
+    total = torch.cuda.mem_get_info(device)[1]
+    log.debug("mgpu_fsdp: at least %d bytes per device, %s has %d", need.per_device, device, total)
+    check_fits(need, total, f"{device} ({torch.cuda.get_device_name(device)})")

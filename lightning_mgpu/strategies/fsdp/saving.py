@@ -1,26 +1,24 @@
-"""``ResavingOwnCheckpoints``: a sharded checkpoint saved again over the run's own, without torch's warning.
+"""A sharded checkpoint saved again over the run's own, without torch's warning.
 
 torch's ``FileSystemWriter`` warns on every rank whenever the folder it writes to holds a checkpoint
 already ("Detected an existing checkpoint in .../last.ckpt, overwriting"). ``ModelCheckpoint``
 saves ``last.ckpt`` again at every save by design (it adds a version, ``last-v1.ckpt``, rather
 than write over a folder it did not save), so every run printed that warning on every rank from
-its second save on. Here it stays quiet for a folder this strategy saved earlier in the run, or the
-checkpoint the fit resumed from; a folder another run left keeps torch's warning.
+its second save on. ``saving_over_own`` keeps it quiet for a folder this strategy saved earlier in the
+run, or the checkpoint the fit resumed from; a folder another run left keeps torch's warning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
-from typing import Any
+from collections.abc import Iterator
 
-from typing_extensions import override
+from lightning_mgpu._compat.lightning import PATH
 
-from lightning_mgpu._compat.lightning import PATH, attached_trainer
-from lightning_mgpu.strategies.mixin import StrategyMixin
-
-__all__ = ["ResavingOwnCheckpoints"]
+__all__ = ["saving_over_own"]
 
 log = logging.getLogger(__name__)
 
@@ -28,29 +26,16 @@ _OVERWRITING = "Detected an existing checkpoint in "
 """How torch's ``FileSystemWriter.prepare_local_plan`` starts its warning."""
 
 
-class ResavingOwnCheckpoints(StrategyMixin):
-    """Saves over a checkpoint of this run (``last.ckpt`` again) without torch's overwrite warning.
+@contextlib.contextmanager
+def saving_over_own(filepath: PATH, saved: set[str], resumed: PATH | None) -> Iterator[None]:
+    """While a checkpoint is saved to ``filepath``: no overwrite warning over ``saved`` or ``resumed``.
 
-    A mixin placed before Lightning's ``ModelParallelStrategy`` in a strategy's bases.
+    A save that returns adds ``filepath`` to ``saved``, the run's own checkpoints.
     """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._saved_checkpoints: set[str] = set()
-        super().__init__(*args, **kwargs)
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Any | None = None
-    ) -> None:
-        path = os.path.realpath(filepath)
-        module = self.lightning_module
-        resumed = (
-            module.trainer.ckpt_path if module is not None and attached_trainer(module) is not None else None
-        )
-        own = path in self._saved_checkpoints or (resumed is not None and os.path.realpath(resumed) == path)
-        with warnings.catch_warnings():
-            if own:
-                log.debug("saving %s again, over this run's own checkpoint", path)
-                warnings.filterwarnings("ignore", message=_OVERWRITING, category=UserWarning)
-            super().save_checkpoint(checkpoint, filepath, storage_options)
-        self._saved_checkpoints.add(path)
+    path = os.path.realpath(filepath)
+    with warnings.catch_warnings():
+        if path in saved or (resumed is not None and os.path.realpath(resumed) == path):
+            log.debug("saving %s again, over this run's own checkpoint", path)
+            warnings.filterwarnings("ignore", message=_OVERWRITING, category=UserWarning)
+        yield
+    saved.add(path)

@@ -1,11 +1,13 @@
 """Applying a sharding plan with FSDP2: the options, the Trainer precision's dtypes, and ``fully_shard``.
 
 - ``ShardingOptions``: ``reshard_after_forward``, mixed precision, CPU offload and activation
-  checkpointing, checked when the strategy is created;
+  checkpointing, checked when the strategy is created, and against the devices, the process count
+  and the precision inside ``Trainer(...)`` (``check_for_run``);
 - ``mixed_precision_policy``: the ``MixedPrecisionPolicy`` for a Lightning precision string;
 - ``is_sharded``: whether a ``configure_model`` already called ``fully_shard``;
 - ``broadcast_from_rank0``: every rank starts from rank 0's weights, as under DDP;
-- ``apply_plan``: activation checkpointing of the blocks, ``fully_shard`` of each block, then the root.
+- ``apply_plan``: activation checkpointing of the blocks, ``fully_shard`` of each block, then the root;
+- ``describe``: the plan and the options applied, as the start-up summary shows them.
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from lightning_mgpu._compat.torch import activation_checkpoint
+from lightning_mgpu._compat.torch import FSDP_ON_CPU, activation_checkpoint, require
 from lightning_mgpu._sharding.plan import ShardingPlan
+from lightning_mgpu.precision import FSDP_PRECISIONS
 
 __all__ = [
     "ShardingOptions",
     "apply_plan",
     "broadcast_from_rank0",
+    "check_for_run",
+    "describe",
     "is_sharded",
     "mixed_precision_policy",
     "validate_reshard",
@@ -93,6 +98,37 @@ class ShardingOptions:
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
 
+def check_for_run(options: ShardingOptions, devices: list[torch.device], world: int, precision: str) -> None:
+    """Refuse, inside ``Trainer(...)``, ``options`` this run cannot use: on CPUs, over ``world`` processes,
+    in ``precision``.
+
+    Raises:
+        RuntimeError: CPU devices on a torch where FSDP2 cannot run on CPU.
+        ValueError: ``cpu_offload`` on CPU devices, a ``reshard_after_forward`` count that does not
+            divide the processes, or a precision FSDP2 cannot run.
+    """
+    on_cpu = bool(devices) and all(d.type == "cpu" for d in devices)
+    if on_cpu:
+        require(FSDP_ON_CPU)
+    if options.cpu_offload and on_cpu:
+        raise ValueError(
+            "mgpu_fsdp: cpu_offload=True keeps the model state in CPU memory while GPUs compute, but this"
+            " run computes on CPU: its model state is in CPU memory already. Remove cpu_offload=True, or"
+            " train on GPUs (accelerator='gpu')."
+        )
+    reshard = options.reshard_after_forward
+    if not isinstance(reshard, bool) and (reshard >= world or world % reshard):
+        raise ValueError(
+            f"mgpu_fsdp: reshard_after_forward={reshard} must divide the {world} processes and be smaller"
+            f" than {world}; use True, False, or one of"
+            f" {[n for n in range(2, world) if world % n == 0] or 'none at this size'}"
+        )
+    if precision not in FSDP_PRECISIONS:
+        raise ValueError(
+            f"mgpu_fsdp does not support precision={precision!r}: choose one of {', '.join(FSDP_PRECISIONS)}"
+        )
+
+
 def is_sharded(module: nn.Module) -> bool:
     """Whether ``fully_shard`` was already applied to ``module`` or any of its submodules."""
     return any(isinstance(m, FSDPModule) for m in module.modules())
@@ -148,3 +184,15 @@ def apply_plan(
         kwargs["mp_policy"] = dataclasses.replace(mp_policy, cast_forward_inputs=False)
     fully_shard(module, **kwargs)
     log.debug("fully_shard(root) with %s", {k: v for k, v in kwargs.items() if k != "mesh"})
+
+
+def describe(plan: ShardingPlan, options: ShardingOptions, precision: str) -> str:
+    """``plan`` and ``options`` in words, with the dtypes ``precision`` gathers and reduces in."""
+    applied = [f"reshard_after_forward={options.reshard_after_forward}"]
+    applied += [name for name in ("cpu_offload", "activation_checkpointing") if getattr(options, name)]
+    policy = mixed_precision_policy(precision)
+    if policy is not None:
+        applied.append(
+            f"parameters gathered in {policy.param_dtype}, gradients reduced in {policy.reduce_dtype}"
+        )
+    return f"{plan.describe()}, blocks chosen by the {plan.chosen_by}; {', '.join(applied)}"

@@ -1,39 +1,50 @@
-"""``mgpu_fsdp``: each process holds 1/N of the model state (FSDP2), sharded without a ``configure_model``."""
+"""``mgpu_fsdp``: each process holds 1/N of the model state (FSDP2), sharded without a ``configure_model``.
+
+Built on Lightning's ``ModelParallelStrategy``, whose ``setup`` refuses a LightningModule without
+``configure_model``: ``MGPUFSDPStrategy.setup`` runs Lightning's own steps, with Lightning's own helpers,
+after sharding the model itself.
+"""
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.utilities.types import STEP_OUTPUT
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
-from lightning_mgpu._compat.lightning import StrategyRegistry
-from lightning_mgpu._compat.torch import FSDP_ON_CPU, require
+from lightning_mgpu._compat.lightning import (
+    PATH,
+    StrategyRegistry,
+    attached_trainer,
+    materialize_distributed_module,
+    optimizers_to_device,
+    set_device_mesh,
+)
 from lightning_mgpu._sharding.plan import ShardingPlan, plan_sharding, validate_block_classes
 from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.estimate.model_state import measure_model_state
-from lightning_mgpu.precision import FSDP_PRECISIONS
-from lightning_mgpu.strategies.fsdp.base import ShardingModelParallel
-from lightning_mgpu.strategies.fsdp.need import check_fits, sharded_model_need
-from lightning_mgpu.strategies.fsdp.saving import ResavingOwnCheckpoints
+from lightning_mgpu.strategies.fsdp.buffers import Watched, watch_buffers
+from lightning_mgpu.strategies.fsdp.gloo_average import average_gradients_exactly
+from lightning_mgpu.strategies.fsdp.mesh import shared_mesh
+from lightning_mgpu.strategies.fsdp.need import check_model_fits
+from lightning_mgpu.strategies.fsdp.saving import saving_over_own
 from lightning_mgpu.strategies.fsdp.sharding import (
     ShardingOptions,
     apply_plan,
     broadcast_from_rank0,
+    check_for_run,
+    describe,
     is_sharded,
     mixed_precision_policy,
 )
 from lightning_mgpu.strategies.fsdp.sync_points import SyncPoints
-from lightning_mgpu.strategies.microbatch.mixin import MicroBatching
+from lightning_mgpu.strategies.microbatch.mixin import STEP_CONTEXTS, MicroBatching
 from lightning_mgpu.strategies.process_group.services import ProcessGroupServices
 
 if TYPE_CHECKING:
@@ -53,7 +64,7 @@ def _user_class(module: nn.Module) -> str:
     return cls.__name__
 
 
-class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoints, ShardingModelParallel):
+class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ModelParallelStrategy):
     """Fully sharded data parallel training (torch's FSDP2): each process keeps 1/N of the model state.
 
     Each process holds a shard of every parameter, of its gradient and of the optimizer
@@ -151,6 +162,7 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
     """
 
     strategy_name = "mgpu_fsdp"
+    _watched: Watched | None = None
 
     def __init__(
         self,
@@ -193,6 +205,7 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
         )
         self._init_micro_batching(micro_batch_size)
         self._sync_points: SyncPoints | None = None
+        self._saved_checkpoints: set[str] = set()
         self.plan: ShardingPlan | None = None
         """The plan applied by the last ``setup``; ``None`` before, and when ``configure_model`` shards."""
 
@@ -200,33 +213,11 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
     @override
     def _configure_launcher(self) -> None:
         # runs inside Trainer(...), before any process starts
-        self._check_choices()
-        super()._configure_launcher()
-
-    def _check_choices(self) -> None:
-        devices = self.parallel_devices or []
-        if devices and all(d.type == "cpu" for d in devices):
-            require(FSDP_ON_CPU)
-        if self.options.cpu_offload and devices and all(d.type == "cpu" for d in devices):
-            raise ValueError(
-                f"{self.strategy_name}: cpu_offload=True keeps the model state in CPU memory while GPUs"
-                " compute, but this run computes on CPU: its model state is in CPU memory already. Remove"
-                " cpu_offload=True, or train on GPUs (accelerator='gpu')."
-            )
-        world = self.num_nodes * self.num_processes
-        reshard = self.options.reshard_after_forward
-        if not isinstance(reshard, bool) and (reshard >= world or world % reshard):
-            raise ValueError(
-                f"{self.strategy_name}: reshard_after_forward={reshard} must divide the {world} processes and"
-                f" be smaller than {world}; use True, False, or one of"
-                f" {[n for n in range(2, world) if world % n == 0] or 'none at this size'}"
-            )
         precision = getattr(self.precision_plugin, "precision", "32-true")
-        if precision not in FSDP_PRECISIONS:
-            raise ValueError(
-                f"{self.strategy_name} does not support precision={precision!r}:"
-                f" choose one of {', '.join(FSDP_PRECISIONS)}"
-            )
+        check_for_run(
+            self.options, self.parallel_devices or [], self.num_nodes * self.num_processes, precision
+        )
+        super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:
@@ -234,9 +225,44 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
         self._data_parallel_size = self.num_nodes * self.num_processes
         self._tensor_parallel_size = 1
         super().setup_environment()
+        # Lightning builds a new mesh, with new process groups, for every fit: the process keeps one
+        set_device_mesh(self, shared_mesh(self.device_mesh))
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._check_micro_batching(trainer)
+        self._keep_user_shuffle(trainer)
+        # Lightning's ModelParallelStrategy.setup, which needs a configure_model, in its order after sharding
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self._shard_model(trainer)
+        # gloo on torch 2.7/2.8 sums where FSDP asks for an average (pytorch/pytorch#162338)
+        average_gradients_exactly(self.model, self.device_mesh["data_parallel"].get_group())
+        # FSDP's own buffers say which one ran out (fsdp/buffers.py); DeviceTimeMonitor reads the time in them
+        self._watched = watch_buffers(self.model)
+        materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            optimizers_to_device(self.optimizers, self.root_device)
+
+    @property
+    def collective_seconds(self) -> float | None:
+        """Host seconds this rank spent inside FSDP's all-gathers and reduce-scatters since ``setup``.
+
+        ``None`` before ``setup``, or when some unit's collectives could not be watched
+        (``buffers.watch_buffers``): a sum that misses some would read as less waiting than there was.
+        """
+        if self._watched is None or self._watched.unwatched or not self._watched.collectives:
+            return None
+        return sum(collective.seconds for collective in self._watched.collectives)
 
     # ----------------------------------------------------------- sharding
-    @override
     def _shard_model(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
         assert module is not None
@@ -265,7 +291,9 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
         if precision.endswith("-true"):
             # the shards take the model's dtype: convert first (Lightning's convert_module is then a no-op)
             self.precision_plugin.convert_module(module)  # in place: nn.Module.to
-        self._check_fits(module, plan, precision)
+        if self.root_device.type == "cuda":
+            offloaded = self.options.cpu_offload
+            check_model_fits(module, plan, precision, self.world_size, self.root_device, offloaded)
         broadcast_from_rank0(module, self.root_device)
         mesh = self.device_mesh["data_parallel"]
         pin = self.root_device.type == "cuda"
@@ -276,25 +304,6 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
             "%s: %s by the %s", self.strategy_name, plan.describe(limit=len(plan.blocks)), plan.chosen_by
         )
 
-    def _check_fits(self, module: nn.Module, plan: ShardingPlan, precision: str) -> None:
-        """Refuse, before anything moves to a GPU, a model whose shards and optimizer state cannot fit it."""
-        if self.root_device.type != "cuda":
-            return
-        need, state = sharded_model_need(
-            module, self.world_size, precision, plan=plan, offloaded=self.options.cpu_offload
-        )
-        if not state.counted:
-            log.debug("%s: optimizer state not counted in the fit check: %s", self.strategy_name, state.note)
-        total = torch.cuda.mem_get_info(self.root_device)[1]
-        log.debug(
-            "%s: at least %d bytes per device, %s has %d",
-            self.strategy_name,
-            need.per_device,
-            self.root_device,
-            total,
-        )
-        check_fits(need, total, f"{self.root_device} ({torch.cuda.get_device_name(self.root_device)})")
-
     @override
     def model_to_device(self) -> None:
         if self.options.cpu_offload and self.plan is not None:
@@ -302,10 +311,9 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
         super().model_to_device()
 
     # ------------------------------------------------------------- steps
-    def _step(
-        self, name: str, context: Callable[[], AbstractContextManager], *args: Any, **kwargs: Any
-    ) -> Any:
-        """Run the LightningModule's ``name`` step through its ``__call__`` when the module itself is sharded.
+    @override
+    def _unbatched_step(self, stage: str, *args: Any, **kwargs: Any) -> Any:
+        """Run the LightningModule's ``stage`` step through its ``__call__`` when the module itself is a unit.
 
         FSDP2 gathers a unit's parameters in hooks around its ``forward``, and Lightning calls
         ``training_step`` directly, so the root unit (the LightningModule: embeddings, heads,
@@ -314,17 +322,9 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
         """
         module = self.lightning_module
         if not isinstance(module, FSDPModule) or self.model is not module:
-            # past MicroBatching: training_step comes here from inside micro_batched
-            return getattr(super(MicroBatching, self), name)(*args, **kwargs)
-        with context():
-            return self._forward_redirection(module, module, name, *args, **kwargs)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self.micro_batched(self._training_step, *args, **kwargs)
-
-    def _training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._step("training_step", self.precision_plugin.train_step_context, *args, **kwargs)
+            return super()._unbatched_step(stage, *args, **kwargs)
+        with getattr(self.precision_plugin, STEP_CONTEXTS[stage])():
+            return self._forward_redirection(module, module, stage, *args, **kwargs)
 
     @property
     @override
@@ -337,44 +337,33 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ResavingOwnCheckpoin
             self._sync_points = SyncPoints(self.model)
         return self._sync_points
 
+    # ------------------------------------------------------------ saving
     @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        step = functools.partial(self._step, "validation_step", self.precision_plugin.val_step_context)
-        return self.micro_batched(step, *args, stage="validation_step", **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        step = functools.partial(self._step, "test_step", self.precision_plugin.test_step_context)
-        return self.micro_batched(step, *args, stage="test_step", **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        step = functools.partial(self._step, "predict_step", self.precision_plugin.predict_step_context)
-        return self.micro_batched(step, *args, stage="predict_step", **kwargs)
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: PATH, storage_options: Any | None = None
+    ) -> None:
+        module = self.lightning_module
+        resumed = (
+            module.trainer.ckpt_path if module is not None and attached_trainer(module) is not None else None
+        )
+        with saving_over_own(filepath, self._saved_checkpoints, resumed):  # quiet over this run's own
+            super().save_checkpoint(checkpoint, filepath, storage_options)
 
     # ------------------------------------------------------------ summary
     @override
     def _summary_extra_lines(self) -> list[str]:
         if self.model is None:
             return []
-        if self.plan is None:
-            how = "sharding: by the model's own configure_model"
-        else:
-            options = [f"reshard_after_forward={self.options.reshard_after_forward}"]
-            options += [
-                name for name in ("cpu_offload", "activation_checkpointing") if getattr(self.options, name)
-            ]
-            policy = mixed_precision_policy(getattr(self.precision_plugin, "precision", "32-true"))
-            if policy is not None:
-                options.append(
-                    f"parameters gathered in {policy.param_dtype}, gradients reduced in {policy.reduce_dtype}"
-                )
-            chosen = f"{self.plan.describe()}, blocks chosen by the {self.plan.chosen_by}"
-            how = f"sharding: {chosen}; {', '.join(options)}"
+        precision = getattr(self.precision_plugin, "precision", "32-true")
+        how = (
+            "by the model's own configure_model"
+            if self.plan is None
+            else describe(self.plan, self.options, precision)
+        )
         state = measure_model_state(self.model, self.optimizers)
         share = state.local.parameters / state.whole.parameters if state.whole.parameters else 1.0
         return [
-            how,
+            f"sharding: {how}",
             f"model state per process: parameters {format_bytes(state.local.parameters)} of"
             f" {format_bytes(state.whole.parameters)} ({share:.0%}) on rank {self.global_rank}; gradients and"
             " optimizer state are sharded alike",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.trainer.states import TrainerFn
@@ -18,7 +18,15 @@ from lightning_mgpu.strategies.mixin import StrategyMixin
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["MicroBatching", "check_micro_batch_size"]
+__all__ = ["STEP_CONTEXTS", "MicroBatching", "check_micro_batch_size"]
+
+STEP_CONTEXTS = {
+    "training_step": "train_step_context",
+    "validation_step": "val_step_context",
+    "test_step": "test_step_context",
+    "predict_step": "predict_step_context",
+}
+"""Each step and the precision plugin's method that gives the context it runs in."""
 
 _MANUAL_OPTIMIZATION = (
     "micro_batch_size needs automatic optimization: with `automatic_optimization = False` the"
@@ -85,7 +93,8 @@ class MicroBatching(StrategyMixin):
     with its own statistics; dropout draws other masks; under DDP the gradients are averaged
     once after the last micro-batch instead of during backward, and buffers are not broadcast
     from rank 0 at each forward; ``on_before_backward`` and ``on_after_backward`` run once per
-    batch, after the micro-batches' backward passes. Manual optimization is refused when fit starts.
+    batch, after the micro-batches' backward passes. Manual optimization is refused when fit starts
+    (the host's ``setup`` calls ``_check_micro_batching``).
 
     The host strategy is the runner's ``MicroBatchHost`` (``microbatch/host.py``): beside what every
     ``ParallelStrategy`` has, it names itself (``strategy_name``) and provides ``note_progress``.
@@ -123,14 +132,15 @@ class MicroBatching(StrategyMixin):
         for stage, sizes in self.micro_batches_eval.items():
             self._micro_runners[stage] = MicroBatchRunner(self, sizes, stage)
 
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        # refused before the first step, not when a batch happens to be split
+    def _check_micro_batching(self, trainer: pl.Trainer) -> None:
+        """Refuse manual optimization before the first step, not when a batch happens to be split.
+
+        The host's ``setup`` calls it first.
+        """
         module = self.lightning_module
         manual = module is not None and not module.automatic_optimization
         if self.micro_batch_size is not None and manual and trainer.state.fn == TrainerFn.FITTING:
             raise ValueError(_MANUAL_OPTIMIZATION)
-        super().setup(trainer)
 
     @property
     def collective_passes(self) -> CollectivePasses | None:
@@ -139,32 +149,34 @@ class MicroBatching(StrategyMixin):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.micro_batched(super().training_step, *args, **kwargs)
+        return self._micro_batched("training_step", *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.micro_batched(super().validation_step, *args, stage="validation_step", **kwargs)
+        return self._micro_batched("validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.micro_batched(super().test_step, *args, stage="test_step", **kwargs)
+        return self._micro_batched("test_step", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.micro_batched(super().predict_step, *args, stage="predict_step", **kwargs)
+        return self._micro_batched("predict_step", *args, **kwargs)
 
-    def micro_batched(
-        self, step: Callable[..., Any], *args: Any, stage: str = "training_step", **kwargs: Any
-    ) -> Any:
-        """``step(*args, **kwargs)``, in micro-batches when ``micro_batch_size`` is set.
-
-        A host whose steps do not call ``super()``'s (``mgpu_dp`` runs its replicas itself,
-        ``mgpu_fsdp`` redirects them through the sharded module's forward) calls this with its own
-        step instead, naming which one it is (``stage="validation_step"``; training by default).
-        """
+    def _micro_batched(self, stage: str, *args: Any, **kwargs: Any) -> Any:
+        """The ``stage`` step in micro-batches when ``micro_batch_size`` is set."""
+        step = functools.partial(self._unbatched_step, stage)
         if self.micro_batch_size is None or not args:
             return step(*args, **kwargs)
         return self._micro_runners[stage].run(step, args, kwargs)
+
+    def _unbatched_step(self, stage: str, *args: Any, **kwargs: Any) -> Any:
+        """One ``stage`` step on a batch or a micro-batch, as the host runs it: its Lightning base's.
+
+        ``mgpu_dp`` overrides it (the step runs over its replicas), and ``mgpu_fsdp`` (through the
+        sharded module's forward); ``STEP_CONTEXTS`` names the precision plugin's context of each step.
+        """
+        return getattr(super(), stage)(*args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
