@@ -4,8 +4,7 @@
   device (``meta`` or CPU), in the precision measured, with a call that runs a step on them
   through ``torch.func.functional_call``, so the module itself is left as it was (a sharded
   parameter is copied to ``meta`` by its global shape);
-- ``sample_sizes`` picks the two batch sizes measured; ``Line`` is a byte count through them;
-- ``MeasuredStep`` is what a measurement returns.
+- ``sample_sizes`` picks the two batch sizes measured; ``fixed_and_slope`` a byte count through them.
 """
 
 from __future__ import annotations
@@ -27,9 +26,8 @@ from lightning_mgpu.estimate.live_bytes import storage_of
 
 __all__ = [
     "Copies",
-    "Line",
-    "MeasuredStep",
     "StepCall",
+    "fixed_and_slope",
     "forward_step",
     "make_copies",
     "quiet_lightning",
@@ -38,40 +36,10 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class Line:
-    """``fixed + slope * batch`` bytes, through two measurements."""
-
-    fixed: float
-    slope: float
-
-    @property
-    def pair(self) -> tuple[float, float]:
-        return (self.fixed, self.slope)
-
-    @classmethod
-    def through(cls, b1: int, v1: float, b2: int, v2: float) -> Line:
-        slope = max(0.0, (v1 - v2) / (b1 - b2))
-        return cls(v1 - slope * b1, slope)
-
-
-@dataclass(frozen=True)
-class MeasuredStep:
-    """What one measured training step held, and how it scales with the batch."""
-
-    device: str
-    optimizer: str
-    sample_batch_size: int
-    parameter_bytes: int
-    buffer_bytes: int
-    gradient_bytes: int
-    optimizer_state_bytes: int
-    batch: Line
-    saved: Line
-    outputs: Line
-    forward_backward: Line
-    optimizer_step: Line
-    notes: tuple[str, ...]
+def fixed_and_slope(b1: int, v1: float, b2: int, v2: float) -> tuple[float, float]:
+    """``(fixed, slope)`` of the line ``fixed + slope * batch`` bytes through two measurements."""
+    slope = max(0.0, (v1 - v2) / (b1 - b2))
+    return v1 - slope * b1, slope
 
 
 class StepCall(nn.Module):

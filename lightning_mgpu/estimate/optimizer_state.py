@@ -8,15 +8,16 @@
   the optimizer is copied over meta tensors of its parameters' shapes (nothing is allocated), given
   zero gradients and stepped once, and ``state_bytes`` counts what it made; a second step measures the
   temporaries a step allocates beside the state (``LiveBytes``), as ``estimate_memory``'s steps do.
-  Where that step cannot run (an optimizer that reads values, needs a closure or sparse gradients),
-  ``PER_PARAMETER_STATE`` gives the known state of torch's own optimizers instead.
+  Where that step cannot run (an optimizer that reads values: a norm, ``.item()``), it steps once over
+  one-element CPU copies instead, and each state tensor of a parameter's shape counts at that
+  parameter's size: its known state per parameter.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,6 @@ from lightning_mgpu.estimate.live_bytes import LiveBytes
 from lightning_mgpu.estimate.measuring import quiet_lightning, unique_bytes
 
 __all__ = [
-    "PER_PARAMETER_STATE",
     "OptimizerState",
     "copy_optimizer",
     "count_optimizer_state",
@@ -37,36 +37,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-def _sgd(group: Mapping[str, Any]) -> int:
-    return 1 if group.get("momentum", 0) else 0
-
-
-def _adam(group: Mapping[str, Any]) -> int:
-    return 3 if group.get("amsgrad") else 2
-
-
-def _rmsprop(group: Mapping[str, Any]) -> int:
-    return 1 + bool(group.get("momentum", 0)) + bool(group.get("centered"))
-
-
-PER_PARAMETER_STATE: dict[str, Callable[[Mapping[str, Any]], int]] = {
-    "SGD": _sgd,
-    "Adam": _adam,
-    "AdamW": _adam,
-    "Adamax": lambda group: 2,
-    "NAdam": lambda group: 2,
-    "RAdam": lambda group: 2,
-    "SparseAdam": lambda group: 2,
-    "Adadelta": lambda group: 2,
-    "Adagrad": lambda group: 1,
-    "ASGD": lambda group: 1,
-    "Rprop": lambda group: 2,
-    "RMSprop": _rmsprop,
-}
-"""torch.optim's classes -> tensors of each parameter's shape and dtype that the state keeps, given a group's
-settings (``Adam``: ``exp_avg`` and ``exp_avg_sq``, and ``max_exp_avg_sq`` with ``amsgrad``)."""
 
 
 @dataclass(frozen=True)
@@ -180,14 +150,20 @@ def _meta_like(p: torch.Tensor, dtype: torch.dtype | None, local: bool) -> torch
     return torch.empty(p.shape, dtype=dtype, device="meta").requires_grad_(p.requires_grad)
 
 
-def _stepped_on_meta(opt: torch.optim.Optimizer, dtype: torch.dtype | None, local: bool) -> tuple[int, int]:
-    """The state one step creates, and the peak of what a later step allocates beside it (temporaries)."""
-    leaf_of = {id(p): _meta_like(p, dtype, local) for group in opt.param_groups for p in group["params"]}
+def _stepped_once(opt: torch.optim.Optimizer, leaf_of: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
+    """A copy of ``opt`` over ``leaf_of``'s tensors, stepped once with zero gradients."""
     copy = copy_optimizer(opt, leaf_of)
     for leaf in leaf_of.values():
         if leaf.requires_grad:
             leaf.grad = torch.zeros_like(leaf)
     copy.step()
+    return copy
+
+
+def _stepped_on_meta(opt: torch.optim.Optimizer, dtype: torch.dtype | None, local: bool) -> tuple[int, int]:
+    """The state one step creates, and the peak of what a later step allocates beside it (temporaries)."""
+    leaf_of = {id(p): _meta_like(p, dtype, local) for group in opt.param_groups for p in group["params"]}
+    copy = _stepped_once(opt, leaf_of)
     # the second step, as every step after the first: what it allocates beyond the tensors that exist
     # (tracked first, so an in-place update is not taken for a new tensor), as estimate_memory counts it
     tracker = LiveBytes(torch.device("meta"))
@@ -200,18 +176,19 @@ def _stepped_on_meta(opt: torch.optim.Optimizer, dtype: torch.dtype | None, loca
     return state_bytes([copy], torch.device("meta")), later["peak"] - before
 
 
-def _known(opt: torch.optim.Optimizer, dtype: torch.dtype | None, local: bool) -> int | None:
-    copies = next(
-        (PER_PARAMETER_STATE[c.__name__] for c in type(opt).__mro__ if c.__name__ in PER_PARAMETER_STATE),
-        None,
+def _per_parameter(opt: torch.optim.Optimizer, dtype: torch.dtype | None, local: bool) -> int:
+    """The state one step over one-element CPU copies of the parameters creates, at the parameters' sizes."""
+    shapes = {id(p): _meta_like(p, dtype, local) for group in opt.param_groups for p in group["params"]}
+    tiny = {}
+    for i, meta in shapes.items():
+        tiny[i] = torch.zeros([1] * meta.dim(), dtype=meta.dtype).requires_grad_(meta.requires_grad)
+    state = _stepped_once(opt, tiny).state
+    return sum(
+        shapes[i].numel() * t.element_size()
+        for i, leaf in tiny.items()
+        for t in tensors(state.get(leaf, {}))
+        if t.dim() > 0
     )
-    if copies is None:
-        return None
-    total = 0
-    for group in opt.param_groups:
-        params = {id(p): _meta_like(p, dtype, local) for p in group["params"]}.values()
-        total += copies(group) * sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    return total
 
 
 def count_optimizer_state(
@@ -230,7 +207,7 @@ def count_optimizer_state(
       ones (a converting precision: ``bf16-true`` keeps the state in bfloat16 too), stepped once with
       zero gradients, and its state counted by ``state_bytes``; stepped again, what that step allocates
       beside the state is its ``step_temporaries``;
-    - where that step fails, the known state of its class (``PER_PARAMETER_STATE``), if any.
+    - where that step fails, the state a step over one-element CPU copies creates, at the parameters' sizes.
 
     Args:
         module: The model (meta parameters count by their shape).
@@ -269,10 +246,10 @@ def count_optimizer_state(
             continue
         except Exception as err:  # an optimizer that reads values, wants a closure, sparse gradients, ...
             log.debug("%s cannot step on meta tensors (%s: %s)", name, type(err).__name__, err)
-        known = _known(opt, param_dtype, local)
-        if known is None:
-            notes.append(f"not counted: {name} cannot step on meta tensors and its state is not known")
-        else:
-            total += known
+        try:
+            total += _per_parameter(opt, param_dtype, local)
             notes.append(f"{name}'s known state per parameter: it cannot step on meta tensors")
+        except Exception as err:  # a closure, sparse gradients, ...
+            log.debug("%s cannot step on CPU copies either (%s: %s)", name, type(err).__name__, err)
+            notes.append(f"not counted: {name} cannot step on meta tensors and its state is not known")
     return OptimizerState(total, names, "; ".join(notes), temporaries)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -40,7 +41,6 @@ from lightning_mgpu._compat.lightning import convert_precision_to_unified_args
 from lightning_mgpu._sharding.per_device import parameter_rows, unit_bytes
 from lightning_mgpu._sharding.plan import BlockClasses, plan_sharding
 from lightning_mgpu.devices import cuda_devices, parse_bytes
-from lightning_mgpu.estimate.measuring import MeasuredStep
 from lightning_mgpu.estimate.memory_estimate import STRATEGIES, MemoryEstimate
 from lightning_mgpu.estimate.optimizer_state import OptimizerState
 from lightning_mgpu.estimate.steps import measure_steps
@@ -152,7 +152,6 @@ def estimate_memory(
             )
         places = ["cpu"]
         log.debug("precision %s needs autocast, which meta tensors ignore: measuring on cpu", precision_name)
-    measured: MeasuredStep | None = None
     for place in places:
         try:
             measured = measure_steps(
@@ -161,6 +160,7 @@ def estimate_memory(
                 device=torch.device(place),
                 optimizer=optimizer,
                 step_fn=step_fn,
+                precision=precision_name,
                 param_dtype=param_dtype,
                 autocast_dtype=autocast_dtype,
                 inference=inference,
@@ -173,28 +173,13 @@ def estimate_memory(
                 "measuring on %s failed (%s: %s); trying %s", place, type(err).__name__, err, places[-1]
             )
             notes.append(f"could not step on meta tensors ({type(err).__name__}: {err}); measured on CPU")
-    assert measured is not None  # the loop either measured or raised
-    notes.extend(measured.notes)
     rows, units = _sharding(module, param_dtype, precision_name, block_classes)
-    return MemoryEstimate(
-        model=type(module).__name__,
-        batch_size=batch_size or measured.sample_batch_size,
+    return replace(
+        measured,
+        batch_size=batch_size or measured.batch_size,
         devices=devices,
         device_memory=memory,
-        measured_on=measured.device,
-        precision=precision_name,
-        optimizer=measured.optimizer,
-        parameter_bytes=measured.parameter_bytes,
-        buffer_bytes=measured.buffer_bytes,
-        gradient_bytes=measured.gradient_bytes,
-        optimizer_state_bytes=measured.optimizer_state_bytes,
-        batch_bytes_per_sample=measured.batch.slope,
-        activation_bytes_per_sample=measured.saved.slope,
-        output_bytes_per_sample=measured.outputs.slope,
-        forward_backward=measured.forward_backward.pair,
-        optimizer_step=measured.optimizer_step.pair,
-        notes=tuple(notes),
-        inference=inference,
+        notes=(*notes, *measured.notes),
         parameter_rows=rows,
         unit_bytes=units,
     )

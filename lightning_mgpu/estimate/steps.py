@@ -21,14 +21,14 @@ from torch import nn
 from lightning_mgpu.estimate.batch import resized, tensors
 from lightning_mgpu.estimate.live_bytes import LiveBytes, SavedBytes
 from lightning_mgpu.estimate.measuring import (
-    Line,
-    MeasuredStep,
+    fixed_and_slope,
     forward_step,
     make_copies,
     quiet_lightning,
     sample_sizes,
     unique_bytes,
 )
+from lightning_mgpu.estimate.memory_estimate import MemoryEstimate
 from lightning_mgpu.estimate.optimizer_state import copy_optimizer, module_optimizers, state_bytes
 
 __all__ = ["measure_steps"]
@@ -132,15 +132,17 @@ def measure_steps(
     device: torch.device,
     optimizer: torch.optim.Optimizer | None,
     step_fn: Callable[[nn.Module, Any], Any] | None,
+    precision: str,
     param_dtype: torch.dtype | None,
     autocast_dtype: torch.dtype | None,
     inference: bool = False,
-) -> MeasuredStep:
+) -> MemoryEstimate:
     """Measure steps at the sample's batch size and at half (or double) of it (training: after a warm-up).
 
-    With ``inference`` the steps are forward passes (eval mode, no gradients): a LightningModule
-    runs its ``predict_step(batch, 0)``, any other module ``module(batch)``; gradients, optimizer
-    state and saved activations are zero, ``forward_backward`` holds the forward's peak.
+    The estimate is for one device, with no memory given, at the sample's batch size. With ``inference``
+    the steps are forward passes (eval mode, no gradients): a LightningModule runs its
+    ``predict_step(batch, 0)``, any other module ``module(batch)``; gradients, optimizer state and saved
+    activations are zero, ``forward_backward`` holds the forward's peak.
     """
     notes: list[str] = []
     step = _resolve_step(module, step_fn, inference)
@@ -174,17 +176,24 @@ def measure_steps(
             m2 = run(batch2)
     finally:
         module.train(was_training)
-    return MeasuredStep(
-        device=device.type,
+    line = {key: fixed_and_slope(b1, m1[key], b2, m2[key]) for key in m1}
+    return MemoryEstimate(
+        model=type(module).__name__,
+        batch_size=b1,
+        devices=1,
+        device_memory=None,
+        measured_on=device.type,
+        precision=precision,
         optimizer=", ".join(type(o).__name__ for o in originals) or "none",
-        sample_batch_size=b1,
         parameter_bytes=unique_bytes(list(params.values())),
         buffer_bytes=unique_bytes(list(copies.buffers.values())),
         gradient_bytes=unique_bytes([p.grad for p in params.values() if p.grad is not None]),
         optimizer_state_bytes=state_bytes(optimizers, device),
-        **{
-            key: Line.through(b1, m1[key], b2, m2[key])
-            for key in ("batch", "saved", "outputs", "forward_backward", "optimizer_step")
-        },
+        batch_bytes_per_sample=line["batch"][1],
+        activation_bytes_per_sample=line["saved"][1],
+        output_bytes_per_sample=line["outputs"][1],
+        forward_backward=line["forward_backward"],
+        optimizer_step=line["optimizer_step"],
         notes=tuple(notes),
+        inference=inference,
     )
