@@ -17,10 +17,9 @@ the host's own through ``super()`` in each:
   for the root device;
 - ``setup_environment`` / ``teardown``: the watchdog starts before the process group, joins the run's store
   after it, and stops (thread joined) when the run ends; under torchrun the group lives in a key space fresh
-  to the attempt (``torchrun_store.py``); a ``fit`` gets the ``checkpoint_every`` safety net and, on a
-  restart, resumes by itself (``resume/``);
-- ``setup``: the training ``DataLoader``'s own ``shuffle`` is kept, and its place in the epoch goes into
-  every checkpoint (``resume/position.py``);
+  to the attempt (``torchrun_store.py``); the training ``DataLoader``'s own ``shuffle`` is kept, and its
+  place in the epoch goes into every checkpoint (``resume/position.py``); a ``fit`` gets the
+  ``checkpoint_every`` safety net and, on a restart, resumes by itself (``resume/``);
 - ``on_train_start``, ``on_validation_start``, ``on_test_start``, ``on_predict_start``: rank 0 prints the
   start-up summary once;
 - ``pre_backward``, ``barrier``, ``broadcast``, ``reduce``, ``all_gather``: count progress for the watchdog;
@@ -185,19 +184,15 @@ class ProcessGroupServices(ExplainedStepMemory):
         if self._watching:
             self._attach_watchdog()
         trainer = self._trainer()
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            self._resumption.setup_fit(trainer, self.cluster_environment)
+        if trainer is not None:
+            self._keep_user_shuffle(trainer)
+            if trainer.state.fn == TrainerFn.FITTING:
+                self._resumption.setup_fit(trainer, self.cluster_environment)
 
     def _attach_watchdog(self) -> None:
         restart = torchrun_store.current_token() or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         try:
-            client = dist.TCPStore(
-                os.environ["MASTER_ADDR"],
-                int(os.environ["MASTER_PORT"]),
-                is_master=False,
-                timeout=timedelta(seconds=DEAD_AFTER),
-                wait_for_workers=False,
-            )
+            client = torchrun_store.store_client(timedelta(seconds=DEAD_AFTER))
         except (KeyError, ValueError, RuntimeError) as err:
             rank_zero_warn(
                 f"{self.strategy_name}: cannot reach the run's store ({err}); dead or stalled ranks on other"
@@ -210,11 +205,6 @@ class ProcessGroupServices(ExplainedStepMemory):
 
     def _rank_info(self) -> RankInfo:
         return rank_info(self.root_device, self.global_rank, self.node_rank, self.local_rank)
-
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        self._keep_user_shuffle(trainer)
-        super().setup(trainer)
 
     def _keep_user_shuffle(self, trainer: pl.Trainer) -> None:
         """Let the training sampler shuffle only when the user's ``DataLoader`` did.

@@ -34,7 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["attempt_token", "current_token", "init_process_group", "uses_agent_store"]
+__all__ = ["attempt_token", "current_token", "init_process_group", "store_client", "uses_agent_store"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,13 @@ _TOKEN: str | None = None
 def current_token() -> str | None:
     """The token this process's group was created under by :func:`init_process_group`, if it was."""
     return _TOKEN
+
+
+def store_client(timeout: timedelta) -> dist.TCPStore:
+    """A client of the run's store at ``MASTER_ADDR:MASTER_PORT`` (torchrun's, or rank 0's process's)."""
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
 
 
 def uses_agent_store() -> bool:
@@ -125,9 +132,7 @@ def init_process_group(
     global _TOKEN
     if not uses_agent_store() or not dist.is_available() or dist.is_initialized():
         return None
-    client = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
-    )
+    client = store_client(timeout)
     token = attempt_token(client, rank, world_size, timeout.total_seconds())
     store = dist.PrefixStore(f"{_KEYS}{token}/", client)
     _TOKEN = token

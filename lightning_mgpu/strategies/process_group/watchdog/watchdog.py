@@ -91,8 +91,6 @@ class Watchdog:
         self._dead_man = processes.DeadManSwitch()
         self._rank0_done = False
         self._done_peers: list[int] = []
-        self._exit_guarded = False
-        self._waits_at_exit = False
         self._ended_cleanly = False
 
     # ----------------------------------------------------------------- set-up
@@ -102,9 +100,8 @@ class Watchdog:
         self._local.children = dict(zip(ranks, procs, strict=True))
         if not procs:
             return  # one process per node: its run starts and stops the thread
-        if not self._waits_at_exit:
-            atexit.register(self._wait_for_children)
-            self._waits_at_exit = True
+        atexit.unregister(self._wait_for_children)  # once per process
+        atexit.register(self._wait_for_children)
         self._start_thread()
 
     def start(self, rank: int, local_rank: int) -> None:
@@ -114,9 +111,7 @@ class Watchdog:
         if self._verdict is not None and self._verdict.origin == rank:
             self._verdict = None  # an earlier run's own error, which the user caught
             self._verdict_event.clear()
-        gone = self._local.find_parent(rank, local_rank)
-        if gone is not None:
-            self._decide(gone)
+        self._decide(self._local.find_parent(rank, local_rank))
         self._signals.install()
         self._exit_summary.install()
         self._start_thread()
@@ -132,11 +127,10 @@ class Watchdog:
         """Join the run's heartbeat exchange through ``store`` (after the process group exists)."""
         run = Heartbeats(store, self.rank, world_size, progress, stall_timeout, DEAD_AFTER)
         run.introduce(info)
-        if not self._exit_guarded:
-            # registered after the process group, so it runs before the atexit handler that
-            # destroys the group, which with NCCL can hang on a lost peer
-            atexit.register(self._bound_exit)
-            self._exit_guarded = True
+        # once per process, registered after the process group, so it runs before the atexit handler
+        # that destroys the group, which with NCCL can hang on a lost peer
+        atexit.unregister(self._bound_exit)
+        atexit.register(self._bound_exit)
         self._idleness.reset(time.monotonic())
         self._rank0_done, self._ended_cleanly, self._done_peers = False, False, []
         with self._lock:
