@@ -46,7 +46,6 @@ __all__ = [
     "is_micro_mean",
     "micro_counts",
     "note_micro_mean",
-    "replica_part",
     "replica_step_context",
 ]
 
@@ -87,17 +86,6 @@ _local = threading.local()
 _micro: list[MicroCounts] = []
 
 
-@contextmanager
-def replica_part(part: ReplicaPart) -> Iterator[None]:
-    """Let ``global_mean`` calls in this thread know that they run in replica ``part.index``."""
-    previous = getattr(_local, "part", None)
-    _local.part = part
-    try:
-        yield
-    finally:
-        _local.part = previous
-
-
 def _sum_on_first(counts: list[Tensor]) -> Tensor:
     return sum((c.to(counts[0].device) for c in counts[1:]), counts[0])
 
@@ -125,8 +113,13 @@ def replica_step_context(
 
     @contextmanager
     def context() -> Iterator[None]:
-        with replica_part(part), step_context():
-            yield
+        previous = getattr(_local, "part", None)
+        _local.part = part  # global_mean calls in this thread run in replica ``index``
+        try:
+            with step_context():
+                yield
+        finally:
+            _local.part = previous
 
     return context
 

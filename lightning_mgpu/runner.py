@@ -159,37 +159,31 @@ def run_job(cfg: RunConfig) -> str | None:
             os.environ.pop(RUN_DIR_ENV, None)
     if trainer.is_global_zero:
         seconds = time.monotonic() - start
-        notes = [note for note in (_plot_memory(cfg, run_dir), _plot_time(run_dir)) if note]
+        notes = _draw_plots(cfg, run_dir)  # before the summary, which lists the files drawn
         return "\n".join([summary(cfg, trainer, run_dir, seconds), *notes])
     return None
 
 
-def _plot_memory(cfg: RunConfig, run_dir: Path) -> str:
-    """Draw ``memory.png`` from the logged memory metrics; returns why not when it cannot."""
-    if cfg.task != "fit" or not cfg.callbacks.memory.enabled or not (run_dir / "metrics.csv").is_file():
-        return ""
-    from lightning_mgpu.plot import plot_memory
+def _draw_plots(cfg: RunConfig, run_dir: Path) -> list[str]:
+    """Draw ``memory.png`` from the logged memory metrics and ``time.png`` from ``time_summary.json``;
+    returns why one could not be drawn."""
+    from lightning_mgpu.plot import plot_memory, plot_time
 
-    try:
-        plot_memory(run_dir / "metrics.csv", run_dir / "memory.png", title=f"{cfg.recipe}: memory per device")
-    except ImportError as err:
-        return f"no memory.png: {err}"
-    except ValueError:  # too short a run to log memory (e.g. fewer steps than every_n_steps)
-        return ""
-    return ""
-
-
-def _plot_time(run_dir: Path) -> str:
-    """Draw ``time.png`` from ``time_summary.json``; returns why not when it cannot."""
-    if not (run_dir / "time_summary.json").is_file():
-        return ""
-    from lightning_mgpu.plot import plot_time
-
-    try:
-        plot_time(run_dir / "time_summary.json", run_dir / "time.png")
-    except (ImportError, ValueError) as err:
-        return f"no time.png: {err}"
-    return ""
+    notes = []
+    metrics, times = run_dir / "metrics.csv", run_dir / "time_summary.json"
+    if cfg.task == "fit" and cfg.callbacks.memory.enabled and metrics.is_file():
+        try:
+            plot_memory(metrics, run_dir / "memory.png", title=f"{cfg.recipe}: memory per device")
+        except ImportError as err:
+            notes.append(f"no memory.png: {err}")
+        except ValueError:  # too short a run to log memory (e.g. fewer steps than every_n_steps)
+            pass
+    if times.is_file():
+        try:
+            plot_time(times, run_dir / "time.png")
+        except (ImportError, ValueError) as err:
+            notes.append(f"no time.png: {err}")
+    return notes
 
 
 def summary(cfg: RunConfig, trainer: L.Trainer, run_dir: Path, seconds: float) -> str:

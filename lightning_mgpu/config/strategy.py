@@ -35,7 +35,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_mgpu.config.signature import checked, convert, keywords
+from lightning_mgpu.config.signature import checked, convert, fits, keywords
 
 if typing.TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
@@ -120,16 +120,12 @@ def strategy_problems(value: Any, micro_batch_size: Any) -> list[str]:
     for key, given in options.items():
         if key not in params:
             out.append(_not_taken(paths[key], name, key, list(params)))
-            continue
-        try:
-            options[key] = convert(given, params[key])
-        except TypeError:
+        elif not fits(given, params[key]):
             hint = params[key] if isinstance(params[key], str) else inspect.formatannotation(params[key])
             hint = hint.replace("datetime.timedelta", "seconds")  # what a config gives for one
             out.append(f"{paths[key]}: expected {hint}, got {given!r}")
     if not out and cls is not None and options:  # the strategy's own checks of the values
-        kwargs = {**init_params, **options}
-        out += checked("trainer.strategy", options, lambda: cls(**kwargs))
+        out += checked("trainer.strategy", options, lambda: cls(**init_params, **_converted(cls, options)))
     return out
 
 
@@ -149,8 +145,7 @@ def build_strategy(value: str | dict[str, Any], micro_batch_size: int | str | No
     if cls is None:
         raise ValueError(f"trainer.strategy: {name!r} takes no options; name a strategy such as mgpu_ddp")
     log.debug("trainer.strategy %s with %s", name, options)
-    params = _options(cls)
-    strategy: Strategy = cls(**init_params, **{k: convert(v, params[k]) for k, v in options.items()})
+    strategy: Strategy = cls(**init_params, **_converted(cls, options))
     return strategy
 
 
@@ -204,6 +199,12 @@ def _options(cls: type) -> dict[str, Any]:
         wrapped = keywords(DistributedDataParallel)
         out.update({n: p.annotation for n, p in wrapped.items() if n not in ("module", "device_ids", *out)})
     return out
+
+
+def _converted(cls: type, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` as ``cls``'s annotations take them (seconds become a ``timedelta``)."""
+    params = _options(cls)
+    return {key: convert(value, params[key]) for key, value in options.items()}
 
 
 def _not_taken(path: str, name: str, key: str, params: list[str]) -> str:

@@ -123,9 +123,7 @@ def trainer_arguments(section: Any) -> dict[str, Any]:
 def _devices(name: str, devices: Any) -> list[str]:
     if devices == "auto":
         return []
-    if isinstance(devices, bool):
-        return [f"{name}: expected 'auto', a count or a list of indices, got {devices!r}"]
-    if isinstance(devices, int):
+    if isinstance(devices, int) and not isinstance(devices, bool):
         return (
             [] if devices >= 1 or devices == -1 else [f"{name}: must be >= 1 (or -1 for all), got {devices}"]
         )
