@@ -5,7 +5,7 @@
   ``sgd`` stand for torch's classes.
 - ``lr``, ``weight_decay`` and ``momentum`` go to the class where its signature takes them;
   ``kwargs`` holds any other argument (``optimizer.kwargs.betas=[0.9,0.95]``).
-- ``component_problems`` imports the class during validation and checks the arguments, so a
+- ``_component_problems`` imports the class during validation and checks the arguments, so a
   typo in a class path or argument name is reported, with a suggestion, before anything runs;
   ``misplaced_arguments`` points an argument written beside the section's keys (``optimizer.betas``,
   as torchtune lays it out) to ``optimizer.kwargs.betas``.
@@ -29,19 +29,11 @@ from lightning_mgpu.config.checks import at_least, one_of
 if TYPE_CHECKING:
     import torch
 
-__all__ = [
-    "SHORT_NAMES",
-    "OptimizerConfig",
-    "build_optimizer",
-    "component_problems",
-    "misplaced_arguments",
-    "optimizer_class",
-    "with_defaults",
-]
+__all__ = ["OptimizerConfig", "build_optimizer", "misplaced_arguments", "with_defaults"]
 
 log = logging.getLogger(__name__)
 
-SHORT_NAMES = {"adamw": "torch.optim.AdamW", "adam": "torch.optim.Adam", "sgd": "torch.optim.SGD"}
+_SHORT_NAMES = {"adamw": "torch.optim.AdamW", "adam": "torch.optim.Adam", "sgd": "torch.optim.SGD"}
 """Short names a config may give for ``_component_``, and the class each stands for."""
 
 _SCHEDULERS = ("none", "cosine")
@@ -81,10 +73,10 @@ class OptimizerConfig:
         out += at_least("weight_decay", self.weight_decay, 0.0)
         if not 0.0 <= self.momentum < 1.0:
             out.append(f"momentum: must be in [0, 1), got {self.momentum:g}")
-        return out + component_problems(self._component_, self.kwargs)
+        return out + _component_problems(self._component_, self.kwargs)
 
 
-def optimizer_class(component: str) -> type[torch.optim.Optimizer]:
+def _optimizer_class(component: str) -> type[torch.optim.Optimizer]:
     """The class ``component`` names: a short name (``adamw``) or a dotted path (``torch.optim.AdamW``).
 
     Raises:
@@ -93,17 +85,17 @@ def optimizer_class(component: str) -> type[torch.optim.Optimizer]:
 
     Example::
 
-        optimizer_class("sgd")  # torch.optim.SGD
+        _optimizer_class("sgd")  # torch.optim.SGD
     """
     import torch
 
-    path = SHORT_NAMES.get(component, component)
+    path = _SHORT_NAMES.get(component, component)
     module_name, _, attr = path.rpartition(".")
     if not module_name:
-        close = difflib.get_close_matches(component, list(SHORT_NAMES), n=1)
+        close = difflib.get_close_matches(component, list(_SHORT_NAMES), n=1)
         hint = f"did you mean {close[0]}? Otherwise " if close else ""
         raise ValueError(
-            f"{component!r} is not an optimizer; {hint}give a short name ({', '.join(SHORT_NAMES)})"
+            f"{component!r} is not an optimizer; {hint}give a short name ({', '.join(_SHORT_NAMES)})"
             " or a class path such as torch.optim.AdamW"
         )
     try:
@@ -121,16 +113,16 @@ def optimizer_class(component: str) -> type[torch.optim.Optimizer]:
     return cls
 
 
-def component_problems(component: str, kwargs: Mapping[str, Any]) -> list[str]:
+def _component_problems(component: str, kwargs: Mapping[str, Any]) -> list[str]:
     """Messages for a class that does not import, or ``kwargs`` its signature does not take.
 
     Example::
 
-        component_problems("torch.optim.AdamW", {"betaz": [0.9, 0.95]})
+        _component_problems("torch.optim.AdamW", {"betaz": [0.9, 0.95]})
         # ['kwargs.betaz: torch.optim.AdamW takes no argument betaz; did you mean betas?']
     """
     try:
-        cls = optimizer_class(component)
+        cls = _optimizer_class(component)
     except ValueError as err:
         return [f"_component_: {err}"]
     takes = _arguments(cls)
@@ -141,7 +133,8 @@ def component_problems(component: str, kwargs: Mapping[str, Any]) -> list[str]:
         elif key not in takes:
             close = difflib.get_close_matches(key, takes, n=1)
             hint = f"; did you mean {close[0]}?" if close else f"; it takes {', '.join(takes)}"
-            out.append(f"kwargs.{key}: {SHORT_NAMES.get(component, component)} takes no argument {key}{hint}")
+            path = _SHORT_NAMES.get(component, component)
+            out.append(f"kwargs.{key}: {path} takes no argument {key}{hint}")
     return out
 
 
@@ -157,13 +150,13 @@ def misplaced_arguments(section: MutableMapping[str, Any]) -> list[str]:
     component = section.get("_component_", OptimizerConfig._component_)
     own = {f.name for f in fields(OptimizerConfig)}
     try:
-        takes = _arguments(optimizer_class(str(component)))
+        takes = _arguments(_optimizer_class(str(component)))
     except ValueError:
         return []  # the class itself is reported
     out = []
     for key in [k for k in section if k not in own and k in takes]:
         del section[key]
-        path = SHORT_NAMES.get(str(component), str(component))
+        path = _SHORT_NAMES.get(str(component), str(component))
         out.append(f"{key}: an argument of {path}; write it under kwargs: optimizer.kwargs.{key}")
     return out
 
@@ -190,14 +183,14 @@ def build_optimizer(params: Iterable[Any], section: Mapping[str, Any] | None) ->
     ``lr``, ``weight_decay`` and ``momentum`` are passed where the class takes them, then ``kwargs``.
 
     Raises:
-        ValueError: the class cannot be found (see ``optimizer_class``).
+        ValueError: the class cannot be found (see ``_optimizer_class``).
 
     Example::
 
         opt = build_optimizer(model.parameters(), {"_component_": "sgd", "lr": 0.1})
     """
     cfg = with_defaults(section)
-    cls = optimizer_class(cfg["_component_"])
+    cls = _optimizer_class(cfg["_component_"])
     takes = _arguments(cls)
     kwargs = {k: cfg[k] for k in _SECTION_ARGS if k in takes}
     kwargs.update(cfg["kwargs"])

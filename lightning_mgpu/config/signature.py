@@ -23,7 +23,7 @@ import typing
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["checked", "convert", "describe", "field_type", "fits", "keywords", "union_members"]
+__all__ = ["checked", "convert", "describe", "field_type", "fits", "keywords"]
 
 _PLAIN = (bool, int, float, str)
 
@@ -55,7 +55,7 @@ def keywords(cls: type) -> dict[str, inspect.Parameter]:
     return {p.name: p.replace(annotation=_resolve(p.annotation, module)) for p in params if p.kind in named}
 
 
-def union_members(hint: Any) -> tuple[Any, ...]:
+def _union_members(hint: Any) -> tuple[Any, ...]:
     """``(int, NoneType)`` for ``Optional[int]``; ``(hint,)`` for anything but a union."""
     return typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
 
@@ -69,7 +69,7 @@ def convert(value: Any, hint: Any) -> Any:
     """
     if hint is Any or hint is inspect.Parameter.empty:
         return value
-    if len(members := union_members(hint)) > 1:
+    if len(members := _union_members(hint)) > 1:
         for member in members:
             try:
                 return convert(value, member)
@@ -110,7 +110,7 @@ def describe(hint: Any) -> str:
         describe(typing.Union[int, float, None])  # 'an integer, a number or null'
     """
     words: list[str] = []
-    for member in union_members(hint):
+    for member in _union_members(hint):
         if typing.get_origin(member) is typing.Literal:  # deterministic: true, false or 'warn'
             found = [repr(arg) for arg in typing.get_args(member)]
         else:
@@ -131,8 +131,8 @@ def field_type(hint: Any) -> Any:
 
         field_type(typing.Union[str, Accelerator])  # str
     """
-    members = [m for m in union_members(hint) if m is not type(None)]
-    optional = len(members) < len(union_members(hint))
+    members = [m for m in _union_members(hint) if m is not type(None)]
+    optional = len(members) < len(_union_members(hint))
     if all(typing.get_origin(m) is typing.Literal for m in members):
         members = [str]
     elif len(members) > 1:
