@@ -15,6 +15,7 @@ an error that names what each replica was doing, instead of hanging.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
@@ -123,7 +124,23 @@ class Lockstep:
                 )
 
 
-class _SharedOptimizer:
+class _Shared:
+    """An optimizer or scheduler inside a replica: its shared actions (``once``) happen once for all."""
+
+    def __init__(self, inner: Any, lockstep: Lockstep, index: int, label: str) -> None:
+        self._inner = inner
+        self._lockstep = lockstep
+        self._index = index
+        self._label = label
+
+    def _once(self, action: str, run: Callable[[], Any]) -> None:
+        self._lockstep.run(self._index, f"{self._label}.{action}", None, lambda _: run())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _SharedOptimizer(_Shared):
     """What ``self.optimizers()`` returns inside a replica: ``step``/``zero_grad`` happen once for all."""
 
     def __init__(
@@ -140,69 +157,44 @@ class _SharedOptimizer:
                 "mgpu_dp cannot run LBFGS with manual optimization: it re-evaluates the closure inside"
                 " step(). Use automatic optimization (the default) for LBFGS."
             )
+        super().__init__(optimizer, lockstep, index, label)
         self._module = module
-        self._optimizer = optimizer
-        self._lockstep = lockstep
-        self._index = index
-        self._label = label
         self._after_step = after_step
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         # single-evaluation optimizers call the closure once before stepping: do it in the replica
         result = closure() if closure is not None else None
 
-        def step(_: list[Any]) -> None:
-            self._optimizer.step(**kwargs)
+        def step() -> None:
+            self._inner.step(**kwargs)
             self._after_step()
 
-        self._lockstep.run(self._index, f"{self._label}.step", None, step)
+        self._once("step", step)
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._lockstep.run(
-            self._index,
-            f"{self._label}.zero_grad",
-            None,
-            lambda _: self._optimizer.zero_grad(set_to_none=set_to_none),
-        )
+        self._once("zero_grad", functools.partial(self._inner.zero_grad, set_to_none=set_to_none))
 
     @contextmanager
     def toggle_model(self, sync_grad: bool = True) -> Generator[None, None, None]:
         module = self._module
-        self._lockstep.run(
-            self._index, "toggle_optimizer", None, lambda _: module.toggle_optimizer(self._optimizer)
-        )
+        once = functools.partial(self._lockstep.run, self._index)
+        once("toggle_optimizer", None, lambda _: module.toggle_optimizer(self._inner))
         try:
             yield
         finally:
-            self._lockstep.run(
-                self._index, "untoggle_optimizer", None, lambda _: module.untoggle_optimizer(self._optimizer)
-            )
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._optimizer, name)
+            once("untoggle_optimizer", None, lambda _: module.untoggle_optimizer(self._inner))
 
 
-class _SharedScheduler:
+class _SharedScheduler(_Shared):
     """What ``self.lr_schedulers()`` returns inside a replica: ``step`` happens once for all."""
 
-    def __init__(self, scheduler: Any, lockstep: Lockstep, index: int, label: str) -> None:
-        self._scheduler = scheduler
-        self._lockstep = lockstep
-        self._index = index
-        self._label = label
-
     def step(self, *args: Any, **kwargs: Any) -> None:
-        self._lockstep.run(
-            self._index, f"{self._label}.step", None, lambda _: self._scheduler.step(*args, **kwargs)
-        )
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._scheduler, name)
+        self._once("step", functools.partial(self._inner.step, *args, **kwargs))
 
 
 def _unwrap(optimizer: Any) -> Any:
-    return optimizer._optimizer if isinstance(optimizer, _SharedOptimizer) else optimizer
+    return optimizer._inner if isinstance(optimizer, _SharedOptimizer) else optimizer
 
 
 def manual_optimization_hooks(
@@ -247,21 +239,17 @@ def manual_optimization_hooks(
             ]
         return _SharedScheduler(schedulers, lockstep, index, "lr_scheduler")
 
+    def once(label: str, action: Callable[..., Any], optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        lockstep.run(index, label, None, lambda _: action(_unwrap(optimizer), *args, **kwargs))
+
     def clip_gradients(optimizer: Any, *args: Any, **kwargs: Any) -> None:
-        lockstep.run(
-            index,
-            "clip_gradients",
-            None,
-            lambda _: module.clip_gradients(_unwrap(optimizer), *args, **kwargs),
-        )
+        once("clip_gradients", module.clip_gradients, optimizer, *args, **kwargs)
 
     def toggle_optimizer(optimizer: Any) -> None:
-        lockstep.run(index, "toggle_optimizer", None, lambda _: module.toggle_optimizer(_unwrap(optimizer)))
+        once("toggle_optimizer", module.toggle_optimizer, optimizer)
 
     def untoggle_optimizer(optimizer: Any) -> None:
-        lockstep.run(
-            index, "untoggle_optimizer", None, lambda _: module.untoggle_optimizer(_unwrap(optimizer))
-        )
+        once("untoggle_optimizer", module.untoggle_optimizer, optimizer)
 
     return {
         "manual_backward": manual_backward,
