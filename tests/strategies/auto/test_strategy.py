@@ -19,7 +19,7 @@ from lightning_mgpu.strategies.auto.decide import decide, left_out, with_options
 from lightning_mgpu.strategies.auto.facts import EnvironmentFacts
 from lightning_mgpu.strategies.ddp.strategy import MGPUDDPStrategy
 from lightning_mgpu.strategies.dp.strategy import MGPUDataParallelStrategy
-from tests.helpers import run_script
+from tests.helpers import run_file
 from tests.strategies.dp._dp_models import QUIET, Regressor, fit, loader, max_difference, regression_data
 
 # every launcher variable the rules read, removed so each test starts from a plain script
@@ -178,67 +178,6 @@ def test_trainer_gets_the_chosen_strategy() -> None:
     ]
 
 
-# One launch of two processes: a checkpoint of mgpu_dp resumed under the mgpu_ddp that mgpu_auto
-# picks, then two fits of MGPUAutoStrategy(device_memory=...) that see the model (the later
-# Trainers reuse the processes): with its optimizer state the model fits only sharded (mgpu_fsdp),
-# then whole (mgpu_ddp).
-_AUTO_SCRIPT = """
-import json, sys
-
-import lightning as L
-import torch
-from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, DistributedSampler
-
-import lightning_mgpu
-from lightning_mgpu import DeviceTimeMonitor
-from lightning_mgpu.strategies.auto import MGPUAutoStrategy
-from lightning_mgpu.strategies.ddp.strategy import MGPUDDPStrategy
-from lightning_mgpu.strategies.fsdp.strategy import MGPUFSDPStrategy
-from tests.strategies.dp._dp_models import QUIET, Regressor, regression_data
-
-def time_monitors(trainer):
-    return [c.flush_every_n_steps for c in trainer.callbacks if isinstance(c, DeviceTimeMonitor)]
-
-model = Regressor()
-# the user's own monitor: mgpu_auto adds none beside it
-mine = DeviceTimeMonitor(flush_every_n_steps=3, summary_file=None)
-trainer = L.Trainer(
-    accelerator="cpu", devices=2, strategy="mgpu_auto", max_epochs=2, use_distributed_sampler=False,
-    callbacks=[mine], **QUIET
-)
-# 5 rows per process, every other row of the global batch of 10: together, the single-device batches
-data = regression_data(rows=20)
-sampler = DistributedSampler(data, num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
-trainer.fit(model, DataLoader(data, batch_size=5, sampler=sampler), ckpt_path=sys.argv[1])
-assert type(trainer.strategy) is MGPUDDPStrategy, type(trainer.strategy)
-assert time_monitors(trainer) == [3], time_monitors(trainer)
-if trainer.is_global_zero:
-    torch.save(model.state_dict(), sys.argv[2])
-
-def fit_auto(device_memory):
-    model = Regressor()
-    strategy = MGPUAutoStrategy(device_memory=device_memory)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=3, **QUIET)
-    trainer.fit(model, DataLoader(data, batch_size=5))
-    weight = model.net[0].weight
-    local = weight.to_local() if isinstance(weight, DTensor) else weight
-    final = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
-    if trainer.is_global_zero:
-        torch.save(final, f"{device_memory}.pt")
-    return {
-        "strategy": type(trainer.strategy).__name__,
-        "is_fsdp": isinstance(trainer.strategy, MGPUFSDPStrategy),
-        "dtensors": sorted({type(p).__name__ for p in model.parameters()}),
-        "rows": [local.shape[0], weight.shape[0]],
-        "time_monitors": time_monitors(trainer),  # the one mgpu_auto added
-    }
-
-with open(f"auto_rank{trainer.global_rank}.json", "w") as f:
-    json.dump({"1KiB": fit_auto("1KiB"), "2KiB": fit_auto("2KiB")}, f)
-"""
-
-
 @pytest.fixture(scope="module")
 def auto_run(tmp_path_factory: pytest.TempPathFactory):
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -255,7 +194,9 @@ def auto_run(tmp_path_factory: pytest.TempPathFactory):
         enable_checkpointing=True,
     )
     checkpoint = callback.best_model_path
-    result = run_script(_AUTO_SCRIPT, tmp_path, args=[checkpoint, str(tmp_path / "ddp.pt")], timeout=240)
+    # one launch of two processes (tests/scripts/auto_fits.py): the checkpoint resumed under the mgpu_ddp
+    # mgpu_auto picks, then two fits that see the model: sharded (1KiB), then whole (2KiB)
+    result = run_file("auto_fits.py", tmp_path, args=[checkpoint, str(tmp_path / "ddp.pt")], timeout=240)
     assert result.returncode == 0, result.output[-3000:]
     return tmp_path, checkpoint, result
 

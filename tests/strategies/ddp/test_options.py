@@ -5,8 +5,6 @@ accepts, and the clear errors inside the Trainer for what it cannot run.
 from __future__ import annotations
 
 import os
-import sys
-import textwrap
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -21,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MGPUDDPStrategy
 from lightning_mgpu.strategies.process_group.checks import check_devices
-from tests.helpers import free_port, run_command, script_env
+from tests.helpers import free_port, run_file, script_env
 
 
 # A tiny regression fit. Rank 0 saves the data, the initial and the final weights, so the
@@ -224,27 +222,9 @@ def test_nccl_for_cpu_devices_fails_inside_trainer() -> None:
 
 @pytest.mark.gpu
 def test_summary_names_the_physical_gpu(tmp_path: Path) -> None:
-    code = """
-    import torch, lightning as L
-    import lightning_mgpu
-    from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
-
-    class Tiny(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Linear(2, 1)
-        def training_step(self, batch, batch_idx):
-            return nn.functional.mse_loss(self.net(batch[0]), batch[1])
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    trainer = L.Trainer(accelerator="gpu", devices=[0], strategy="mgpu_ddp", max_steps=1, logger=False)
-    trainer.fit(Tiny(), DataLoader(TensorDataset(torch.randn(8, 2), torch.randn(8, 1)), batch_size=4))
-    """
     last = str(torch.cuda.device_count() - 1)
     env = script_env(CUDA_VISIBLE_DEVICES=last)
-    result = run_command([sys.executable, "-c", textwrap.dedent(code)], cwd=tmp_path, env=env, timeout=180)
+    result = run_file("ddp_one_gpu.py", tmp_path, env=env, timeout=180)
     assert result.returncode == 0, result.output
     assert "backend nccl" in result.output
     assert f"rank 0 cuda:0 {torch.cuda.get_device_name(int(last))} (physical GPU {last})" in result.output

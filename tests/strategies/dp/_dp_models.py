@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import CatMetric, Metric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
-QUIET = {
+QUIET: dict[str, Any] = {
     "logger": False,
     "enable_progress_bar": False,
     "enable_model_summary": False,

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MGPUFSDPStrategy
-from tests.helpers import run_script
+from tests.helpers import run_file
 
 pytestmark = pytest.mark.gpu
 
@@ -71,36 +71,10 @@ def test_bf16_mixed_computes_in_bf16_on_the_gpu() -> None:
     assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
-MEMORY_SCRIPT = """
-import sys, torch, lightning as L
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-import lightning_mgpu
-
-class Wide(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(*(nn.Linear(2048, 2048) for _ in range(8)))
-    def training_step(self, batch, batch_idx):
-        return self.net(batch[0]).square().mean()
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters())
-    def on_train_batch_end(self, *args):
-        if self.trainer.global_step == 2:
-            torch.cuda.synchronize()
-            with open(f"{sys.argv[1]}_rank{self.global_rank}.txt", "w") as f:
-                f.write(str(torch.cuda.memory_allocated()))
-
-trainer = L.Trainer(accelerator="gpu", devices=2, strategy=sys.argv[1], max_steps=3, logger=False,
-                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-trainer.fit(Wide(), DataLoader(TensorDataset(torch.randn(48, 2048)), batch_size=8))
-"""
-
-
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_each_gpu_holds_about_half_the_model_state_of_ddp(tmp_path: Path) -> None:
     for strategy in ("mgpu_ddp", "mgpu_fsdp"):
-        result = run_script(MEMORY_SCRIPT, tmp_path, args=[strategy], timeout=300)
+        result = run_file("fsdp_memory_gpu.py", tmp_path, args=[strategy], timeout=300)
         assert result.returncode == 0, result.output
     for rank in (0, 1):
         ddp = int((tmp_path / f"mgpu_ddp_rank{rank}.txt").read_text())
