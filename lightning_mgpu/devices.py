@@ -90,7 +90,7 @@ def visible_cuda_devices() -> list[str] | None:
 
 
 @functools.lru_cache(maxsize=1)
-def _nvml() -> Any | None:
+def _nvml() -> Any:
     """The initialised ``pynvml`` module, or ``None`` when NVML cannot be used here (initialised once)."""
     try:
         import pynvml
@@ -116,8 +116,11 @@ def _physical(index: int) -> str:
     return visible[index] if visible is not None and index < len(visible) else str(index)
 
 
-def _nvml_handle(nvml: Any, index: int) -> Any | None:
-    physical = _physical(index)
+def _nvml_handle(index: int) -> Any | None:
+    """NVML's handle of torch's ``cuda:<index>``, or ``None`` without NVML."""
+    nvml, physical = _nvml(), _physical(index)
+    if nvml is None:
+        return None
     try:
         if physical.isdigit():
             return nvml.nvmlDeviceGetHandleByIndex(int(physical))
@@ -133,10 +136,10 @@ def cuda_devices() -> list[DeviceInfo]:
     """
     if not torch.cuda.is_available():
         return []
-    nvml: Any = _nvml()
+    nvml = _nvml()
     result = []
     for index in range(torch.cuda.device_count()):
-        handle = _nvml_handle(nvml, index) if nvml is not None else None
+        handle = _nvml_handle(index)
         if handle is None:
             props = torch.cuda.get_device_properties(index)
             result.append(DeviceInfo(index, _physical(index), props.name, total_bytes=props.total_memory))
@@ -163,14 +166,10 @@ def _process_name(pid: int) -> str:
 
 def nvml_memory(device: torch.device | int) -> tuple[int, int] | None:
     """``(used, total)`` bytes of a CUDA device as ``nvidia-smi`` counts them, or ``None`` without NVML."""
-    index = device if isinstance(device, int) else device.index or 0
-    nvml = _nvml()
-    if nvml is None:
-        return None
-    handle = _nvml_handle(nvml, index)
+    handle = _nvml_handle(device if isinstance(device, int) else device.index or 0)
     if handle is None:
         return None
-    mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+    mem = _nvml().nvmlDeviceGetMemoryInfo(handle)
     return int(mem.used), int(mem.total)
 
 
