@@ -40,6 +40,7 @@ from lightning_mgpu.checkpoint._dcp_index import read_index
 from lightning_mgpu.checkpoint._dcp_plan import Chunk, Record, regular_file
 from lightning_mgpu.checkpoint._io import read_file
 from lightning_mgpu.checkpoint._mapped import ReadError
+from lightning_mgpu.checkpoint._report import reason
 from lightning_mgpu.checkpoint._zip_check import Archive, ArchiveCheck, Window
 
 __all__ = ["FORMAT", "ShardedFolder", "Stored"]
@@ -129,11 +130,13 @@ class ShardedFolder:
         size = math.prod(shape) * dtype.itemsize
         return self._base[start : start + size].view(dtype).view(shape)
 
-    def _key(self, tensor: torch.Tensor) -> str | None:
-        ours = self._base.untyped_storage().nbytes()
-        if tensor.device.type != "meta" or tensor.untyped_storage().nbytes() != ours:
+    def _key(self, value: Any) -> str | None:
+        """The entry ``value`` stands for, if it is one of this folder's placeholders."""
+        if not isinstance(value, torch.Tensor) or value.device.type != "meta":
             return None
-        return self._keys.get(_offset(tensor))
+        if value.untyped_storage().nbytes() != self._base.untyped_storage().nbytes():
+            return None
+        return self._keys.get(_offset(value))
 
     def prepare(
         self, state_dict: OrderedDict[str, Any], dtype: torch.dtype | None, *, stream: bool
@@ -145,7 +148,7 @@ class ShardedFolder:
         """
         out: OrderedDict[str, Any] = OrderedDict()
         for name, value in state_dict.items():
-            key = self._key(value) if isinstance(value, torch.Tensor) else None
+            key = self._key(value)
             if key is not None and stream:
                 cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
                 value = self._placeholder(_offset(value), cast, tuple(value.shape))
@@ -162,7 +165,7 @@ class ShardedFolder:
         """The CRC-32 check of every archive that reading the placeholders of ``state_dict`` reads."""
         archives = []
         for value in state_dict.values():
-            key = self._key(value) if isinstance(value, torch.Tensor) else None
+            key = self._key(value)
             for chunk in self._index.tensors[key].chunks if key is not None else ():
                 record = chunk.record
                 holds = f"{key!r}, chunk at {list(chunk.offsets)}"
@@ -202,11 +205,12 @@ class ShardedFolder:
         return tensor
 
     def _layout(self, key: str, chunk: Chunk) -> Layout:
-        known = self._layouts.get((key, chunk.offsets))
-        if known is not None:
-            return known
-        dtype = self._index.tensors[key].dtype
-        return chunk_layout(self._file(chunk.record), self.path / chunk.record.file, key, chunk, dtype)
+        """The chunk's checked layout, read once (a few small records) and kept until :meth:`close`."""
+        if (key, chunk.offsets) not in self._layouts:
+            path, dtype = self.path / chunk.record.file, self._index.tensors[key].dtype
+            layout = chunk_layout(self._file(chunk.record), path, key, chunk, dtype)
+            self._layouts[key, chunk.offsets] = layout
+        return self._layouts[key, chunk.offsets]
 
     def _file(self, record: Record) -> BinaryIO:
         if record.file not in self._files:  # a plain name of the folder, no link out of it (_dcp_plan)
@@ -231,8 +235,7 @@ class ShardedFolder:
                 "trust the folder, pass trust_pickle=True (command line: --trust-pickle)"
             ) from None
         except Exception as err:  # torch reports a damaged archive in many ways
-            reason = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
-            raise ValueError(f"{where} is corrupt: it does not load ({reason.strip()})") from None
+            raise ValueError(f"{where} is corrupt: it does not load ({reason(err)})") from None
 
     def copy_to(self, tensor: torch.Tensor, file: BinaryIO) -> int:
         """Write the tensor a placeholder stands for into ``file``; the bytes written, 0 if not ours."""
@@ -253,10 +256,10 @@ class ShardedFolder:
         try:
             objects = {}
             for name, value in state_dict.items():
-                key = self._key(value) if isinstance(value, torch.Tensor) else None
+                key = self._key(value)
                 if key is not None:
                     for chunk in self._index.tensors[key].chunks:
-                        self._layouts[key, chunk.offsets] = self._layout(key, chunk)
+                        self._layout(key, chunk)
                 if isinstance(value, Stored):
                     objects[name] = self._read_object(value.key)
             self.record_check(state_dict).verify()
@@ -265,13 +268,13 @@ class ShardedFolder:
                     value = self.read(value)
                 model.load_state_dict({name: objects.get(name, value)}, strict=False)
         finally:
-            self._layouts.clear()
             self.close()
 
     def close(self) -> None:
         for file in self._files.values():
             file.close()
         self._files.clear()
+        self._layouts.clear()
         self._buffer = torch.empty(0, dtype=torch.uint8)
 
 

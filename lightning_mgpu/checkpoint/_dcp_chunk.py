@@ -33,6 +33,7 @@ import torch
 
 from lightning_mgpu.checkpoint._dcp_plan import METADATA, Chunk
 from lightning_mgpu.checkpoint._mapped import ReadError
+from lightning_mgpu.checkpoint._report import reason
 from lightning_mgpu.checkpoint._zip_check import StoredRecord, Window, stored_records
 
 __all__ = ["Layout", "chunk_layout", "read_chunk", "signals_held"]
@@ -76,11 +77,6 @@ def signals_held() -> Iterator[None]:
             signal.raise_signal(number)
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).split("WeightsUnpickler error:")[-1]
-    return next((line.strip() for line in text.splitlines() if line.strip()), type(err).__name__)
-
-
 def _dense(tensor: torch.Tensor) -> bool:
     """Whether the strides lay the values out once each, in some order of the dimensions."""
     expected = 1
@@ -114,7 +110,7 @@ def chunk_layout(file: BinaryIO, path: Path, key: str, chunk: Chunk, dtype: torc
             window = cast(BinaryIO, Window(file, record.offset, record.length))
             meta = torch.load(window, map_location="meta", weights_only=True)
     except Exception as err:  # torch and zipfile report a damaged archive in many ways
-        raise ValueError(f"{where} does not load ({_first_line(err)})") from None
+        raise ValueError(f"{where} does not load ({reason(err)})") from None
     if not isinstance(meta, torch.Tensor) or meta.layout != torch.strided:
         what = f"a {meta.layout} tensor" if isinstance(meta, torch.Tensor) else f"a {type(meta).__name__}"
         raise ValueError(f"{where} holds {what}, not a tensor's values")
@@ -172,7 +168,7 @@ def read_chunk(file: BinaryIO, path: Path, layout: Layout, into: torch.Tensor | 
     Raises:
         ValueError: the file ended before the values did (it changed since it was checked).
     """
-    contiguous = layout.stride == _contiguous_strides(layout.shape)
+    contiguous = torch.empty_strided(layout.shape, layout.stride, device="meta").is_contiguous()
     if into is not None and into.is_contiguous() and contiguous and not layout.swap:
         _read_into(file, path, layout, into.reshape(-1).view(torch.uint8))
         return into
@@ -184,14 +180,6 @@ def read_chunk(file: BinaryIO, path: Path, layout: Layout, into: torch.Tensor | 
     if into is None:
         return values
     return into.copy_(values)
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _read_into(file: BinaryIO, path: Path, layout: Layout, buffer: torch.Tensor) -> None:

@@ -37,8 +37,9 @@ import torch
 
 from lightning_mgpu._compat.torch import records_left_unread
 from lightning_mgpu.checkpoint._mapped import MappedFile
+from lightning_mgpu.checkpoint._report import reason
 from lightning_mgpu.checkpoint._safetensors import read_safetensors
-from lightning_mgpu.checkpoint._zip_check import RecordCheck
+from lightning_mgpu.checkpoint._zip_check import Archive, ArchiveCheck
 
 __all__ = ["LoadedFile", "read_file", "sniff"]
 
@@ -56,7 +57,7 @@ class LoadedFile:
     format: str  # "torch zip", "torch legacy" or "safetensors"
     metadata: dict[str, str] = field(default_factory=dict)
     mapped: MappedFile | None = None
-    check: RecordCheck | None = None  # a torch zip file's CRC-32 check, run by who reads the tensors
+    check: ArchiveCheck | None = None  # a torch zip file's CRC-32 check, run by who reads the tensors
 
 
 def sniff(path: Path) -> str | None:
@@ -113,13 +114,13 @@ def read_file(
         with records_left_unread():
             skeleton = _torch_load(path, "meta", trust_pickle, mmap=False)
         _check_inflated_sizes(path, compressed, skeleton)
-        RecordCheck(path).verify()
+        ArchiveCheck([Archive(path)]).verify()
         return LoadedFile(_torch_load(path, map_location, trust_pickle, mmap=False), kind)
     obj = _torch_load(path, map_location, trust_pickle, mmap=kind == "torch zip")
     if kind != "torch zip":
         return LoadedFile(obj, kind)
     mapped = MappedFile(path)
-    return LoadedFile(obj, kind, mapped=mapped, check=RecordCheck(path, mapped))
+    return LoadedFile(obj, kind, mapped=mapped, check=ArchiveCheck([Archive(path)], mapped))
 
 
 def _check_zip(path: Path) -> list[zipfile.ZipInfo]:
@@ -215,15 +216,13 @@ def _torch_load(path: Path, map_location: Any, trust_pickle: bool, *, mmap: bool
                 "unpickling them could run code from the file, so safe loading refused. If you trust where "
                 "the file came from, pass trust_pickle=True (command line: --trust-pickle)."
             ) from None
-        reason = _first_line(message.split("WeightsUnpickler error:")[-1])
-        raise ValueError(f"{path} is truncated or corrupt: {reason}") from None
+        raise ValueError(f"{path} is truncated or corrupt: {reason(err)}") from None
     except (RuntimeError, EOFError, ValueError, OSError, struct.error, IndexError) as err:
-        message = _first_line(str(err))
-        if "TorchScript" in message:
+        if "TorchScript" in reason(err):
             raise ValueError(
                 f"{path} is a TorchScript archive, not a checkpoint: use torch.jit.load"
             ) from None
-        raise ValueError(f"{path} is truncated or corrupt: {message or type(err).__name__}") from None
+        raise ValueError(f"{path} is truncated or corrupt: {reason(err)}") from None
 
 
 def _load(path: Path, map_location: Any, mmap: bool, **options: Any) -> Any:
@@ -262,10 +261,6 @@ def _all_unsafe_globals(path: Path) -> list[str]:
             return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
     except Exception:  # a best effort for the message only
         return []
-
-
-def _first_line(text: str) -> str:
-    return next((line.strip() for line in text.strip().splitlines() if line.strip()), "")
 
 
 def _omegaconf_types() -> list[Any]:

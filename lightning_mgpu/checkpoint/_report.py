@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 # sizes read the same in every report of the package: ``"512 B"``, ``"3.40 KiB"``
 from lightning_mgpu.devices import format_bytes as human_size
 
-__all__ = ["LoadReport", "Shape", "human_size", "shown"]
+__all__ = ["LoadReport", "Shape", "human_size", "reason", "shown"]
 
 _SHOW = 10  # names listed per problem before "... and N more"
 
@@ -24,6 +24,12 @@ def shown(value: object) -> str:
     200,000 deep would raise ``RecursionError`` instead of the message.
     """
     return _BOUNDED.repr(value)
+
+
+def reason(err: BaseException) -> str:
+    """The first line of what ``err`` says (torch's weights-only refusals: after their preamble)."""
+    text = str(err).split("WeightsUnpickler error:")[-1]
+    return next((line.strip() for line in text.splitlines() if line.strip()), type(err).__name__)
 
 
 class Shape(tuple[int, ...]):

@@ -38,7 +38,7 @@ from lightning_mgpu.checkpoint._prefixes import (
 )
 from lightning_mgpu.checkpoint._report import shown
 from lightning_mgpu.checkpoint._safetensors import ORDER_KEY
-from lightning_mgpu.checkpoint._zip_check import Check
+from lightning_mgpu.checkpoint._zip_check import ArchiveCheck
 
 __all__ = [
     "PlainWeights",
@@ -79,7 +79,7 @@ class Source:
     ordered: bool = True
     mapped: MappedFile | ShardedFolder | None = None
     wrappers: list[str] | None = None
-    check: Check | None = None
+    check: ArchiveCheck | None = None
 
 
 def is_state_dict(obj: Any) -> bool:
@@ -191,24 +191,16 @@ def _weights(value: Any) -> OrderedDict[str, Any] | None:
     return out
 
 
-def _weights_entry(value: Any) -> bool:
-    return _weights(value) is not None
-
-
 def _from_mapping(obj: Mapping[str, Any], where: str, key: str | None = None) -> Source:
     if key is not None:
         return _chosen_entry(obj, where, key)
     if not obj or is_state_dict(obj):  # {}: the state_dict of a model without weights
         return Source(OrderedDict(obj), where, "state_dict")
-    lightning = any(k in obj for k in _LIGHTNING_KEYS)
-    state_dict = _weights(obj.get("state_dict"))
-    if state_dict is not None:
-        kind = "Lightning checkpoint" if lightning else "checkpoint"
-        return Source(state_dict, where, kind, lightning, obj, "state_dict")
-    found = {k: weights for k in obj if isinstance(k, str) and (weights := _weights(obj[k]))}
-    candidates = list(found)
+    if _weights(obj.get("state_dict")) is not None:
+        return _chosen_entry(obj, where, "state_dict")
+    candidates = _candidates(obj)
     if len(candidates) == 1:
-        return Source(found[candidates[0]], where, "checkpoint", False, obj, candidates[0])
+        return _chosen_entry(obj, where, candidates[0])
     keys = ", ".join(shown(k) for k in list(obj)[:12]) + (", ..." if len(obj) > 12 else "")
     if candidates:
         names = ", ".join(repr(k) for k in candidates)
@@ -224,19 +216,24 @@ def _from_mapping(obj: Mapping[str, Any], where: str, key: str | None = None) ->
     )
 
 
+def _candidates(obj: Mapping[str, Any]) -> list[str]:
+    """The entries of a training checkpoint that hold a non-empty state_dict."""
+    return [k for k in obj if isinstance(k, str) and _weights(obj[k])]
+
+
 def _chosen_entry(obj: Mapping[str, Any], where: str, key: str) -> Source:
-    candidates = [k for k in obj if isinstance(k, str) and _weights_entry(obj[k])]
-    if key not in obj:
-        holds = ", ".join(repr(k) for k in candidates) or "none"
-        raise KeyError(f"{where} has no entry {key!r}; the entries holding weights are: {holds}")
-    if not _weights_entry(obj[key]):
+    state_dict = _weights(obj.get(key))
+    if state_dict is None:
+        holds = ", ".join(repr(k) for k in _candidates(obj)) or "none"
+        if key not in obj:
+            raise KeyError(f"{where} has no entry {key!r}; the entries holding weights are: {holds}")
         raise ValueError(
             f"{where}[{key!r}] holds a {type(obj[key]).__name__}, not a state_dict; "
-            f"the entries holding weights are: {', '.join(repr(k) for k in candidates) or 'none'}"
+            f"the entries holding weights are: {holds}"
         )
     lightning = key == "state_dict" and any(k in obj for k in _LIGHTNING_KEYS)
     kind = "Lightning checkpoint" if lightning else "checkpoint"
-    return Source(_weights(obj[key]) or OrderedDict(), where, kind, lightning, obj, key)
+    return Source(state_dict, where, kind, lightning, obj, key)
 
 
 def count_values(state_dict: Mapping[str, Any]) -> int:
@@ -261,11 +258,6 @@ def describe_tops(state_dict: Mapping[str, Any]) -> str:
         values = count_values({k: v for k, v in state_dict.items() if k == top or k.startswith(top + ".")})
         parts.append(f"{top} ({count} tensor{'s' * (count != 1)}, {values:,} values)")
     return ", ".join(parts)
-
-
-def count_under(state_dict: Mapping[str, Any], name: str) -> int:
-    """Keys strictly below ``name.``."""
-    return sum(k.startswith(name + ".") for k in state_dict)
 
 
 @dataclass(frozen=True)
@@ -301,7 +293,7 @@ def plain_state_dict(src: Source, submodule: str | None = None) -> PlainWeights:
     if submodule is None and src.lightning and state_dict:
         tops = split_top(state_dict)
         only = next(iter(tops)) if len(tops) == 1 else None
-        if only is not None and count_under(state_dict, only) == len(state_dict):
+        if only is not None and only not in state_dict:  # every entry lies below ``only.``
             logger.debug(
                 "removed %r: the LightningModule's weights all lie in that one attribute", only + "."
             )

@@ -2,13 +2,10 @@
 
 ``torch.load`` does not check them, so a flipped bit in a tensor's bytes loads as a wrong value
 without a word. ``zipfile`` does, for stored and compressed records alike, reading each one in
-pieces of 1 MiB; the checks here only say which tensors a damaged record
-holds:
-
-- :class:`RecordCheck`: a ``.pt`` / ``.ckpt`` file; a damaged record is named by the tensors whose
-  storage it holds (``model.3.weight``), found by where the memory-mapped tensors lie in the file;
-- :class:`ArchiveCheck`: the archives a sharded checkpoint's shard files hold one after another (one
-  ``torch.save`` per chunk); a damaged one is named by the entry whose chunk it holds.
+pieces of 1 MiB; :class:`ArchiveCheck` only says what a damaged record holds: in a ``.pt`` /
+``.ckpt`` file, the tensors whose storage it holds (``model.3.weight``), found by where the
+memory-mapped tensors lie in the file; in the archives a sharded checkpoint's shard files hold one
+after another (one ``torch.save`` per chunk), the entry whose chunk it holds.
 
 An export runs the check in a thread while it writes (``zlib.crc32`` and file reads release the
 GIL), and waits for it before renaming the result into place, so the check costs little time and a
@@ -34,7 +31,7 @@ from typing import Any, BinaryIO, Protocol
 
 import torch
 
-__all__ = ["Archive", "ArchiveCheck", "Check", "RecordCheck", "StoredRecord", "Window", "stored_records"]
+__all__ = ["Archive", "ArchiveCheck", "StoredRecord", "Window", "stored_records"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,20 +132,56 @@ def _damaged(archive: zipfile.ZipFile) -> list[str]:
     return damaged
 
 
-class Check:
-    """A CRC-32 check that runs in a thread: :meth:`start` it, then :meth:`verify`; :meth:`verify`
-    alone runs it in the caller."""
+@dataclass(frozen=True)
+class Archive:
+    """A ``torch.save`` archive at bytes ``[start, start + length)`` of ``path``, and what it holds.
 
-    def __init__(self) -> None:
-        self._damaged: list[Any] | None = None
-        self._error: BaseException | None = None
+    ``length=None``: to the end of the file (a whole ``.pt`` / ``.ckpt`` file). ``holds`` is for the
+    message: ``"'state_dict.model.0.weight', chunk at [8, 0]"``.
+    """
+
+    path: Path
+    start: int = 0
+    length: int | None = None
+    holds: str = "data"
+
+
+@dataclass(frozen=True)
+class _Damage:
+    archive: Archive
+    why: str  # "record archive/data/0", or why the archive cannot be read
+    crc: bool  # a record that does not match its CRC-32 (else the archive is unreadable)
+    start: int | None = None  # where that record's bytes start in the file, when asked for
+
+
+_ADVICE = (
+    "do not match the CRC-32 {what} recorded when it was written, so the values are not the ones saved; "
+    "copy {what} again from where it was written, or use another checkpoint"
+)
+
+
+class ArchiveCheck:
+    """Compares every record of torch archives with its CRC-32, in a thread: :meth:`start` it, then
+    :meth:`verify` (which starts it if need be).
+
+    Args:
+        archives: A whole file (``[Archive(path)]``), or the archives of a sharded checkpoint's
+            shard files, each named by the entry whose chunk it holds.
+        offsets: Where the memory-mapped tensors of a whole file lie in it (``MappedFile``), so that
+            a damaged record is named by the tensors whose storage it holds (``model.3.weight``).
+    """
+
+    def __init__(self, archives: Sequence[Archive], offsets: _Offsets | None = None) -> None:
+        self._archives, self._offsets = list(archives), offsets
+        self._outcome: list[_Damage] | Exception = []  # the damage found, or why it could not be looked for
         self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
-        """Begin checking in a background thread."""
-        if self._thread is None and self._damaged is None:
+    def start(self) -> threading.Thread:
+        """Begin checking in a background thread (once)."""
+        if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="lightning-mgpu-crc", daemon=True)
             self._thread.start()
+        return self._thread
 
     def verify(self, tensors: Mapping[str, Any] | None = None) -> None:
         """Wait for the check; raise if a record is damaged.
@@ -159,136 +192,69 @@ class Check:
         Raises:
             ValueError: a record's bytes do not match its CRC-32; the message names what it holds.
         """
-        if self._thread is not None:
-            self._thread.join()
-        elif self._damaged is None:
-            self._run()
-        if self._error is not None:
-            raise ValueError(f"{self._where()} could not be checked: {self._error}") from None
-        if self._damaged:
-            raise ValueError(self._message(self._damaged, tensors or {}))
+        self.start().join()
+        if isinstance(self._outcome, Exception):
+            files = sorted({str(a.path) for a in self._archives})
+            where = ", ".join(files[:3]) + (", ..." if len(files) > 3 else "")
+            raise ValueError(f"{where} could not be checked: {self._outcome}") from None
+        if self._outcome:
+            raise ValueError(self._message(self._outcome, tensors or {}))
 
     def _run(self) -> None:
         try:
-            self._damaged = self._check()
+            self._outcome = self._check()
         except Exception as err:  # reported by verify, in the caller's thread, never printed by this one
-            self._error = err
+            self._outcome = err
 
-    def _check(self) -> list[Any]:
-        raise NotImplementedError
-
-    def _where(self) -> str:
-        raise NotImplementedError
-
-    def _message(self, damaged: list[Any], tensors: Mapping[str, Any]) -> str:
-        raise NotImplementedError
-
-
-_ADVICE = (
-    "do not match the CRC-32 {what} recorded when it was written, so the values are not the ones saved; "
-    "copy {what} again from where it was written, or use another checkpoint"
-)
-
-
-class RecordCheck(Check):
-    """Compares every record of a torch zip file with its CRC-32."""
-
-    def __init__(self, path: Path, offsets: _Offsets | None = None) -> None:
-        """``offsets`` tells where memory-mapped tensors lie in the file (``MappedFile``), to name them."""
-        super().__init__()
-        self.path, self._offsets = path, offsets
-
-    def _where(self) -> str:
-        return str(self.path)
-
-    def _check(self) -> list[StoredRecord]:
-        with zipfile.ZipFile(self.path) as archive:
-            damaged = set(_damaged(archive))
-            logger.debug(
-                "%s: %d records checked, %d damaged", self.path, len(archive.infolist()), len(damaged)
-            )
-        if not damaged:
-            return []
-        with open(self.path, "rb") as file:
-            return [record for record in stored_records(file) if record.name in damaged]
-
-    def _message(self, damaged: list[StoredRecord], tensors: Mapping[str, Any]) -> str:
-        starts = {record.start: record for record in damaged}
-        names: dict[str, list[str]] = {record.name: [] for record in damaged}
-        if self._offsets is not None:
-            for key, value in tensors.items():
-                if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
-                    continue
-                position = self._offsets.file_offset(value.untyped_storage().data_ptr())
-                if position in starts:
-                    names[starts[position].name].append(key)
-        parts = []
-        for record in damaged:
-            held = names[record.name]
-            what = ("tensor " + ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")) if held else "data"
-            parts.append(f"{what} (record {record.name})")
-        advice = _ADVICE.format(what="the file")
-        return f"{self.path} is corrupt: the stored bytes of {'; '.join(parts)} {advice}"
-
-
-@dataclass(frozen=True)
-class Archive:
-    """A ``torch.save`` archive at bytes ``[start, start + length)`` of ``path``, and what it holds."""
-
-    path: Path
-    start: int
-    length: int
-    holds: str  # for the message: "'state_dict.model.0.weight', chunk at [8, 0]"
-
-
-class ArchiveCheck(Check):
-    """Compares every record of several archives inside larger files with its CRC-32."""
-
-    def __init__(self, archives: Sequence[Archive]) -> None:
-        super().__init__()
-        self._archives = list(archives)
-
-    def _where(self) -> str:
-        files = sorted({str(a.path) for a in self._archives})
-        return ", ".join(files[:3]) + (", ..." if len(files) > 3 else "")
-
-    def _check(self) -> list[tuple[Archive, str, bool]]:
-        """``(archive, what is wrong, whether it is a CRC mismatch)`` for each damaged archive or record."""
-        damaged: list[tuple[Archive, str, bool]] = []
+    def _check(self) -> list[_Damage]:
+        damaged: list[_Damage] = []
         by_file: dict[Path, list[Archive]] = {}
         for archive in self._archives:
             by_file.setdefault(archive.path, []).append(archive)
         for path, archives in by_file.items():
             with open(path, "rb") as file:
-                if os.fstat(file.fileno()).st_size == 0:
-                    damaged += [(a, "the file is empty", False) for a in archives]
-                    continue
+                size = os.fstat(file.fileno()).st_size
                 for archive in sorted(archives, key=lambda a: a.start):
-                    damaged += self._archive(file, archive)
+                    damaged += self._archive(file, archive, size)
         logger.debug(
             "%d archives checked against their CRC-32, %d damaged", len(self._archives), len(damaged)
         )
         return damaged
 
-    @staticmethod
-    def _archive(file: BinaryIO, archive: Archive) -> list[tuple[Archive, str, bool]]:
+    def _archive(self, file: BinaryIO, archive: Archive, size: int) -> list[_Damage]:
+        if size == 0:
+            return [_Damage(archive, "the file is empty", crc=False)]
+        length = size - archive.start if archive.length is None else archive.length
         try:
-            with zipfile.ZipFile(Window(file, archive.start, archive.length)) as opened:
-                return [(archive, f"record {name}", True) for name in _damaged(opened)]
+            with zipfile.ZipFile(Window(file, archive.start, length)) as opened:
+                names = _damaged(opened)
+            starts = {}
+            if names and self._offsets is not None:  # to name the tensors a record holds
+                starts = {r.name: r.start for r in stored_records(file, archive.start, length)}
         except (zipfile.BadZipFile, struct.error, ValueError, OSError) as err:
-            return [(archive, str(err) or type(err).__name__, False)]
+            return [_Damage(archive, str(err) or type(err).__name__, crc=False)]
+        return [_Damage(archive, f"record {name}", True, starts.get(name)) for name in names]
 
-    def _message(self, damaged: list[tuple[Archive, str, bool]], tensors: Mapping[str, Any]) -> str:
-        archive, why, crc = damaged[0]
-        if not crc:
-            end = archive.start + archive.length
+    def _message(self, damaged: list[_Damage], tensors: Mapping[str, Any]) -> str:
+        first = damaged[0].archive
+        where = "the file" if first.length is None else "the folder"
+        if not damaged[0].crc:
+            end = first.start + (first.length or 0)
             return (
-                f"{archive.path} is corrupt: {archive.holds} at bytes {archive.start:,}-{end:,} is no "
-                f"readable torch archive ({why}); copy the folder again from where it was written, or use "
-                "another checkpoint"
+                f"{first.path} is corrupt: {first.holds} at bytes {first.start:,}-{end:,} is no "
+                f"readable torch archive ({damaged[0].why}); copy {where} again from where it was written, "
+                "or use another checkpoint"
             )
-        here = [(a, w) for a, w, c in damaged if c and a.path == archive.path]
-        parts = [f"{a.holds} ({w})" for a, w in here[:5]]
+        held: dict[int | None, list[str]] = {}  # a record's start -> the tensors whose storage it holds
+        for key, value in tensors.items():
+            if self._offsets is not None and isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                position = self._offsets.file_offset(value.untyped_storage().data_ptr())
+                held.setdefault(position, []).append(key)
+        parts = []
+        for damage in [d for d in damaged if d.crc and d.archive.path == first.path][:5]:
+            names = held.get(damage.start, []) if damage.start is not None else []
+            shown = "tensor " + ", ".join(names[:5]) + ", ..." * (len(names) > 5)
+            parts.append(f"{shown if names else damage.archive.holds} ({damage.why})")
         more = f"; and {len(damaged) - len(parts)} more" if len(damaged) > len(parts) else ""
-        advice = _ADVICE.format(what="the folder")
-        return f"{archive.path} is corrupt: the stored bytes of {'; '.join(parts)}{more} {advice}"
+        advice = _ADVICE.format(what=where)
+        return f"{first.path} is corrupt: the stored bytes of {'; '.join(parts)}{more} {advice}"
