@@ -14,7 +14,12 @@ folder is 3x the weights. Each method runs in its own process:
 - ``lightning_mgpu``: ``export_state_dict(folder, out.safetensors)``: the weights only, one tensor
   assembled and written at a time;
 - ``dcp_to_torch_save``: torch's converter, which loads the whole folder into memory, optimizer
-  state included, and ``torch.save``s it.
+  state included, and ``torch.save``s it;
+- ``dcp.load key by key``: what an export built on torch's own reader would do: each weight loaded
+  alone (``torch.distributed.checkpoint.load(..., no_dist=True)`` into a tensor of its size) and
+  written. torch's ``FileSystemReader`` reads a chunk's whole archive into memory, then
+  ``torch.load``s it, then copies it into place: three copies of a tensor where the hand-written
+  reader (``checkpoint/_dcp_chunk.py``) reads the values straight into the one it writes from.
 
 - ``--compare-with DIR``: ``export_state_dict`` of another copy of the package (the folder that
   holds ``lightning_mgpu``, a worktree of an earlier commit), in the same runs, so a change is
@@ -95,6 +100,20 @@ METHODS = {
     "torch dcp_to_torch_save": (
         "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save",
         "dcp_to_torch_save(sys.argv[1], sys.argv[2] + '.pt')",
+    ),
+    # what an export built on torch's own reader would do: each weight loaded alone into a tensor
+    # of its size, then written (raw bytes: the writer is not what is measured here)
+    "torch dcp.load key by key": (
+        "import torch, torch.distributed.checkpoint as dcp\n"
+        "from torch.distributed.checkpoint import FileSystemReader",
+        "index = FileSystemReader(sys.argv[1]).read_metadata()  # our own folder: safe to unpickle\n"
+        "with open(sys.argv[2] + '.raw', 'wb') as f:\n"
+        "    for key, entry in index.state_dict_metadata.items():\n"
+        "        if key.startswith('state_dict.'):\n"
+        "            tensor = torch.empty(entry.size, dtype=entry.properties.dtype)\n"
+        "            dcp.load({key: tensor}, storage_reader=FileSystemReader(sys.argv[1]), no_dist=True)\n"
+        "            f.write(tensor.numpy().data)\n"
+        "            del tensor",
     ),
 }
 
