@@ -32,6 +32,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -42,6 +43,7 @@ from lightning_mgpu.callbacks.predictions import PredictionCSV
 from lightning_mgpu.config.callbacks import build_callbacks
 from lightning_mgpu.config.instantiate import build_data, build_module, build_trainer
 from lightning_mgpu.config.schema import RunConfig
+from lightning_mgpu.strategies.resume.restart import env_count
 
 RUN_DIR_ENV = "LIGHTNING_MGPU_RUN_DIR"
 
@@ -88,14 +90,7 @@ def check_run_dir_unused(cfg: RunConfig, run_dir: Path) -> None:
 
 def slurm_restarts() -> int:
     """How many times SLURM requeued this job: 0 outside SLURM and on a job's first attempt."""
-    from lightning.fabric.plugins.environments import SLURMEnvironment
-
-    if not SLURMEnvironment.detect():
-        return 0
-    try:
-        return max(0, int(os.environ.get("SLURM_RESTART_COUNT", "0")))
-    except ValueError:
-        return 0
+    return env_count(os.environ, "SLURM_RESTART_COUNT") if SLURMEnvironment.detect() else 0
 
 
 def continue_requeued(run_dir: Path, restarts: int) -> bool:
