@@ -53,18 +53,17 @@ def run(args: argparse.Namespace) -> int:
     if args.devices is not None and args.devices < 1:
         raise ValueError(f"--devices must be at least 1, got {args.devices}")
     cfg = load_config(config, overrides)
-    precision = cfg.trainer.precision
     devices = args.devices or _device_count(cfg.trainer.accelerator, cfg.trainer.devices)
     module = load_recipe(cfg.recipe).module(**asdict(cfg.model), optimizer=asdict(cfg.optimizer))
     sample = build_data(cfg).example_batch(min(_SAMPLE, cfg.data.batch_size))  # type: ignore[attr-defined]
     common = dict(devices=devices, device_memory=args.gpu_memory, batch_size=cfg.data.batch_size)
-    if cfg.task == "fit":
-        # the config's optimizer, without a Trainer's schedule
-        est = estimate_memory(
-            module, sample, **common, precision=precision, optimizer=module.make_optimizer()
-        )
-    else:
-        est = estimate_memory(module, sample, **common, precision=precision, inference=True, step_fn=_forward)
+    # fit: the config's optimizer, without a Trainer's schedule; validate and predict: an inference pass
+    step = (
+        dict(optimizer=module.make_optimizer())
+        if cfg.task == "fit"
+        else dict(inference=True, step_fn=_forward)
+    )
+    est = estimate_memory(module, sample, **common, **step, precision=cfg.trainer.precision)
     print(report(est, cfg.recipe, cfg.data.batch_size, devices, task=cfg.task))
     return 0
 

@@ -107,9 +107,7 @@ def progress_bar_for(stream: IO[Any]) -> ProgressBar | None:
 
         bar = progress_bar_for(sys.stdout)  # None in a terminal: Lightning's bar
     """
-    isatty = getattr(stream, "isatty", None)
-    terminal = bool(isatty and isatty())
-    if terminal:
+    if getattr(stream, "isatty", lambda: False)():
         log.debug("progress: %r is a terminal, Lightning's bar redraws in place", stream)
         return None
     log.debug("progress: %r is not a terminal (a log file or a pipe), one line per epoch", stream)
