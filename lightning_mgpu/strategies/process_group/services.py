@@ -23,8 +23,9 @@ the host's own through ``super()`` in each:
 - ``on_train_start``, ``on_validation_start``, ``on_test_start``, ``on_predict_start``: rank 0 prints the
   start-up summary once;
 - ``pre_backward``, ``barrier``, ``broadcast``, ``reduce``, ``all_gather``: count progress for the watchdog;
-- ``optimizer_step`` (its base ``step_memory.ExplainedStepMemory``): an out-of-memory in the step itself
-  gets this rank's optimizer state and the options in front of its message;
+- ``optimizer_step``: an out-of-memory in the step itself (not in forward or backward, which run in its
+  closure, where micro-batching's ``"auto"`` may recover it) gets this rank's optimizer state and the
+  options in front of its message (``step_memory.py``);
 - ``on_exception``: a communication error gets the watchdog's reason (which rank died and how); this rank's
   own error is reported to the others. Should the exception end the process, each rank prints one line
   naming the rank that failed first and the cause, and only that rank prints its traceback.
@@ -42,7 +43,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import socket
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -61,16 +62,17 @@ from lightning_mgpu._compat.lightning import (
     data_connector,
     is_dataloader_shuffled,
 )
+from lightning_mgpu.oom import is_out_of_memory
+from lightning_mgpu.strategies.mixin import StrategyMixin
 from lightning_mgpu.strategies.process_group import at_exit, checks, torchrun_store
-from lightning_mgpu.strategies.process_group.errors import add_to_message, is_communication_error
+from lightning_mgpu.strategies.process_group.errors import add_to_message
 from lightning_mgpu.strategies.process_group.launcher import _WatchedSubprocessScriptLauncher
 from lightning_mgpu.strategies.process_group.requeue import DeferredRequeue
-from lightning_mgpu.strategies.process_group.step_memory import ExplainedStepMemory
+from lightning_mgpu.strategies.process_group.step_memory import step_memory, step_oom_message
 from lightning_mgpu.strategies.process_group.summary import format_summary, launcher_name, rank_info
 from lightning_mgpu.strategies.process_group.watchdog.heartbeats import loop_progress
-from lightning_mgpu.strategies.process_group.watchdog.signals import quiet_sigterm
 from lightning_mgpu.strategies.process_group.watchdog.verdicts import RankInfo
-from lightning_mgpu.strategies.process_group.watchdog.watchdog import DEAD_AFTER, INTERVAL, watchdog
+from lightning_mgpu.strategies.process_group.watchdog.watchdog import DEAD_AFTER, watchdog
 from lightning_mgpu.strategies.resume.resumption import Resumption
 
 if TYPE_CHECKING:
@@ -85,7 +87,7 @@ STALL_TIMEOUT = 300.0
 """``stall_timeout``'s default in every strategy that takes it: 5 minutes."""
 
 
-class ProcessGroupServices(ExplainedStepMemory):
+class ProcessGroupServices(StrategyMixin):
     """Device checks, backend, watchdog, kept shuffle and start-up summary for a process-group strategy.
 
     The options, which the host's ``__init__`` passes to ``_init_services``:
@@ -333,44 +335,43 @@ class ProcessGroupServices(ExplainedStepMemory):
 
     # ---------------------------------------------------------- failures
     @override
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        stepping = False
+
+        def closure_then_step() -> Any:
+            nonlocal stepping
+            output = closure()
+            stepping = True  # forward and backward are done: what runs out from here is the step's
+            return output
+
+        try:
+            return super().optimizer_step(optimizer, closure_then_step, model, **kwargs)
+        except BaseException as error:
+            if stepping and is_out_of_memory(error) and self.lightning_module is not None:
+                self._explain_step(error, optimizer, self.lightning_module)
+            raise
+
+    def _explain_step(
+        self, error: BaseException, optimizer: torch.optim.Optimizer, module: torch.nn.Module
+    ) -> None:
+        try:  # the original error surfaces whatever happens here
+            rank, world, device = self.global_rank, self.world_size, self.root_device
+            memory = step_memory(self.strategy_name, rank, world, module, optimizer, device)
+            add_to_message(error, step_oom_message(memory))
+        except Exception as failure:
+            log.debug("cannot explain the optimizer step's out-of-memory: %r", failure)
+
+    @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         if self._watching:
-            self._explain_failure(exception)
+            watchdog().explain_failure(exception)
         verdict = watchdog().verdict if self._watching else None
         # a rank gone, stuck or failed by itself; not a signal (a cancel, Ctrl-C, the end of a time limit)
         if verdict is not None and (verdict.dead or verdict.stuck or verdict.origin >= 0):
             self._resumption.after_failure(self.world_size, verdict.dead)
-
-    def _explain_failure(self, exception: BaseException) -> None:
-        dog, rank = watchdog(), self.global_rank
-        quiet_sigterm()
-        if is_communication_error(exception):
-            # a peer went away: wait for the watchdog to learn which one and how
-            verdict = dog.wait_for_verdict(DEAD_AFTER + 2 * INTERVAL)
-            if verdict is not None and verdict.origin != rank:
-                line = f"[rank {rank}] stopped because {verdict.message}."
-                add_to_message(exception, line)
-                # a rank that failed by itself prints its traceback; this one's is only the echo
-                if verdict.origin >= 0:
-                    line += f" Rank {verdict.origin} prints the traceback."
-                dog.summarise_at_exit(exception, line, traceback=verdict.origin < 0)
-                return
-        first_line = (str(exception).strip().splitlines() or [""])[0]
-        where = f"pid {os.getpid()} on {socket.gethostname()}"
-        error = f"{type(exception).__name__}: {first_line}"
-        verdict = dog.report_own_error(f"rank {rank} ({where}) failed with {error}")
-        if verdict.origin == rank:
-            dog.summarise_at_exit(exception, f"[rank {rank}] {verdict.message}; its traceback follows:", True)
-        elif verdict.origin >= 0:  # another rank failed first by itself, and prints its traceback
-            first = verdict.message.split(" failed with ", 1)[0]
-            same = verdict.message.endswith(f"failed with {error}")
-            how = "the same way as" if same else f"with {error} after"
-            line = f"[rank {rank}] failed {how} {first}; rank {verdict.origin} prints the traceback."
-            dog.summarise_at_exit(exception, line, traceback=False)
-        else:  # the run was failing already (a rank died): this traceback is the only one
-            line = f"[rank {rank}] failed with {error}, after {verdict.message}"
-            dog.summarise_at_exit(exception, line, traceback=True)
 
     @override
     def teardown(self) -> None:

@@ -1,9 +1,9 @@
 """An optimizer step that runs out of memory, told with this rank's numbers and the options they give.
 
 The first step of an optimizer such as AdamW allocates its state (two moments of every parameter
-under AdamW); when that does not fit, the run ends there. ``ExplainedStepMemory``, a base of
-``ProcessGroupServices``, wraps the step: an out-of-memory raised after the closure (forward and
-backward) has returned is the step's own, and its message gets, in front of the allocator's:
+under AdamW); when that does not fit, the run ends there. ``ProcessGroupServices.optimizer_step`` wraps
+the step: an out-of-memory raised after the closure (forward and backward) has returned is the step's
+own, and its message gets, in front of the allocator's:
 
 - one line (what every rank prints, through the watchdog) with the optimizer state this rank's
   step creates (``estimate.optimizer_state``: its shards under ``mgpu_fsdp``), the parameters and
@@ -20,25 +20,16 @@ and stops those waiting in a collective within seconds.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from typing_extensions import override
 
 from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.estimate.model_state import measure_model_state
 from lightning_mgpu.estimate.optimizer_state import count_optimizer_state
-from lightning_mgpu.oom import is_out_of_memory
-from lightning_mgpu.strategies.mixin import StrategyMixin
-from lightning_mgpu.strategies.process_group.errors import add_to_message
 
-__all__ = ["ExplainedStepMemory", "StepMemory", "step_memory", "step_oom_message"]
-
-log = logging.getLogger(__name__)
+__all__ = ["StepMemory", "step_memory", "step_oom_message"]
 
 _HALF_PRECISIONS = (torch.float16, torch.bfloat16)
 
@@ -166,45 +157,3 @@ def step_oom_message(memory: StepMemory) -> str:
         f" process(es){on})"
     )
     return "\n".join([line, "What would fit:", *(f"- {option};" for option in _options(memory))])
-
-
-class ExplainedStepMemory(StrategyMixin):
-    """Puts ``step_oom_message`` in front of an out-of-memory raised by the optimizer step itself.
-
-    The host names itself (``strategy_name``); forward and backward run inside the step's closure,
-    and an out-of-memory there is left as it is (micro-batching's ``"auto"`` may recover it).
-    """
-
-    if TYPE_CHECKING:
-        strategy_name: str
-
-    @override
-    def optimizer_step(
-        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
-    ) -> Any:
-        stepping = False
-
-        def closure_then_step() -> Any:
-            nonlocal stepping
-            output = closure()
-            stepping = True  # forward and backward are done: what runs out from here is the step's
-            return output
-
-        try:
-            return super().optimizer_step(optimizer, closure_then_step, model, **kwargs)
-        except BaseException as error:
-            if stepping and is_out_of_memory(error):
-                self._explain_step(error, optimizer)
-            raise
-
-    def _explain_step(self, error: BaseException, optimizer: torch.optim.Optimizer) -> None:
-        module = self.lightning_module
-        if module is None:
-            return
-        try:  # the original error surfaces whatever happens here
-            memory = step_memory(
-                self.strategy_name, self.global_rank, self.world_size, module, optimizer, self.root_device
-            )
-            add_to_message(error, step_oom_message(memory))
-        except Exception as failure:
-            log.debug("cannot explain the optimizer step's out-of-memory: %r", failure)

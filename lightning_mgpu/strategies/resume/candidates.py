@@ -1,5 +1,8 @@
 """The newest complete checkpoint of a run, and why each newer one is not complete.
 
+Lightning's own ``fit(ckpt_path="last")`` takes the newest ``last*.ckpt`` (``ModelCheckpoint(save_last=True)``
+only), complete or not; here every checkpoint of the run counts, and one a kill cut short is skipped.
+
 A run's checkpoints are the ``*.ckpt`` files and sharded ``*.ckpt`` folders in its
 ``ModelCheckpoint`` folders, and the ``hpc_ckpt_<n>.ckpt`` files Lightning saves for SLURM in
 ``default_root_dir``. They are tried newest first (by the time their last part was written), and

@@ -2,7 +2,7 @@
 
 - ``watchdog.py``: ``Watchdog``, the thread each rank runs while a run lasts, and the ``watchdog()``
   singleton (``start``/``attach``/``detach``, ``watch_children``, ``infos``, ``verdict``,
-  ``wait_for_verdict``, ``report_own_error``, ``summarise_at_exit``);
+  ``wait_for_verdict``, ``explain_failure``);
 - ``heartbeats.py``: the run's keys in the process group's store (``Heartbeats``) and this rank's
   idle time (``Idleness``);
 - ``verdicts.py``: pure decisions from heartbeats (``Beat``, ``RankInfo``, ``Suspect``, ``Verdict``,

@@ -70,8 +70,7 @@ def stop_process(
     if verdict.origin >= 0:
         # the line the main thread prints when its collective fails first, with the "[rank<N>]: "
         # torch's excepthook puts in front of an uncaught exception's lines
-        traceback = f"Rank {verdict.origin} prints the traceback."
-        out.write(f"[rank{rank}]: [rank {rank}] stopped because {verdict.message}. {traceback}\n")
+        out.write(f"[rank{rank}]: {verdict.stopped(rank)}\n")
     else:
         stopping = f"stopping this process (pid {os.getpid()}) so the run does not hang"
         out.write(f"[rank {rank}] lightning_mgpu: {verdict.message}; {stopping}\n")

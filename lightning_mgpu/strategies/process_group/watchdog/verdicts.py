@@ -43,6 +43,24 @@ class Verdict:
     origin: int = -1
     """The rank whose own error this is; that rank is not forced to exit."""
 
+    def stopped(self, rank: int) -> str:
+        """The line ``rank`` prints when it stops for this verdict, not its own; a rank that failed by
+        itself prints the one traceback."""
+        traceback = f" Rank {self.origin} prints the traceback." if self.origin >= 0 else ""
+        return f"[rank {rank}] stopped because {self.message}.{traceback}"
+
+    def failed(self, rank: int, error: str) -> tuple[str, bool]:
+        """What ``rank``, failed by itself with ``error``, prints under this verdict (the run's): one line,
+        and whether its traceback follows; only the rank that failed first prints its traceback."""
+        if self.origin == rank:
+            return f"[rank {rank}] {self.message}; its traceback follows:", True
+        if self.origin >= 0:  # another rank failed first by itself, and prints its traceback
+            first, _, first_error = self.message.partition(" failed with ")
+            how = "the same way as" if first_error == error else f"with {error} after"
+            return f"[rank {rank}] failed {how} {first}; rank {self.origin} prints the traceback.", False
+        # the run was failing already (a rank died): this traceback is the only one
+        return f"[rank {rank}] failed with {error}, after {self.message}", True
+
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 

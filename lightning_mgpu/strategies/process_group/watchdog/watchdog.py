@@ -36,6 +36,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -43,10 +44,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from lightning_mgpu.strategies.process_group.errors import add_to_message, is_communication_error
 from lightning_mgpu.strategies.process_group.watchdog import processes, shutdown
 from lightning_mgpu.strategies.process_group.watchdog.heartbeats import Heartbeats, Idleness
 from lightning_mgpu.strategies.process_group.watchdog.local_checks import LocalChecks
-from lightning_mgpu.strategies.process_group.watchdog.signals import SignalPipe
+from lightning_mgpu.strategies.process_group.watchdog.signals import SignalPipe, quiet_sigterm
 from lightning_mgpu.strategies.process_group.watchdog.verdicts import (
     Beat,
     RankInfo,
@@ -175,14 +177,25 @@ class Watchdog:
                 self._verdict_event.wait(0.2)
         return self._verdict
 
-    def report_own_error(self, message: str) -> Verdict:
-        """This rank failed by itself: tell the others, but let this process end its own way."""
-        own = Verdict(message, origin=self.rank)
-        return self._decide(own) or own
-
-    def summarise_at_exit(self, exception: BaseException, line: str, traceback: bool) -> None:
-        """Should ``exception`` end the process: print ``line``, and its traceback only if ``traceback``."""
-        self._exit_summary.set(exception, line, traceback)
+    def explain_failure(self, exception: BaseException) -> None:
+        """The run failed on this rank with ``exception``: a peer's failure named in its message, this rank's
+        own told to the others (this process still ends its own way); should it end the process, one line
+        names the rank that failed first and the cause, and only that rank prints its traceback."""
+        rank = self.rank
+        quiet_sigterm()
+        if is_communication_error(exception):
+            # a peer went away: wait for the watchdog to learn which one and how
+            verdict = self.wait_for_verdict(DEAD_AFTER + 2 * INTERVAL)
+            if verdict is not None and verdict.origin != rank:
+                add_to_message(exception, verdict.stopped(rank))
+                self._exit_summary.set(exception, verdict.stopped(rank), traceback=verdict.origin < 0)
+                return
+        first_line = (str(exception).strip().splitlines() or [""])[0]
+        error = f"{type(exception).__name__}: {first_line}"
+        where = f"pid {os.getpid()} on {socket.gethostname()}"
+        own = Verdict(f"rank {rank} ({where}) failed with {error}", origin=rank)
+        verdict = self._decide(own) or own
+        self._exit_summary.set(exception, *verdict.failed(rank, error))
 
     def _decide(self, verdict: Verdict | None, publish: bool = True) -> Verdict | None:
         """Make ``verdict`` (if any) the run's, unless it has one: the run's verdict. ``publish``: offer it

@@ -127,6 +127,23 @@ def test_beats_and_infos_survive_the_store() -> None:
     assert RankInfo.from_json(INFOS[1].to_json()) == INFOS[1]
 
 
+def test_one_traceback_per_run_the_first_failed_ranks() -> None:
+    first = Verdict("rank 0 (pid 1000 on node-a) failed with ValueError: bad", origin=0)
+    line, traceback = first.failed(0, "ValueError: bad")
+    assert "[rank 0] rank 0 (pid 1000 on node-a) failed with ValueError: bad" in line
+    assert traceback is True
+    line, traceback = first.failed(1, "ValueError: bad")
+    assert "failed the same way as rank 0 (pid 1000 on node-a); rank 0 prints" in line
+    assert traceback is False
+    assert "failed with KeyError: 'x' after rank 0 (pid 1000" in first.failed(1, "KeyError: 'x'")[0]
+    died = Verdict("rank 2 was killed by signal 9 (SIGKILL)", dead=(2,))
+    line, traceback = died.failed(1, "KeyError: 'x'")
+    assert "failed with KeyError: 'x', after rank 2 was killed" in line
+    assert traceback is True
+    assert "Rank 0 prints the traceback" in first.stopped(1)
+    assert "prints the traceback" not in died.stopped(1)
+
+
 def wait_unreaped(pid: int) -> None:
     """Wait until the child ``pid`` has exited, leaving it a zombie (WNOWAIT: not reaped)."""
     os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
