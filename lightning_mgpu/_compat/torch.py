@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.autograd import Variable
 from torch.nn.parallel._functions import Gather, Scatter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -59,7 +58,6 @@ __all__ = [
     "flatten_dense_tensors",
     "fsdp_param_groups",
     "privateuse1_backend_name",
-    "queue_backward_callback",
     "replicate_for_data_parallel",
     "require",
     "storage_info_type",
@@ -228,12 +226,6 @@ def unsharded_param(param: Any) -> torch.Tensor | None:
     """An ``FSDPParam``'s gathered parameter, ``None`` while it is sharded (torch 2.6-2.13)."""
     unsharded: torch.Tensor | None = getattr(param, "_unsharded_param", None)
     return unsharded
-
-
-def queue_backward_callback(callback: Callable[[], None]) -> None:
-    """Run ``callback`` once the current backward pass ends, as FSDP2 and DDP queue their own final
-    callbacks; autograd has no public way (torch 2.6-2.13)."""
-    Variable._execution_engine.queue_callback(callback)
 
 
 def records_left_unread() -> contextlib.AbstractContextManager[Any]:

@@ -116,9 +116,9 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ModelParallelStrateg
             Every rank runs the same number of micro-batches, because each one gathers the
             parameters collectively: a rank that needs more splits every rank's batch as finely.
             Gradients are reduce-scattered after each micro-batch's backward (they stay sharded:
-            no whole copy builds up). Under ``"auto"`` the ranks meet at a checkpoint (one small
-            all-reduce) around every unit's gathers and before each of FSDP's collectives
-            (``fsdp/sync_points.py``, ``fsdp/buffers.py``), so an out-of-memory on one rank, in
+            no whole copy builds up). Under ``"auto"`` each rank announces each of FSDP's collectives
+            before it enters it (one small all-reduce nothing waits for, until a step of that kind ran
+            clean) (``fsdp/sync_points.py``, ``fsdp/buffers.py``), so an out-of-memory on one rank, in
             forward, backward or FSDP's own buffers, leaves no rank waiting. One inside a collective
             itself stops every rank within seconds (``CollectiveOutOfMemoryError``).
 
@@ -329,7 +329,7 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ModelParallelStrateg
     @property
     @override
     def collective_passes(self) -> SyncPoints:
-        """What micro-batching needs of a sharded model: every rank in step, checkpoints under ``"auto"``."""
+        """What micro-batching needs of a sharded model: ranks in step, announcements under ``"auto"``."""
         if self._sync_points is None or self._sync_points.root is not self.model:
             if self._sync_points is not None:
                 self._sync_points.remove()

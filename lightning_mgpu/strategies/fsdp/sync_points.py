@@ -24,44 +24,25 @@ which the shadowed collective uses. One inside a collective (gloo's own temporar
 other ranks are in it; it stops every rank within seconds, named (``buffers.CollectiveOutOfMemoryError``),
 as does a shadowed collective that finds no memory either.
 
-Where a unit's collectives cannot be given (a torch without ``set_custom_all_gather``, a unit with
-several parameter groups), hooks on every unit put checkpoints, where every rank waits for the others
-(``Agreement.checkpoint``), where the passes reach those collectives:
-
-- before each unit's forward (before its parameters are gathered);
-- in backward, where the gradient reaches a unit's output (before FSDP gathers it again) and
-  where it leaves the unit's input (before the unit's gradients are reduce-scattered);
-- at the end of the backward, before the root unit's gradients are reduce-scattered.
-
-The rank that failed meets the others at their next checkpoint, where they abandon the pass. An
-out-of-memory in FSDP's buffers on a torch that cannot take custom collectives stops every rank,
-possibly only after ``stall_timeout``. ``FSDPModule.reset_iter_state`` is in torch from 2.13: on an
-older torch ``micro_batch_size="auto"`` under ``mgpu_fsdp`` is refused at the first step, naming the
-version.
+Every unit's collectives must be watched: a unit whose collectives torch does not let a strategy give
+(several parameter groups, from ``fully_shard``'s ``shard_placement_fn`` with per-parameter meshes) is
+refused at the first step. ``FSDPModule.reset_iter_state`` is in torch from 2.13 (where every unit of one
+parameter group can take custom collectives): on an older torch ``micro_batch_size="auto"`` under
+``mgpu_fsdp`` is refused at the first step, naming the version.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
-from torch.utils.hooks import RemovableHandle
 
-from lightning_mgpu._compat.torch import (
-    FSDP_RESET_ITER_STATE,
-    fsdp_param_groups,
-    queue_backward_callback,
-    require,
-    unsharded_param,
-)
+from lightning_mgpu._compat.torch import FSDP_RESET_ITER_STATE, fsdp_param_groups, require, unsharded_param
 from lightning_mgpu.strategies.fsdp.buffers import DTYPES, WatchedCollective, nothing_before, watch_buffers
 from lightning_mgpu.strategies.microbatch.agreement import Agreement
 
@@ -70,22 +51,8 @@ __all__ = ["SyncPoints"]
 log = logging.getLogger(__name__)
 
 
-class _BackwardCheckpoint(torch.autograd.Function):
-    """Identity in forward; runs ``check`` when the gradient passes in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: Tensor, check: Callable[[], None]) -> Tensor:
-        ctx.check = check
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        ctx.check()
-        return grad, None
-
-
 class SyncPoints:
-    """The checkpoints of one sharded model; inactive (no cost but a flag test) unless ``watching``.
+    """The announcements of one sharded model's collectives; inactive (costing a test) unless ``watching``.
 
     Args:
         root: The root FSDP module (the LightningModule ``mgpu_fsdp`` sharded).
@@ -94,35 +61,19 @@ class SyncPoints:
     def __init__(self, root: nn.Module) -> None:
         self.root = root
         self._agreement: Agreement | None = None
-        self._handles: list[RemovableHandle] = []
         self._seen: list[list[int]] = []  # the collectives this attempt entered, described
         self._learned: dict[Hashable, list[list[int]]] = {}
         self._candidate: tuple[Hashable, list[list[int]]] | None = None
         self._repeats = True
         self._announcing = True
-        units = [m for m in root.modules() if isinstance(m, FSDPModule)]
         watched = watch_buffers(root, self._before)
         self._collectives = watched.collectives
-        # no unit watched: this torch cannot take custom collectives (said once, under "auto")
-        self._buffers_unwatched = not watched.collectives and watched.unwatched > 0
-        if watched.unwatched == 0:
-            # an announcement right before each of FSDP's collectives is all it takes: no hooks on the units
-            log.debug("announcements before the %d collectives of the FSDP units", len(watched.collectives))
-            return
-        for unit in units:
-            self._handles += [
-                # before FSDP's own pre-forward (its gather): prepend
-                unit.register_forward_pre_hook(self._before_forward, prepend=True),
-                # after FSDP's pre-forward: the inputs it wrapped for its reduce-scatter
-                unit.register_forward_pre_hook(self._wrap_inputs, with_kwargs=True),
-                # after FSDP's post-forward: the outputs it hooked for its backward gather
-                unit.register_forward_hook(self._wrap_outputs),
-            ]
-        log.debug("checkpoints around %d FSDP units: %s", len(units), watched)
+        self._unwatched = watched.unwatched
+        log.debug("announcements before the %d collectives of the FSDP units", len(watched.collectives))
 
     @contextmanager
     def watching(self, agreement: Agreement, kind: Hashable = None) -> Iterator[None]:
-        """Announcements (or checkpoints) active for one attempt of ``kind`` (its stage and number of
+        """Announcements active for one attempt of ``kind`` (its stage and number of
         micro-batches): an attempt of a kind that ran before without an error, whose collectives
         repeat, announces nothing, its collectives being known (module docstring)."""
         if not isinstance(self.root, FSDPModule):
@@ -133,17 +84,16 @@ class SyncPoints:
                 " use a fixed micro_batch_size"
             )
         require(FSDP_RESET_ITER_STATE)  # refused at the first step, not after the first out-of-memory
-        if self._buffers_unwatched:
-            self._buffers_unwatched = False
-            rank_zero_warn(
-                f"micro_batch_size='auto' under mgpu_fsdp: this torch ({torch.__version__}) cannot give FSDP"
-                " its collectives (FSDPModule.set_custom_all_gather), so an out-of-memory in FSDP's own"
-                " all-gather or reduce-scatter buffers is not recovered: it ends the run, possibly only"
-                " after stall_timeout, the other ranks being in the collective. A newer torch recovers it."
+        if self._unwatched:
+            raise ValueError(
+                f"micro_batch_size='auto' under mgpu_fsdp watches the collectives of every FSDP unit, but"
+                f" {self._unwatched} unit(s) hold several parameter groups (fully_shard's shard_placement_fn"
+                " with per-parameter meshes), whose collectives torch lets no strategy watch: shard each unit"
+                " over one mesh, or use a fixed micro_batch_size"
             )
         if self._candidate is not None:  # the last attempt succeeded: nothing reset it
             self._learn(*self._candidate)
-        known = self._learned.get(kind) if self._repeats and not self._handles else None
+        known = self._learned.get(kind) if self._repeats else None
         self._announcing, self._seen = known is None, []
         self._agreement = agreement
         agreement.shadow = functools.partial(self._shadow, agreement.device)
@@ -177,17 +127,8 @@ class SyncPoints:
         log.debug("pass reset; %d gathered gradients of the abandoned attempt dropped", dropped)
 
     def remove(self) -> None:
-        """Take the hooks off the model."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        """Stop announcing: FSDP's collectives run with nothing before them again."""
         watch_buffers(self.root, nothing_before)
-
-    # ------------------------------------------------------------------ hooks
-    def check(self) -> None:
-        """A checkpoint while ``watching``, else nothing (``buffers.py`` runs one before each collective)."""
-        if self._agreement is not None:
-            self._agreement.checkpoint()
 
     def _before(self, collective: WatchedCollective, output: Tensor, input: Tensor) -> None:
         """Before one of FSDP's collectives, while ``watching``: note it, and say which one, without
@@ -224,30 +165,3 @@ class SyncPoints:
         if not 0 <= index < len(self._collectives) or not 0 <= dtype < len(DTYPES):
             raise RuntimeError(f"mgpu_fsdp cannot run the collective announced as {list(description)}")
         self._collectives[index].shadow(input_numel, output_numel, DTYPES[dtype], device)
-
-    def _check_then_final(self) -> None:
-        """The backward checkpoint of the root's output: also one at the end of the backward."""
-        self.check()
-        if self._agreement is not None:
-            queue_backward_callback(self.check)
-
-    def _wrap(self, value: Any, check: Callable[[], None]) -> Any:
-        def wrap(tensor: Tensor) -> Tensor:
-            if not tensor.requires_grad or not torch.is_grad_enabled():
-                return tensor
-            return _BackwardCheckpoint.apply(tensor, check)
-
-        return apply_to_collection(value, Tensor, wrap)
-
-    def _before_forward(self, module: nn.Module, args: Any) -> None:
-        self.check()
-
-    def _wrap_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        if self._agreement is None:
-            return None
-        return self._wrap(args, self.check), self._wrap(kwargs, self.check)
-
-    def _wrap_outputs(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if self._agreement is None:
-            return None
-        return self._wrap(output, self._check_then_final if module is self.root else self.check)

@@ -6,7 +6,7 @@
 - ``host.py``: what the runner needs of its strategy (``MicroBatchHost``, ``CollectivePasses``);
 - ``first_size.py``: the first ``"auto"`` size, from the memory estimate where the device's memory is known;
 - ``agreement.py``: how the ranks learn of each other's out-of-memory errors (one all-reduce at
-  the end of each attempt, and at the checkpoints ``mgpu_fsdp`` puts inside its passes);
+  the end of each attempt, meeting the announcements of the collectives ``mgpu_fsdp``'s passes enter);
 - ``sizes.py``: the micro-batch size of one rank: halve on out-of-memory, grow after clean batches;
 - ``grads.py``: the gradients of a batch kept apart until every rank succeeded, then averaged once.
 

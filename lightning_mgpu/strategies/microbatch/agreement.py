@@ -14,9 +14,6 @@ run a collective, ranks that will cut their next batch, that collective's descri
   pass is in ``agree`` meanwhile: its exchange meets the announcement, and it runs the same
   collective with buffers of its own (``shadow``), so nobody waits in it, then exchanges again.
   The others finish their pass, and learn at their ``agree`` that the attempt failed.
-- ``checkpoint``: a point inside a pass where a rank that runs it waits for the answer (``mgpu_fsdp``
-  puts one before the collectives of a unit whose collectives it cannot announce); when another
-  rank's status is not ``OK`` it raises ``PeerOutOfMemory`` and the attempt is abandoned on every rank.
 
 A rank that fails calls ``agree`` while the others may still be in their pass; all calls are the
 same all-reduce, so they meet. The count of ranks at the end tells ``agree`` whether every rank
@@ -34,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_mgpu._words import counted, ranks
+from lightning_mgpu._words import counted
 
-__all__ = ["DESCRIPTION", "FATAL", "OK", "RETRY", "Agreement", "PeerOutOfMemory", "Shadow", "Verdict"]
+__all__ = ["DESCRIPTION", "FATAL", "OK", "RETRY", "Agreement", "Shadow", "Verdict"]
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +43,6 @@ DESCRIPTION = 4
 
 Shadow = Callable[[Sequence[int]], None]
 """Runs, on a rank that left its pass, the collective another rank announced (its description)."""
-
-
-class PeerOutOfMemory(Exception):
-    """Another rank ran out of memory in this attempt: this rank abandons its pass to rerun the batch."""
 
 
 @dataclass(frozen=True)
@@ -88,12 +81,12 @@ class Agreement:
         whose attempt failed, those of the pass it did not enter, before it meets the others."""
         self._announced: list[tuple[dist.Work | None, Tensor]] = []
 
-    def _exchange(self, status: int, count: Tensor | None, at_end: bool, cut: bool = False) -> Tensor:
+    def _exchange(self, status: int, count: Tensor | None, cut: bool) -> Tensor:
         vector = torch.zeros(self.world + 4 + DESCRIPTION, dtype=torch.float64, device=self.device)
         vector[self.rank] = status
         if count is not None:
             vector[self.world] = count
-        vector[self.world + 1] = float(at_end)
+        vector[self.world + 1] = 1.0  # at the end (an announcement adds 0)
         vector[self.world + 3] = float(cut)
         dist.all_reduce(vector)
         return vector.cpu()
@@ -119,7 +112,7 @@ class Agreement:
             leave, self.leave = self.leave, None
             leave()
         while True:
-            vector = self._exchange(status, count, at_end=True, cut=cut)
+            vector = self._exchange(status, count, cut)
             announcing = int(vector[self.world + 2].item())
             if announcing:
                 self._shadow(vector[self.world + 4 :], announcing)
@@ -152,15 +145,6 @@ class Agreement:
             )
         log.debug("rank %d runs the collective %s with the ranks still in their pass", self.rank, description)
         self.shadow(description)
-
-    def checkpoint(self) -> None:
-        """A point inside a pass: raises ``PeerOutOfMemory`` when a rank ended its attempt with an error."""
-        if self.world == 1:
-            return
-        vector = self._exchange(OK, None, at_end=False)
-        if vector[: self.world].any():
-            failed = [rank for rank, s in enumerate(vector[: self.world].tolist()) if s]
-            raise PeerOutOfMemory(f"{ranks(failed)} ran out of memory: this attempt is abandoned")
 
     def most(self, value: int) -> int:
         """The largest ``value`` over the ranks (the number of micro-batches every rank runs)."""

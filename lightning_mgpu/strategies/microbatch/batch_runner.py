@@ -44,7 +44,7 @@ from lightning_mgpu._compat.torchmetrics import set_forward_cache
 from lightning_mgpu._words import counted, ranks
 from lightning_mgpu.losses import MicroCounts, micro_counts
 from lightning_mgpu.oom import is_out_of_memory
-from lightning_mgpu.strategies.microbatch.agreement import FATAL, OK, RETRY, Agreement, PeerOutOfMemory
+from lightning_mgpu.strategies.microbatch.agreement import FATAL, OK, RETRY, Agreement
 from lightning_mgpu.strategies.microbatch.first_size import estimated_start
 from lightning_mgpu.strategies.microbatch.grads import BatchGradients
 from lightning_mgpu.strategies.microbatch.host import CollectivePasses, MicroBatchHost
@@ -186,8 +186,6 @@ class MicroBatchRunner:
                 try:
                     with watching or nullcontext():
                         done = self._attempt(module, step, args, kwargs, rows, parts, accumulate, ddp)
-                except PeerOutOfMemory:
-                    log.debug("[rank %d] another rank ran out of memory: attempt abandoned", self._rank())
                 except BaseException as err:
                     if not (self.sizes.auto and is_out_of_memory(err)):
                         self._metrics.forget()

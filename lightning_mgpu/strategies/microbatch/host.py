@@ -25,14 +25,13 @@ __all__ = ["CollectivePasses", "MicroBatchHost"]
 class CollectivePasses(Protocol):
     """What a strategy whose passes are collectives (``mgpu_fsdp``: every unit gathers) gives micro-batching.
 
-    Under such a strategy every rank runs the same number of micro-batches, and ``"auto"`` needs
-    places inside a pass where a rank that ran out of memory meets the others before they enter
-    the next collective.
+    Under such a strategy every rank runs the same number of micro-batches, and under ``"auto"`` a
+    rank that ran out of memory runs the collectives the others are about to enter.
     """
 
     def watching(self, agreement: Agreement, kind: Hashable = None) -> AbstractContextManager[None]:
         """While open, each collective of a pass announced (``agreement.announce``; ``agreement.shadow``
-        runs one on a rank that left its pass), or checkpoints (``agreement.checkpoint``) before them.
+        runs one on a rank that left its pass), or known from an earlier attempt (``agreement.leave``).
         ``kind`` names attempts whose passes run the same collectives (the stage and micro-batches)."""
         ...
 
