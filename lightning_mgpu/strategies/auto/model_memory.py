@@ -21,10 +21,9 @@ import torch
 
 from lightning_mgpu._words import counted
 from lightning_mgpu.devices import cuda_devices, format_bytes, parse_bytes
-from lightning_mgpu.estimate.optimizer_state import OptimizerState, count_optimizer_state
+from lightning_mgpu.estimate.optimizer_state import OptimizerState
 from lightning_mgpu.estimate.predict import model_state_estimate
-from lightning_mgpu.precision import PRECISIONS
-from lightning_mgpu.strategies.fsdp.need import without_trainer
+from lightning_mgpu.strategies.fsdp.need import count_state
 
 __all__ = [
     "ModelMemory",
@@ -91,11 +90,7 @@ def model_memory(
     """
     if next(iter(model.parameters()), None) is None:
         return ModelMemory(0, 0, device_memory, world, 1)
-    converted = PRECISIONS[precision].parameters if precision in PRECISIONS else None
-    with without_trainer(model):
-        state = count_optimizer_state(
-            model, optimizer=optimizer, param_dtype=getattr(torch, converted) if converted else None
-        )
+    state, _ = count_state(model, precision, optimizer)
     estimate = model_state_estimate(
         model, state, devices=world, device_memory=device_memory, precision=precision
     )

@@ -26,7 +26,7 @@ from lightning_mgpu.estimate.optimizer_state import OptimizerState, count_optimi
 from lightning_mgpu.precision import PRECISIONS
 from lightning_mgpu.strategies.fsdp.sharding import mixed_precision_policy
 
-__all__ = ["check_fits", "check_model_fits", "sharded_model_need", "without_trainer"]
+__all__ = ["check_fits", "check_model_fits", "count_state", "sharded_model_need", "without_trainer"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,17 @@ def without_trainer(model: Any) -> Iterator[None]:
         detach_trainer(model, trainer)
 
 
+def count_state(
+    model: Any, precision: str, optimizer: torch.optim.Optimizer | None = None
+) -> tuple[OptimizerState, torch.dtype | None]:
+    """The optimizer state of ``model`` (``optimizer``, else its ``configure_optimizers()``) under the
+    Trainer's ``precision``, and the dtype that precision converts the parameters to (``None``: their own)."""
+    converted = PRECISIONS[precision].parameters if precision in PRECISIONS else None
+    param_dtype = getattr(torch, converted) if converted else None
+    with without_trainer(model):
+        return count_optimizer_state(model, optimizer=optimizer, param_dtype=param_dtype), param_dtype
+
+
 def sharded_model_need(
     model: Any,
     world: int,
@@ -73,15 +84,11 @@ def sharded_model_need(
         optimizer: The optimizer over ``model``'s parameters; ``None`` uses ``model.configure_optimizers()``.
         offloaded: The shards are kept in CPU memory (``cpu_offload=True``).
     """
-    # the dtype a converting precision (bf16-true, 64-true, ...) keeps the parameters in, and the one
-    # FSDP gathers them in (bf16-mixed's policy, else the parameters' own)
-    converted = PRECISIONS[precision].parameters if precision in PRECISIONS else None
-    param_dtype = getattr(torch, converted) if converted else None
+    state, param_dtype = count_state(model, precision, optimizer)
+    # FSDP gathers in bf16-mixed's dtype, else in the one the parameters are kept in
     policy = mixed_precision_policy(precision)
     itemsize = param_dtype.itemsize if param_dtype is not None else None
     gather = policy.param_dtype.itemsize if policy is not None and policy.param_dtype else itemsize
-    with without_trainer(model):
-        state = count_optimizer_state(model, optimizer=optimizer, param_dtype=param_dtype)
     need = sharded_need(
         model,
         plan if plan is not None else plan_sharding(model),
