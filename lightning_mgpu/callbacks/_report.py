@@ -5,7 +5,8 @@ watch) and a section for its end (their table). Each ``expect``s its parts in ``
 monitor's ``on_train_start``, then ``give``s each (its text, or ``None``); the last monitor of the
 Trainer to give its part logs every part as one block, in the order of ``trainer.callbacks``: two
 monitors read as one report, not two unrelated blocks. One monitor alone logs its part as before.
-``write_json`` writes a monitor's summary file.
+``give_end`` also writes the monitor's summary file; ``logging_step`` is the step its readings go
+to the loggers under.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_mgpu._atomic import atomic_write
+from lightning_mgpu._compat.lightning import batches_that_stepped
 
-__all__ = ["Monitor", "Parts", "expect", "give", "write_json"]
+__all__ = ["Monitor", "Parts", "expect", "give", "give_end", "logging_step"]
 
 Moment = Literal["start", "end"]
 
@@ -41,6 +43,8 @@ class Monitor(Protocol):
     report_parts: Parts
     print_summary: bool
     """Whether the monitor gives parts at all."""
+    summary_file: str | None
+    """Its JSON summary, relative to ``trainer.log_dir``; ``None`` writes none."""
 
 
 def expect(monitor: Monitor) -> None:
@@ -68,8 +72,23 @@ def give(trainer: Trainer, monitor: Monitor, moment: Moment, text: str | None) -
         rank_zero_info("\n".join(texts))
 
 
-def write_json(path: str, data: dict[str, Any]) -> None:
-    """``data`` as indented JSON at ``path``, written whole or not at all; its folder created."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with atomic_write(path) as file:
-        file.write((json.dumps(data, indent=2) + "\n").encode())
+def give_end(trainer: Trainer, monitor: Monitor, text: str | None, summary: dict[str, Any] | None) -> None:
+    """``monitor``'s part for the end of ``fit``, and ``summary`` written whole to its summary file.
+
+    Every rank calls it (``trainer.log_dir`` is a broadcast); rank 0 gives the text and writes the file.
+    """
+    log_dir = trainer.log_dir or trainer.default_root_dir
+    give(trainer, monitor, "end", text if trainer.is_global_zero else None)
+    if trainer.is_global_zero and summary is not None and monitor.summary_file is not None:
+        path = os.path.join(log_dir, monitor.summary_file)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with atomic_write(path) as file:
+            file.write((json.dumps(summary, indent=2) + "\n").encode())
+
+
+def logging_step(trainer: Trainer, last: bool = False) -> int:
+    """The step Lightning's own logging used for the batch just run; at the end of ``fit`` (``last``) its
+    count already includes that batch."""
+    step = batches_that_stepped(trainer)
+    step = trainer.global_step if step is None else step
+    return max(0, step - 1) if last else step

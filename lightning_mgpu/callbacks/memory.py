@@ -10,16 +10,14 @@ import re
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_mgpu._compat.lightning import batches_that_stepped
 from lightning_mgpu.callbacks import _report
 from lightning_mgpu.callbacks import memory_report as report
-from lightning_mgpu.callbacks._distributed import all_gather_objects
+from lightning_mgpu.callbacks._distributed import InFlightGather, all_gather_objects
 from lightning_mgpu.callbacks.memory_readings import (
     PlannedReading,
     device_label,
@@ -29,7 +27,7 @@ from lightning_mgpu.callbacks.memory_readings import (
     strategy_kind,
     take_readings,
 )
-from lightning_mgpu.callbacks.memory_report import Facts, Layout, OOMContext, Reading, Summary
+from lightning_mgpu.callbacks.memory_report import Facts, OOMContext, Reading, Summary
 from lightning_mgpu.devices import cuda_devices
 from lightning_mgpu.estimate.batch import batch_rows, tensors
 from lightning_mgpu.estimate.model_state import ModelStateMeter
@@ -132,10 +130,10 @@ class DeviceMemoryMonitor(Callback):
         self.latest: list[Reading] = []
         self._every = 1
         self._batches = 0
-        self._layouts: list[list[Layout]] | None = None  # per rank
+        self._firsts: list[list[Reading]] | None = None  # every rank's first readings: what its vectors hold
         self._device_plan: list[PlannedReading] | None = None
         self._meter = ModelStateMeter()
-        self._pending: tuple[Any, list[torch.Tensor], list[int]] | None = None
+        self._gather = InFlightGather()  # tagged with the steps of its readings
         self._buffer: list[tuple[int, list[Reading]]] = []  # (step, readings) not handed over yet
         self._flushed_at = 0
         self._warned = False
@@ -166,14 +164,12 @@ class DeviceMemoryMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._batches = 0
         self._device_plan = None
-        self._pending = None
+        self._gather = InFlightGather()
         self._buffer = []
         self._flushed_at = 0
-        local = self._read(trainer, reset_peak=False)
-        everyone = all_gather_objects(trainer, [(r.layout(), r.vector()) for r in local])
-        self._layouts = [[layout for layout, _ in rank] for rank in everyone]
+        self._firsts = all_gather_objects(trainer, self._read(trainer, reset_peak=False))
         # what the OOM guidance shows of the other ranks until the first gather
-        self.latest = [report.from_vector(layout, vec) for rank in everyone for layout, vec in rank]
+        self.latest = [r for rank in self._firsts for r in rank]
         self._start_line = (  # given at the first batch, below the strategy's start-up summary
             f"DeviceMemoryMonitor: memory of {len(self.latest)} device(s), read every {self._every} step(s);"
             " a table of the peaks at the end"
@@ -207,8 +203,8 @@ class DeviceMemoryMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._layouts is None:
-            _report.give(trainer, self, "end", None)
+        if self._firsts is None:
+            _report.give_end(trainer, self, None, None)
             return
         if self._batches % self._every != 0:  # include the peaks since the last log
             self._collect_and_log(trainer, last=True)
@@ -216,18 +212,14 @@ class DeviceMemoryMonitor(Callback):
             self._flush(trainer)
         self._finish_gather(trainer)
         self.summary.micro_batches = micro_batch_sizes(trainer)  # a gather, when micro-batching
-        log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank calls it
         rows, sizes = list(self.summary.devices.values()), self.summary.micro_batches
-        shown = trainer.is_global_zero and bool(rows)
-        table = report.table(rows, "Device memory over the fit (peaks):", sizes) if shown else None
-        _report.give(trainer, self, "end", table)
-        if shown and self.summary_file is not None:
-            _report.write_json(os.path.join(log_dir, self.summary_file), self.summary.as_json())
+        table = report.table(rows, "Device memory over the fit (peaks):", sizes) if rows else None
+        _report.give_end(trainer, self, table, self.summary.as_json() if rows else None)
 
     # ------------------------------------------------------------------ OOM
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if self._layouts is not None and len(self._layouts) == 1 and self._buffer:
+        if self._firsts is not None and len(self._firsts) == 1 and self._buffer:
             # the readings up to the failure, for the plot; under DDP a gather could hang now
             with contextlib.suppress(Exception):
                 self._flush(trainer)
@@ -294,49 +286,39 @@ class DeviceMemoryMonitor(Callback):
         own logging used for that batch. Every rank counts the same batches, so they all
         reach each gather together.
         """
-        local = self._read(trainer, reset_peak=True)
-        # the step Lightning's own logging uses
-        step = batches_that_stepped(trainer)
-        step = trainer.global_step if step is None else step
-        if last and step > 0:
-            step -= 1  # the fit has ended: the count already includes the last batch
-        self._buffer.append((step, local))
+        self._buffer.append((_report.logging_step(trainer, last), self._read(trainer, reset_peak=True)))
         if last or self._batches - self._flushed_at >= self.flush_every_n_steps:
             self._flush(trainer)
 
     def _flush(self, trainer: Trainer) -> None:
         """Use the buffered readings: here in one process, after an asynchronous all-gather under DDP."""
         buffered, self._buffer, self._flushed_at = self._buffer, [], self._batches
-        if self._layouts is None or len(self._layouts) == 1:
+        if self._firsts is None or len(self._firsts) == 1:
             for step, readings in buffered:
                 self._use(trainer, readings, step)
             return
         self._finish_gather(trainer)
-        width = max(sum(item.width for item in layout) for layout in self._layouts)
+        width = max(sum(r.width for r in first) for first in self._firsts)
         rows = []
         for _, readings in buffered:
             vec = [x for r in readings for x in r.vector()]
             rows.append(vec + [math.nan] * (width - len(vec)))
-        mine = torch.tensor(rows, dtype=torch.float64).to(trainer.strategy.root_device)
-        parts = [torch.empty_like(mine) for _ in self._layouts]
         steps = [step for step, _ in buffered]
-        self._pending = (dist.all_gather(parts, mine, async_op=True), parts, steps)
+        self._gather.start(rows, steps, device=trainer.strategy.root_device)
 
     def _finish_gather(self, trainer: Trainer) -> None:
         """Wait for the gather started last (usually done by now) and use its readings, oldest first."""
-        if self._pending is None or self._layouts is None:
+        gathered = self._gather.finish()
+        if gathered is None or self._firsts is None:
             return
-        work, parts, steps = self._pending
-        self._pending = None
-        work.wait()
-        tables = [part.cpu().tolist() for part in parts]
+        tables, steps = gathered
         for i, step in enumerate(steps):
             readings = []
-            for layout, table in zip(self._layouts, tables, strict=True):
+            for firsts, table in zip(self._firsts, tables, strict=True):
                 row, offset = table[i], 0
-                for item in layout:
-                    readings.append(report.from_vector(item, row[offset : offset + item.width]))
-                    offset += item.width
+                for first in firsts:
+                    readings.append(first.from_vector(row[offset : offset + first.width]))
+                    offset += first.width
             self._use(trainer, readings, step)
 
     def _use(self, trainer: Trainer, readings: list[Reading], step: int) -> None:

@@ -7,10 +7,10 @@ without a device that shows the problem.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lightning_mgpu._words import counted
+from lightning_mgpu._words import aligned, counted
 from lightning_mgpu.devices import MiB, format_bytes
 
 # reading kind -> its fields, in the order they travel between ranks; all bytes
@@ -25,21 +25,6 @@ PRIMARY = {"cuda": "peak_allocated", "cpu": "peak_rss", "replica": "saved"}
 _LATEST = {"total"}
 
 
-@dataclass(frozen=True)
-class Layout:
-    """What one device's reading is, without its values: what ranks exchange once, before the numbers."""
-
-    device: str
-    kind: str
-    rank: int
-    name: str
-
-    @property
-    def width(self) -> int:
-        """Numbers in the reading's vector: its fields, then its rows."""
-        return len(FIELDS[self.kind]) + 1
-
-
 @dataclass
 class Reading:
     """One device's memory at one moment (bytes; NaN where unknown)."""
@@ -52,18 +37,19 @@ class Reading:
     rows: float = math.nan
     """Batch rows this device processed in the last step."""
 
-    def layout(self) -> Layout:
-        return Layout(self.device, self.kind, self.rank, self.name)
+    @property
+    def width(self) -> int:
+        """Numbers in the reading's vector: its fields, then its rows."""
+        return len(FIELDS[self.kind]) + 1
 
     def vector(self) -> list[float]:
+        """The numbers ranks exchange: each device's name and kind travel once, at the start of a fit."""
         return [self.values.get(f, math.nan) for f in FIELDS[self.kind]] + [self.rows]
 
-
-def from_vector(layout: Layout, vec: list[float]) -> Reading:
-    """The reading ``layout`` describes, from its numbers (as ``Reading.vector`` gives them)."""
-    n = len(FIELDS[layout.kind])
-    values = dict(zip(FIELDS[layout.kind], vec[:n], strict=True))
-    return Reading(layout.device, layout.kind, layout.rank, layout.name, values, vec[n])
+    def from_vector(self, vec: list[float]) -> Reading:
+        """This device's reading from its numbers (as ``vector`` gives them)."""
+        n = len(FIELDS[self.kind])
+        return replace(self, values=dict(zip(FIELDS[self.kind], vec[:n], strict=True)), rows=vec[n])
 
 
 def metrics(readings: list[Reading]) -> dict[str, float]:
@@ -112,7 +98,7 @@ class Summary:
         for r in readings:
             old = self.devices.get(r.device)
             if old is None:
-                self.devices[r.device] = Reading(r.device, r.kind, r.rank, r.name, dict(r.values), r.rows)
+                self.devices[r.device] = replace(r, values=dict(r.values))
                 continue
             for key, value in r.values.items():
                 if math.isnan(value):
@@ -171,16 +157,10 @@ def table(
         cells[0].append("Micro-batch (rank)")
         for i, (row, r) in enumerate(zip(cells[1:], readings, strict=True)):
             row.append(_micro_batch_text(micro_batches[r.rank]) if i in firsts else "-")
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
-    rule = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
+    header, *body = [f"| {line} |" for line in aligned(cells, sep=" | ")]
+    rule = "".join("+" if c == "|" else "-" for c in header)
     lines = [title] if title else []
-    lines.append(rule)
-    for i, row in enumerate(cells):
-        lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |")
-        if i == 0:
-            lines.append(rule.replace("-", "="))
-    lines.append(rule)
-    return "\n".join(lines)
+    return "\n".join([*lines, rule, header, rule.replace("-", "="), *body, rule])
 
 
 def _first_of_each_rank(readings: list[Reading], ranks: set[int] | None = None) -> set[int]:

@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-import math
-import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_mgpu._compat.lightning import batches_that_stepped
 from lightning_mgpu.callbacks import _report
 from lightning_mgpu.callbacks import time_report as report
-from lightning_mgpu.callbacks.memory_readings import device_label, replica_devices
+from lightning_mgpu.callbacks._distributed import InFlightGather
+from lightning_mgpu.callbacks.memory_readings import plan_readings
 from lightning_mgpu.callbacks.time_clocks import CudaStep, StepTimer, attach_timer
 from lightning_mgpu.callbacks.time_report import RankTime
 from lightning_mgpu.estimate.batch import batch_rows
@@ -108,11 +105,11 @@ class DeviceTimeMonitor(Callback):
         self.report_parts = _report.Parts()
         self._start_line: str | None = None
         self._timer: StepTimer | None = None
-        self._window = _Window()
+        self._window = RankTime(0, "")  # this rank's sums since the last gather
         self._pending: list[CudaStep] = []
         self._group: Any = None
         self._labels: list[str] = []  # every rank's device(s), by rank
-        self._inflight: tuple[Any, list[torch.Tensor], int] | None = None  # gather, its parts, its step
+        self._gather = InFlightGather()  # tagged with the step of its windows
         self._mark = 0.0
         self._start = 0.0
         self._batches = 0
@@ -128,17 +125,13 @@ class DeviceTimeMonitor(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         root = trainer.strategy.root_device
-        replicas = replica_devices(trainer)
-        if root.type != "cuda" and replicas:  # as DeviceMemoryMonitor names CPU replicas
-            self._device = ",".join(f"cpu:replica{i}" for i in range(len(replicas)))
-        elif root.type != "cuda":
-            self._device = f"cpu:rank{trainer.global_rank}"  # as DeviceMemoryMonitor names the process
-        else:
-            self._device = ",".join(device_label(trainer, d) for d in replicas or [root])
+        # named as DeviceMemoryMonitor reads them: its devices, or its CPU process without replicas
+        plan = plan_readings(trainer)
+        self._device = ",".join(p.label for p in plan if p.kind != "cpu" or len(plan) == 1)
         self._cuda = root.type == "cuda"
-        self._window, self._pending, self._batches, self.totals = _Window(), [], 0, []
+        self._window, self._pending, self._batches, self.totals = RankTime(0, ""), [], 0, []
         self._release_group()  # a fit that ended in an error left its group
-        self._labels, self._inflight = [self._device], None
+        self._labels, self._gather = [self._device], InFlightGather()
         if _distributed(trainer):
             # a group of its own, on the CPU: no copy from a GPU, no synchronisation, and its gathers
             # in flight never sit between the strategy's collectives; released at the end of fit
@@ -172,8 +165,9 @@ class DeviceTimeMonitor(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._start = time.perf_counter()
-        self._window.data += self._start - self._mark
-        self._window.samples += batch_rows(batch) or 0
+        window = self._window
+        data, samples = window.data_s + self._start - self._mark, window.samples + (batch_rows(batch) or 0)
+        self._window = replace(window, data_s=data, samples=samples)
         if self._timer is not None:
             self._timer.begin_step()
         if self._cuda:
@@ -189,7 +183,8 @@ class DeviceTimeMonitor(Callback):
             self._pending[-1].end(wait)
             self._read_cuda(block=False)
         else:
-            self._window.add(end - self._start, None if isinstance(wait, list) else wait)
+            wait_s = None if isinstance(wait, list) else wait
+            self._window = _with_step(self._window, end - self._start, wait_s)
         self._batches += 1
         if self._batches % self.flush_every_n_steps == 0:
             self._flush(trainer)
@@ -209,22 +204,18 @@ class DeviceTimeMonitor(Callback):
         self._release_group()
         if self._timer is not None:
             self._timer.detach()
-        log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank calls it
-        if not trainer.is_global_zero or not self.totals:
-            _report.give(trainer, self, "end", None)
+        if not self.totals:  # rank 0's: the others have none
+            _report.give_end(trainer, self, None, None)
             return
-        accelerator = "cuda" if self._cuda else "cpu"
-        self.verdict = report.verdict(self.totals, accelerator)
-        _report.give(trainer, self, "end", report.table(self.totals) + "\n" + self.verdict.line())
-        if self.summary_file is not None:
-            data = report.summary_json(self.totals, self.verdict)
-            _report.write_json(os.path.join(log_dir, self.summary_file), data)
+        self.verdict = report.verdict(self.totals, "cuda" if self._cuda else "cpu")
+        text = report.table(self.totals) + "\n" + self.verdict.line()
+        _report.give_end(trainer, self, text, report.summary_json(self.totals, self.verdict))
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if self._timer is not None:  # no collective here: another rank may be gone
             self._timer.detach()
-        if self._inflight is None:  # a gather in flight may never end: the group goes with the process
+        if not self._gather.pending:  # a gather in flight may never end: the group goes with the process
             self._release_group()
 
     def _release_group(self) -> None:
@@ -240,7 +231,7 @@ class DeviceTimeMonitor(Callback):
         """Add the batches whose events have completed, oldest first; ``block`` waits for the rest."""
         while self._pending and self._pending[0].done(block):
             step = self._pending.pop(0)
-            self._window.add(*step.seconds())
+            self._window = _with_step(self._window, *step.seconds())
 
     def _flush(self, trainer: Trainer, last: bool = False) -> None:
         """Hand this window over: used here in one process, after an asynchronous all-gather under DDP.
@@ -248,94 +239,43 @@ class DeviceTimeMonitor(Callback):
         The gather of a handful of numbers runs while the next window trains and is read at the next
         hand-over (or the end of fit), so no rank waits there for a slower one.
         """
-        mine, self._window = self._window, _Window()
-        # the step Lightning's own logging uses; at the end of fit it already counts the last batch
-        step = batches_that_stepped(trainer)
-        step = max(0, (trainer.global_step if step is None else step) - int(last))
+        mine, self._window = replace(self._window, device=self._device), RankTime(0, "")
+        step = _report.logging_step(trainer, last)
         if not _distributed(trainer):
             self._use(trainer, [mine], step)
             return
         self._finish_gather(trainer)
-        vector = torch.tensor(mine.vector(), dtype=torch.float64)
-        parts = [torch.empty_like(vector) for _ in self._labels]
-        work = dist.all_gather(parts, vector, group=self._group, async_op=True)
-        self._inflight = (work, parts, step)
+        self._gather.start([mine.vector()], step, group=self._group)
 
     def _finish_gather(self, trainer: Trainer) -> None:
-        if self._inflight is None:
-            return
-        work, parts, step = self._inflight
-        self._inflight = None
-        work.wait()
-        self._use(trainer, [_Window.from_vector(part.tolist()) for part in parts], step)
+        gathered = self._gather.finish()
+        if gathered is not None:
+            parts, step = gathered
+            labelled = enumerate(zip(self._labels, parts, strict=True))
+            windows = [RankTime.from_vector(rank, label, part[0]) for rank, (label, part) in labelled]
+            self._use(trainer, windows, step)
 
-    def _use(self, trainer: Trainer, windows: list[_Window], step: int) -> None:
+    def _use(self, trainer: Trainer, windows: list[RankTime], step: int) -> None:
         """Rank 0 adds every rank's window to the totals and logs the window's means."""
         if not trainer.is_global_zero:
             return
         totals = {r.rank: r for r in self.totals}
         values: dict[str, float] = {}
-        for rank, (device, window) in enumerate(zip(self._labels, windows, strict=True)):
-            empty = RankTime(rank, device, 0, 0, 0.0, 0.0, None if window.wait is None else 0.0)
-            totals[rank] = window.added_to(totals.get(rank, empty))
-            values.update(window.metrics(f"time/rank{rank}"))
+        for window in windows:
+            totals[window.rank] = totals[window.rank] + window if window.rank in totals else window
+            values.update(window.metrics(f"time/rank{window.rank}"))
         self.totals = [totals[r] for r in sorted(totals)]
-        longest = max(w.seconds for w in windows)
-        values["time/samples_per_s"] = sum(w.samples for w in windows) / longest if longest > 0 else 0.0
+        values["time/samples_per_s"] = report.run_samples_per_s(windows)
         for logger in trainer.loggers:
             logger.log_metrics(values, step=step)
 
 
-@dataclass
-class _Window:
-    """One rank's sums over the batches since the last gather."""
-
-    steps: int = 0
-    samples: int = 0
-    data: float = 0.0
-    work: float = 0.0
-    wait: float | None = None
-
-    @property
-    def seconds(self) -> float:
-        return self.data + self.work + (self.wait or 0.0)
-
-    def add(self, step_s: float, wait_s: float | None) -> None:
-        self.steps += 1
-        wait_s = None if wait_s is None else min(wait_s, step_s)
-        self.work += step_s - (wait_s or 0.0)
-        if wait_s is not None:
-            self.wait = (self.wait or 0.0) + wait_s
-
-    def added_to(self, total: RankTime) -> RankTime:
-        wait = None if total.wait_s is None or self.wait is None else total.wait_s + self.wait
-        return replace(
-            total,
-            steps=total.steps + self.steps,
-            samples=total.samples + self.samples,
-            data_s=total.data_s + self.data,
-            work_s=total.work_s + self.work,
-            wait_s=wait,
-        )
-
-    def vector(self) -> list[float]:
-        return [self.steps, self.samples, self.data, self.work, math.nan if self.wait is None else self.wait]
-
-    @classmethod
-    def from_vector(cls, values: list[float]) -> _Window:
-        steps, samples, data, work, wait = values
-        return cls(int(steps), int(samples), data, work, None if math.isnan(wait) else wait)
-
-    def metrics(self, prefix: str) -> dict[str, float]:
-        """The window's means per batch in ms, and its samples per second."""
-        if not self.steps:
-            return {}
-        per = 1e3 / self.steps
-        values = {f"{prefix}/data_ms": self.data * per, f"{prefix}/work_ms": self.work * per}
-        if self.wait is not None:
-            values[f"{prefix}/wait_ms"] = self.wait * per
-        values[f"{prefix}/samples_per_s"] = self.samples / self.seconds if self.seconds > 0 else 0.0
-        return values
+def _with_step(window: RankTime, step_s: float, wait_s: float | None) -> RankTime:
+    """``window`` and one more batch of ``step_s`` seconds, ``wait_s`` of them waiting (``None``: unknown)."""
+    wait_s = None if wait_s is None else min(wait_s, step_s)
+    waited = window.wait_s if wait_s is None else (window.wait_s or 0.0) + wait_s
+    work = window.work_s + step_s - (wait_s or 0.0)
+    return replace(window, steps=window.steps + 1, work_s=work, wait_s=waited)
 
 
 def _distributed(trainer: Trainer) -> bool:

@@ -8,9 +8,12 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from lightning_mgpu._words import aligned
 
 __all__ = ["RankTime", "Verdict", "summary_json", "table", "verdict"]
 
@@ -22,21 +25,55 @@ DATA_SHARE_THRESHOLD = 0.25
 
 @dataclass(frozen=True)
 class RankTime:
-    """One rank's seconds over the training steps of a fit, per phase."""
+    """One rank's seconds over the training steps of a fit (or of a window of them), per phase."""
 
     rank: int
     device: str
     """The rank's device(s): ``cpu:rank1``, ``cuda:3``, ``cuda:0,cuda:1`` (``mgpu_dp``'s replicas)."""
-    steps: int
-    samples: int
+    steps: int = 0
+    samples: int = 0
     """Rows of every batch the rank trained on (under ``mgpu_dp``: the whole batch of its replicas)."""
-    data_s: float
+    data_s: float = 0.0
     """Waiting for the next batch: from the end of a step to the start of the next."""
-    work_s: float
+    work_s: float = 0.0
     """Forward, backward and optimizer step, less ``wait_s``."""
-    wait_s: float | None
+    wait_s: float | None = None
     """Blocked on the other ranks (DDP's gradient all-reduce after its own backward, FSDP's gathers and
     reduce-scatters on CPU); ``None``: not measured."""
+
+    def __add__(self, later: RankTime) -> RankTime:
+        """Both spans' sums; waiting is unknown when either has it unknown."""
+        wait = None if self.wait_s is None or later.wait_s is None else self.wait_s + later.wait_s
+        return RankTime(
+            self.rank,
+            self.device,
+            self.steps + later.steps,
+            self.samples + later.samples,
+            self.data_s + later.data_s,
+            self.work_s + later.work_s,
+            wait,
+        )
+
+    def vector(self) -> list[float]:
+        """The numbers ranks exchange; their devices travel once, at the start of a fit."""
+        wait = math.nan if self.wait_s is None else self.wait_s
+        return [self.steps, self.samples, self.data_s, self.work_s, wait]
+
+    @classmethod
+    def from_vector(cls, rank: int, device: str, values: list[float]) -> RankTime:
+        steps, samples, data, work, wait = values
+        return cls(rank, device, int(steps), int(samples), data, work, None if math.isnan(wait) else wait)
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        """Means per batch in ms, and samples per second, under ``prefix``."""
+        if not self.steps:
+            return {}
+        per = 1e3 / self.steps
+        values = {f"{prefix}/data_ms": self.data_s * per, f"{prefix}/work_ms": self.work_s * per}
+        if self.wait_s is not None:
+            values[f"{prefix}/wait_ms"] = self.wait_s * per
+        values[f"{prefix}/samples_per_s"] = self.samples_per_s
+        return values
 
     @property
     def own_s(self) -> float:
@@ -183,11 +220,7 @@ def table(ranks: list[RankTime], title: str = "Time per rank over the fit:") -> 
         ]
         for r in ranks
     ]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [title] if title else []
-    for row in rows:
-        cells = enumerate(zip(row, widths, strict=True))
-        lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in cells))
+    lines = ([title] if title else []) + aligned(rows, sep="  ", right_from=2)
     for r in ranks:
         replicas = r.device.count(",") + 1
         if replicas > 1:

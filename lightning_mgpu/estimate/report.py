@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lightning_mgpu._words import aligned
 from lightning_mgpu.devices import format_bytes
 
 if TYPE_CHECKING:  # MemoryEstimate's str() imports this module: its type only, not the reverse
@@ -108,17 +109,15 @@ def format_estimate(est: MemoryEstimate, *, heading: str | None = None, global_b
         f"  per sample: {_per_sample(est)}",
         "",
         f"Predicted peak per device, {batch}, {est.devices} device(s){memory}:",
-        f"  {'strategy':<10} {'batch/device':>12} {'global batch':>12} {'peak/device':>14}"
-        + (f" {'fits':>5} {'largest batch/device':>21} {'largest global batch':>21}" if memory else ""),
     ]
     rows = strategy_rows(est, global_batch=global_batch)
-    for row in rows:
-        line = f"  {row.strategy:<10} {row.per_device_batch:>12} {row.global_batch:>12}"
-        line += f" {format_bytes(row.peak):>14}"
-        if memory:
-            line += f" {'yes' if row.fits else 'NO':>5}"
-            line += f" {_largest(row.largest_per_device):>21} {_largest(row.largest_global):>21}"
-        lines.append(line)
+    cells = [["strategy", "batch/device", "global batch", "peak/device"]]
+    cells += [[r.strategy, str(r.per_device_batch), str(r.global_batch), format_bytes(r.peak)] for r in rows]
+    if memory:
+        cells[0] += ["fits", "largest batch/device", "largest global batch"]
+        for cell, r in zip(cells[1:], rows, strict=True):
+            cell += ["yes" if r.fits else "NO", _largest(r.largest_per_device), _largest(r.largest_global)]
+    lines += ["  " + line for line in aligned(cells, right_from=1, widths=(10, 12, 12, 14, 5, 21, 21))]
     if est.devices > 1:
         lines.append(
             f"  mgpu_dp: card 0 is the fullest; the other cards peak near"
