@@ -13,9 +13,17 @@ anything but what torch writes there:
 
 :func:`read_chunk` then reads the values straight from the file into the tensor's memory, where
 ``zipfile`` would first return them as a ``bytes`` copy: one tensor in memory, not two, is how a
-sharded export stays within 0.3x the folder's size (``benchmarks/export_sharded.py``). Ctrl-C and
-SIGTERM arriving during ``torch.load`` take effect as it returns (:func:`signals_held`): raised
-inside the Python reads that torch calls back into, torch would report them as a damaged archive.
+sharded export stays within 0.3x the folder's size (``benchmarks/export_sharded.py``). It is
+hand-written because torch's own reader does worse at this: ``torch.distributed.checkpoint.load``
+of one weight at a time (``no_dist=True``, into a tensor of its size) reads each chunk's archive
+into memory, ``torch.load``s it, then copies it into place, and checks none of what is refused
+here (a chunk of another dtype is cast, a view expanded). Side by side on a 768 MiB folder whose
+largest tensor is 16 MiB, it grew the process by 52 MiB against 21 MiB here, in 2.2 s against
+1.4 s.
+
+Ctrl-C and SIGTERM arriving during ``torch.load`` take effect as it returns (:func:`signals_held`):
+raised inside the Python reads that torch calls back into, torch would report them as a damaged
+archive.
 """
 
 from __future__ import annotations
