@@ -68,20 +68,14 @@ def run_schema(recipe: str | None) -> type[RunConfig]:
     """
     from lightning_mgpu.recipes import load_recipe
 
-    fields: list[Any] = [
-        (name, schema, dataclasses.field(default_factory=schema))
-        for name, schema in (("trainer", trainer_schema()), ("callbacks", callbacks_schema()))
-    ]
-    if recipe is None:
-        return dataclasses.make_dataclass("AnyRunConfig", fields, bases=(RunConfig,))
-    spec = load_recipe(recipe)
-    fields += [
-        ("model", spec.model_config, dataclasses.field(default_factory=spec.model_config)),
-        ("data", spec.data_config, dataclasses.field(default_factory=spec.data_config)),
-    ]
-    return dataclasses.make_dataclass(
-        f"{spec.name.title().replace('_', '')}RunConfig", fields, bases=(RunConfig,)
-    )
+    sections: dict[str, type] = {"trainer": trainer_schema(), "callbacks": callbacks_schema()}
+    name = "AnyRunConfig"
+    if recipe is not None:
+        spec = load_recipe(recipe)
+        sections |= {"model": spec.model_config, "data": spec.data_config}
+        name = f"{spec.name.title().replace('_', '')}RunConfig"
+    fields = [(key, schema, dataclasses.field(default_factory=schema)) for key, schema in sections.items()]
+    return dataclasses.make_dataclass(name, fields, bases=(RunConfig,))
 
 
 def validate(raw: DictConfig, source: str = "config") -> RunConfig:
