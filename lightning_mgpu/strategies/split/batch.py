@@ -125,13 +125,44 @@ def _holds_tensor(obj: Any) -> bool:
     return bool(found)
 
 
-def _rebuilt(mapping: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
-    if isinstance(mapping, defaultdict):
-        return type(mapping)(mapping.default_factory, items)
-    try:
-        return cast(Any, type(mapping))(items)
-    except TypeError:  # a mapping type that cannot be built from a dict
-        return items
+def _entries(obj: Any, init_only: bool) -> dict[Any, Any] | None:
+    """The fields, keys or items of a dataclass, mapping, namedtuple, list or tuple; ``None`` for a leaf.
+
+    ``init_only``: a dataclass's fields that ``__init__`` takes (one the class derives itself is kept).
+    """
+    if is_dataclass_instance(obj):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init or not init_only}
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    if is_namedtuple(obj):
+        return dict(zip(obj._fields, obj, strict=True))
+    if isinstance(obj, (list, tuple)):
+        return dict(enumerate(obj))
+    return None
+
+
+def _rebuilt(like: Any, entries: dict[Any, Any]) -> Any:
+    """A collection of ``like``'s type holding ``entries`` (as ``_entries`` gave them)."""
+    if is_dataclass_instance(like):
+        result = copy.copy(like)
+        for name, value in entries.items():
+            object.__setattr__(result, name, value)
+        return result
+    if isinstance(like, defaultdict):
+        return type(like)(like.default_factory, entries)
+    if isinstance(like, Mapping):
+        try:
+            return cast(Any, type(like))(entries)
+        except TypeError:  # a mapping type that cannot be built from a dict
+            return entries
+    if is_namedtuple(like):
+        return type(like)(**entries)
+    return type(like)(entries.values())
+
+
+def _per_row(obj: Any) -> bool:
+    """A list or tuple holding no tensor (``default_collate``'s list of string ids): cut with the rows."""
+    return isinstance(obj, (list, tuple)) and not is_namedtuple(obj) and not _holds_tensor(obj)
 
 
 class _Cutter:
@@ -148,35 +179,18 @@ class _Cutter:
         n = len(self.sizes)
         if isinstance(obj, Tensor):
             return list(self.cut_tensor(obj))
-        if is_dataclass_instance(obj):
-            fields = {
-                f.name: self.parts(getattr(obj, f.name), f"{path}.{f.name}")
-                for f in dataclasses.fields(obj)
-                if f.init  # a field the class derives itself is kept, as apply_to_collection keeps it
-            }
-            result = []
-            for i in range(n):
-                part = copy.copy(obj)
-                for name, values in fields.items():
-                    object.__setattr__(part, name, values[i])
-                result.append(part)
-            return result
-        if isinstance(obj, Mapping):
-            entries = {k: self.parts(v, f"{path}[{k!r}]") for k, v in obj.items()}
-            return [_rebuilt(obj, {k: v[i] for k, v in entries.items()}) for i in range(n)]
-        if is_namedtuple(obj):
-            fields_ = [self.parts(v, f"{path}.{name}") for name, v in zip(obj._fields, obj, strict=True)]
-            return [type(obj)(*(v[i] for v in fields_)) for i in range(n)]
-        if isinstance(obj, (list, tuple)):
-            if not _holds_tensor(obj):
-                if len(obj) == self.rows:  # one item per row: each part takes its rows' items
-                    return [obj[s : s + k] for s, k in zip(self.starts, self.sizes, strict=True)]
-                if any(not isinstance(item, (list, tuple)) for item in obj):
-                    raise self._ambiguous(obj, path)
-                # a sequence of per-row sequences (default_collate's transposition of a list field)
-            items = [self.parts(v, f"{path}[{i}]") for i, v in enumerate(obj)]
-            return [type(obj)(v[i] for v in items) for i in range(n)]
-        return [obj] * n  # a per-batch value (a string, a number): whole to every part
+        if _per_row(obj):
+            if len(obj) == self.rows:  # one item per row: each part takes its rows' items
+                return [obj[s : s + k] for s, k in zip(self.starts, self.sizes, strict=True)]
+            if any(not isinstance(item, (list, tuple)) for item in obj):
+                raise self._ambiguous(obj, path)
+            # a sequence of per-row sequences (default_collate's transposition of a list field)
+        entries = _entries(obj, init_only=True)
+        if entries is None:
+            return [obj] * n  # a per-batch value (a string, a number): whole to every part
+        named = is_dataclass_instance(obj) or is_namedtuple(obj)
+        cut = {k: self.parts(v, f"{path}.{k}" if named else f"{path}[{k!r}]") for k, v in entries.items()}
+        return [_rebuilt(obj, {k: v[i] for k, v in cut.items()}) for i in range(n)]
 
     def _ambiguous(self, obj: Sequence[Any], path: str) -> ValueError:
         return ValueError(
@@ -299,35 +313,20 @@ def combine_outputs(values: list[Any], sizes: list[int], device: torch.device) -
         )
     if isinstance(first, Tensor):
         return _combine_tensors(values, sizes, device)
-    if isinstance(first, Mapping):
-        keys = list(first.keys())
-        if any(list(v.keys()) != keys for v in values):
-            raise ValueError(
-                f"mgpu_dp: replicas returned dicts with different keys: {[list(v) for v in values]}"
-            )
-        combined = {k: combine_outputs([v[k] for v in values], sizes, device) for k in keys}
-        try:
-            return cast(Any, type(first))(combined)
-        except TypeError:  # a mapping type that cannot be built from a dict
-            return combined
-    if isinstance(first, tuple) and hasattr(first, "_fields"):
-        return type(first)(
-            *(combine_outputs(list(items), sizes, device) for items in zip(*values, strict=True))
+    per_row = all(len(v) == n for v, n in zip(values, sizes, strict=True)) if _per_row(first) else False
+    if per_row and not _holds_tensor(values):
+        return type(first)(item for v in values for item in v)  # one item per row, as cut
+    if isinstance(first, (list, tuple)) and any(len(v) != len(first) for v in values):
+        raise ValueError(
+            f"mgpu_dp: replicas returned sequences of different lengths: {[len(v) for v in values]}"
         )
-    if isinstance(first, (list, tuple)):
-        if all(len(v) == n for v, n in zip(values, sizes, strict=True)) and not _holds_tensor(values):
-            return type(first)(item for v in values for item in v)  # one item per row, as cut
-        if any(len(v) != len(first) for v in values):
-            raise ValueError(
-                f"mgpu_dp: replicas returned sequences of different lengths: {[len(v) for v in values]}"
-            )
-        return type(first)(combine_outputs(list(items), sizes, device) for items in zip(*values, strict=True))
-    if dataclasses.is_dataclass(first) and not isinstance(first, type):
-        result = copy.copy(first)
-        for field in dataclasses.fields(first):
-            value = combine_outputs([getattr(v, field.name) for v in values], sizes, device)
-            object.__setattr__(result, field.name, value)
-        return result
+    if isinstance(first, Mapping) and any(list(v.keys()) != list(first.keys()) for v in values):
+        raise ValueError(f"mgpu_dp: replicas returned dicts with different keys: {[list(v) for v in values]}")
+    entries = [_entries(v, init_only=False) for v in values]
+    if entries[0] is not None:
+        keys = entries[0].keys()
+        combined = {k: combine_outputs([e[k] for e in entries if e is not None], sizes, device) for k in keys}
+        return _rebuilt(first, combined)
     if isinstance(first, numbers.Integral) and not isinstance(first, bool):
         return sum(int(v) for v in values)
     if isinstance(first, numbers.Real):
