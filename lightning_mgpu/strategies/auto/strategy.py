@@ -48,6 +48,7 @@ from lightning_mgpu.strategies.auto.decide import (
 from lightning_mgpu.strategies.auto.facts import EnvironmentFacts
 from lightning_mgpu.strategies.auto.model_memory import device_memory_of, model_memory
 from lightning_mgpu.strategies.microbatch.mixin import check_micro_batch_size
+from lightning_mgpu.strategies.process_group.services import STALL_TIMEOUT
 from lightning_mgpu.strategies.resume.resumption import DEFAULTS, check_options
 
 __all__ = ["MGPUAutoStrategy", "choose_strategy"]
@@ -202,7 +203,7 @@ class MGPUAutoStrategy(ParallelStrategy):
         requeue_on_failure: int = DEFAULTS["requeue_on_failure"],
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        stall_timeout: float | None = 300.0,
+        stall_timeout: float | None = STALL_TIMEOUT,
     ) -> None:
         super().__init__()
         self.facts = facts
@@ -211,7 +212,8 @@ class MGPUAutoStrategy(ParallelStrategy):
         self.resumption = check_options(resume, checkpoint_every, requeue_on_failure)
         values: dict[str, Any] = {"process_group_backend": process_group_backend, "timeout": timeout}
         values["stall_timeout"] = stall_timeout
-        defaults = {"process_group_backend": None, "timeout": default_pg_timeout, "stall_timeout": 300.0}
+        defaults: dict[str, Any] = {"process_group_backend": None, "timeout": default_pg_timeout}
+        defaults["stall_timeout"] = STALL_TIMEOUT
         # those given (not left at their defaults), passed on where taken
         self.process_group = {name: value for name, value in values.items() if value != defaults[name]}
         self.num_nodes = 1

@@ -18,7 +18,7 @@ from lightning_mgpu._compat.lightning import StrategyRegistry
 from lightning_mgpu.strategies.ddp.unused import UNUSED_PATTERN, unused_parameters_message
 from lightning_mgpu.strategies.microbatch.mixin import MicroBatching
 from lightning_mgpu.strategies.process_group.errors import add_to_message
-from lightning_mgpu.strategies.process_group.services import ProcessGroupServices
+from lightning_mgpu.strategies.process_group.services import STALL_TIMEOUT, ProcessGroupServices
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -133,7 +133,7 @@ class MGPUDDPStrategy(MicroBatching, ProcessGroupServices, DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         *,
-        stall_timeout: float | None = 300.0,
+        stall_timeout: float | None = STALL_TIMEOUT,
         micro_batch_size: int | str | None = None,
         resume: bool | None = None,
         checkpoint_every: int | timedelta | str | None = "auto",

@@ -45,7 +45,7 @@ from lightning_mgpu.strategies.fsdp.sharding import (
 )
 from lightning_mgpu.strategies.fsdp.sync_points import SyncPoints
 from lightning_mgpu.strategies.microbatch.mixin import STEP_CONTEXTS, MicroBatching
-from lightning_mgpu.strategies.process_group.services import ProcessGroupServices
+from lightning_mgpu.strategies.process_group.services import STALL_TIMEOUT, ProcessGroupServices
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -174,7 +174,7 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ModelParallelStrateg
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        stall_timeout: float | None = 300.0,
+        stall_timeout: float | None = STALL_TIMEOUT,
         micro_batch_size: int | str | None = None,
         resume: bool | None = None,
         checkpoint_every: int | timedelta | str | None = "auto",
