@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import difflib
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -97,16 +97,21 @@ def find_blocks(module: nn.Module) -> list[str]:
     Returns:
         Dotted names of the outermost blocks, in module order; empty when nothing repeats.
     """
+    return _outermost(module, lambda parent: set(_repeated_children(parent)))
+
+
+def _outermost(module: nn.Module, blocks_among: Callable[[nn.Module], Collection[str]]) -> list[str]:
+    """Dotted names of the blocks, in module order: the children ``blocks_among(parent)`` names, from the
+    root down, a block's own children never searched."""
     blocks: list[str] = []
 
     def visit(current: nn.Module, prefix: str) -> None:
-        repeated = set(_repeated_children(current))
+        chosen = blocks_among(current)
         for name, child in current.named_children():
-            path = f"{prefix}{name}"
-            if name in repeated:
-                blocks.append(path)
+            if name in chosen:
+                blocks.append(f"{prefix}{name}")
             else:
-                visit(child, f"{path}.")
+                visit(child, f"{prefix}{name}.")
 
     visit(module, "")
     return blocks
@@ -150,21 +155,6 @@ def _matches(module: nn.Module, wanted: Sequence[str | type[nn.Module]]) -> bool
         if isinstance(item, str) and item in (cls.__name__, cls.__qualname__, dotted):
             return True
     return False
-
-
-def _blocks_of_classes(module: nn.Module, wanted: Sequence[str | type[nn.Module]]) -> list[str]:
-    blocks: list[str] = []
-
-    def visit(current: nn.Module, prefix: str) -> None:
-        for name, child in current.named_children():
-            path = f"{prefix}{name}"
-            if _matches(child, wanted):
-                blocks.append(path)
-            else:
-                visit(child, f"{path}.")
-
-    visit(module, "")
-    return blocks
 
 
 def _missing_classes_message(module: nn.Module, wanted: Sequence[str | type[nn.Module]]) -> str:
@@ -212,7 +202,9 @@ def plan_sharding(module: nn.Module, block_classes: BlockClasses | None = None) 
             " not shard."
         )
     if block_classes is not None:
-        blocks = _blocks_of_classes(module, block_classes)
+        blocks = _outermost(
+            module, lambda parent: {n for n, c in parent.named_children() if _matches(c, block_classes)}
+        )
         if not blocks:
             raise ValueError(_missing_classes_message(module, block_classes))
         plan = ShardingPlan(tuple(blocks), "block_classes")
