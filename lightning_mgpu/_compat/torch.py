@@ -56,6 +56,7 @@ __all__ = [
     "compiled_original",
     "ddp_ignored_names",
     "flatten_dense_tensors",
+    "fsdp_comms",
     "fsdp_param_groups",
     "privateuse1_backend_name",
     "replicate_for_data_parallel",
@@ -220,6 +221,26 @@ def fsdp_param_groups(unit: FSDPModule) -> list[Any]:
     public getter (torch 2.6-2.13)."""
     groups: list[Any] = getattr(unit._get_fsdp_state(), "_fsdp_param_groups", None) or []
     return groups
+
+
+def fsdp_comms(group: Any) -> list[tuple[Any, Any]]:
+    """An ``FSDPParamGroup``'s own all-gather and reduce-scatter, each with its process group (``None``
+    before the first pass), to be wrapped and given back through ``set_custom_all_gather`` /
+    ``set_custom_reduce_scatter``, which have no getter; empty where this torch names them otherwise (the
+    unit is then left unwatched; read on torch 2.13)."""
+    comms = []
+    for comm, process_group in (
+        ("_all_gather_comm", "_all_gather_process_group"),
+        ("_reduce_scatter_comm", "_reduce_scatter_process_group"),
+    ):
+        if getattr(group, comm, None) is None:
+            return []
+        try:
+            known = getattr(group, process_group)
+        except Exception:  # a property that needs the first pass: the group is read at the first call
+            known = None
+        comms.append((getattr(group, comm), known))
+    return comms
 
 
 def unsharded_param(param: Any) -> torch.Tensor | None:

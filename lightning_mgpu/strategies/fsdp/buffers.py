@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_mgpu._compat.torch import fsdp_param_groups
+from lightning_mgpu._compat.torch import fsdp_comms, fsdp_param_groups
 from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.oom import is_out_of_memory
 from lightning_mgpu.strategies.process_group.errors import add_to_message
@@ -192,30 +192,18 @@ def watch_buffers(root: nn.Module, before: Before | None = None) -> Watched:
         if set_gather is None or set_reduce is None:
             unwatched += 1
             continue
-        # FSDP's own collectives are read from its parameter group (no public getter), to be wrapped
         groups = fsdp_param_groups(unit)
         if len(groups) != 1:
             unwatched += len(groups) > 1  # none: nothing to gather; several: a grouping set_custom_* refuses
             continue
-        group = groups[0]
         mine: list[WatchedCollective] = []
-        for attribute, setter, what, process_group in (
-            ("_all_gather_comm", set_gather, "all-gather of the parameters", "_all_gather_process_group"),
-            (
-                "_reduce_scatter_comm",
-                set_reduce,
-                "reduce-scatter of the gradients",
-                "_reduce_scatter_process_group",
-            ),
+        for (comm, known), setter, what in zip(
+            fsdp_comms(groups[0]),
+            (set_gather, set_reduce),
+            ("all-gather of the parameters", "reduce-scatter of the gradients"),
+            strict=False,
         ):
-            comm = getattr(group, attribute, None)
-            if comm is None:
-                break
             if not isinstance(comm, WatchedCollective):
-                try:
-                    known = getattr(group, process_group)
-                except Exception:  # a private property of FSDP's: the group is then read at the first call
-                    known = None
                 comm = WatchedCollective(comm, f"{what} of {_unit_name(name)}", 0, known)
                 setter(comm)
             mine.append(comm)
