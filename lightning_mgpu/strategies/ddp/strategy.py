@@ -166,7 +166,7 @@ class MGPUDDPStrategy(MicroBatching, ProcessGroupServices, DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._check_micro_batching(trainer)
-        super().setup(trainer)  # ProcessGroupServices' (the user's shuffle kept), then DDPStrategy's
+        super().setup(trainer)  # DDPStrategy's
 
     # ---------------------------------------------------------- failures
     # DDP raises its unused-parameter error in the forward of the next step, or under manual

@@ -231,7 +231,6 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ModelParallelStrateg
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._check_micro_batching(trainer)
-        self._keep_user_shuffle(trainer)
         # Lightning's ModelParallelStrategy.setup, which needs a configure_model, in its order after sharding
         assert self.model is not None
         assert self.accelerator is not None
