@@ -60,7 +60,9 @@ __all__ = [
     "fsdp_param_groups",
     "privateuse1_backend_name",
     "replicate_for_data_parallel",
+    "replicated_parameters",
     "require",
+    "run_uncompiled",
     "storage_info_type",
     "tree_flatten",
     "unflatten_dense_tensors",
@@ -196,6 +198,18 @@ def compiled_original(module: nn.Module) -> nn.Module:
 def compiled_in_place(module: nn.Module) -> bool:
     """Whether ``module.compile()`` compiled the module itself (no wrapper)."""
     return module.__dict__.get("_compiled_call_impl") is not None
+
+
+def run_uncompiled(module: nn.Module) -> None:
+    """A replica runs its own ``forward``: ``m.compile()`` stores code compiled for the original module."""
+    if module.__dict__.get("_compiled_call_impl") is not None:
+        module.__dict__["_compiled_call_impl"] = None
+
+
+def replicated_parameters(replica: nn.Module) -> dict[str, Any]:
+    """The parameters ``torch.nn.parallel.replicate`` gave a replica as plain tensors (the differentiable
+    copies it keeps in ``_former_parameters``), by name; empty for a module it did not replicate."""
+    return dict(getattr(replica, "_former_parameters", None) or {})
 
 
 def replicate_for_data_parallel(module: nn.Module) -> nn.Module:

@@ -30,6 +30,8 @@ from lightning_mgpu._compat.torch import (
     compiled_in_place,
     compiled_original,
     replicate_for_data_parallel,
+    replicated_parameters,
+    run_uncompiled,
 )
 from lightning_mgpu.estimate.live_bytes import SavedBytes
 from lightning_mgpu.strategies.split.merge_metrics import replica_path
@@ -86,12 +88,6 @@ def _compile_wrappers_removed(module: nn.Module) -> Iterator[None]:
             parent._modules[key] = child
 
 
-def _run_uncompiled(replica: nn.Module) -> None:
-    # `m.compile()` stores code compiled for the original module; a replica must run its own
-    if replica.__dict__.get("_compiled_call_impl") is not None:
-        replica.__dict__["_compiled_call_impl"] = None
-
-
 def _replicate_on_one_device(module: nn.Module, count: int) -> list[nn.Module]:
     wrapper = compile_wrapper_type() or ()
     modules: list[nn.Module] = []
@@ -110,7 +106,7 @@ def _replicate_on_one_device(module: nn.Module, count: int) -> list[nn.Module]:
     for j in range(count):
         for i, original in enumerate(modules):
             replica = copies[j][i]
-            _run_uncompiled(replica)
+            run_uncompiled(replica)
             # the replica's own dicts, filled in directly (Module.__setattr__ adds nothing here)
             state = replica.__dict__
             state["_parameters"] = dict(original._parameters)
@@ -133,10 +129,9 @@ def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Mod
         replicas = torch_replicate(module, list(devices), detach=not torch.is_grad_enabled())
     for replica in replicas:
         for sub in replica.modules():
-            _run_uncompiled(sub)
-            former = getattr(sub, "_former_parameters", None)
-            if former:
-                # so that ``self.parameters()`` inside a step still sees (differentiable) parameters
+            run_uncompiled(sub)
+            former = replicated_parameters(sub)
+            if former:  # so that ``self.parameters()`` inside a step still sees (differentiable) parameters
                 sub._parameters = {**sub._parameters, **former}
     return replicas
 
