@@ -42,7 +42,7 @@ from lightning_mgpu._atomic import atomic_write
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["RECORD_NAME", "AttemptRecord", "fingerprint"]
+__all__ = ["RECORD_NAME", "AttemptRecord", "checkpoint_folders", "fingerprint"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,15 @@ def fingerprint(argv: Sequence[str], module: nn.Module) -> str:
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]
     ]
     return hashlib.sha256(json.dumps([list(argv), tensors]).encode()).hexdigest()
+
+
+def checkpoint_folders(trainer: pl.Trainer) -> list[str]:
+    """The folders of the trainer's ``ModelCheckpoint`` callbacks that have one, in their order."""
+    return [
+        str(cb.dirpath)
+        for cb in trainer.checkpoint_callbacks
+        if isinstance(cb, ModelCheckpoint) and cb.dirpath
+    ]
 
 
 @functools.cache
@@ -82,12 +91,9 @@ class AttemptRecord(Callback):
     def folder_of(trainer: pl.Trainer) -> Path | None:
         """The first ``ModelCheckpoint``'s folder; ``None`` without one, or where Lightning writes no
         checkpoint (``fast_dev_run``)."""
-        if getattr(trainer, "fast_dev_run", False):  # set by Lightning outside __init__
-            return None
-        for callback in trainer.checkpoint_callbacks:
-            if isinstance(callback, ModelCheckpoint) and callback.dirpath:
-                return Path(callback.dirpath)
-        return None
+        folders = checkpoint_folders(trainer)
+        # fast_dev_run: set by Lightning outside __init__
+        return Path(folders[0]) if folders and not getattr(trainer, "fast_dev_run", False) else None
 
     def earlier_attempts(self, folder: Path, run: str) -> int:
         """How many attempts of ``run`` came before, the last unfinished; 0 when there is none such."""

@@ -28,12 +28,11 @@ import sys
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_mgpu._compat.lightning import checkpoint_connector, hpc_resume_path, loaded_checkpoint
-from lightning_mgpu.strategies.resume.attempt_record import AttemptRecord, fingerprint
+from lightning_mgpu.strategies.resume.attempt_record import AttemptRecord, checkpoint_folders, fingerprint
 from lightning_mgpu.strategies.resume.candidates import Choice, find_checkpoints, newest_complete, set_aside
 from lightning_mgpu.strategies.resume.restart import Restart, restart_of
 
@@ -109,13 +108,13 @@ class AutoResume:
             return start(checkpoint_path)
         restart = self._agreed_restart(trainer)
         name = self.host.strategy_name
-        if self.record.left_by_this_process and not (self.resume or restart.is_restart):
-            rank_zero_info(
-                f"{name}: an earlier fit in this process did not finish ({self.record.path}); this fit"
-                " starts afresh: to go on from that fit's checkpoints, pass fit(ckpt_path=...) or use"
-                " resume=True"
-            )
         if not (self.resume or restart.is_restart):
+            if self.record.left_by_this_process:
+                rank_zero_info(
+                    f"{name}: an earlier fit in this process did not finish ({self.record.path}); this fit"
+                    " starts afresh: to go on from that fit's checkpoints, pass fit(ckpt_path=...) or use"
+                    " resume=True"
+                )
             return start(checkpoint_path)
         # resume=True takes what the folders hold; a restart, only what this run wrote
         since = None if self.resume else self.record.started_ns
@@ -165,11 +164,7 @@ class AutoResume:
 
     def _choose(self, trainer: pl.Trainer, since_ns: int | None) -> Choice:
         """Rank 0's choice; ``since_ns``: only checkpoints written since (a restart's first attempt)."""
-        folders = [
-            str(cb.dirpath)
-            for cb in trainer.checkpoint_callbacks
-            if isinstance(cb, ModelCheckpoint) and cb.dirpath
-        ]
+        folders = checkpoint_folders(trainer)
         hpc = str(trainer.default_root_dir)
         searched = tuple(dict.fromkeys([*folders, hpc]))
         choice = newest_complete(find_checkpoints(folders, hpc), searched, since_ns)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -102,14 +101,14 @@ class Resumption:
         steps = trainer.global_step - self._first_step if trainer and self._first_step is not None else 0
         requeue, reason = requeue_decision(self.requeue_on_failure, os.environ, steps)
         job = os.environ.get("SLURM_JOB_ID", "")
-        # one rank, maybe not rank 0, and at the end of a failed run: straight to stderr
+        # one rank, maybe not rank 0, at the end of a failed run: a warning, which logging shows by default
         rank, name = self.host.global_rank, self.host.strategy_name
         said = f"[rank {rank}] {name}: SLURM job {job} after the failed task:"
         if requeue:
             # before the request: SLURM may end this process as soon as it requeues the job
-            print(f"{said} requeuing ({reason})", file=sys.stderr, flush=True)
+            log.warning("%s requeuing (%s)", said, reason)
             ok, output = scontrol("requeue", job)
             if ok:
                 return
             reason = f"scontrol requeue failed: {output}"
-        print(f"{said} {reason}", file=sys.stderr, flush=True)
+        log.warning("%s %s", said, reason)
