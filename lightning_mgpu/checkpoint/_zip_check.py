@@ -226,7 +226,8 @@ class ArchiveCheck:
             return [_Damage(archive, "the file is empty", crc=False)]
         length = size - archive.start if archive.length is None else archive.length
         try:
-            with zipfile.ZipFile(Window(file, archive.start, length)) as opened:
+            whole = archive.length is None  # a file of its own: read by zipfile directly, buffered
+            with zipfile.ZipFile(file if whole else Window(file, archive.start, length)) as opened:
                 names = _damaged(opened)
             starts = {}
             if names and self._offsets is not None:  # to name the tensors a record holds
