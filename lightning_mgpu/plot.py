@@ -122,7 +122,6 @@ def plot_memory(
 
         fig = plot_memory("lightning_logs/version_0", "memory.png")
     """
-    Figure = _figure_class("plot_memory")
     series = read_memory_metrics(run_dir_or_metrics)
     if not series:
         raise ValueError(
@@ -135,18 +134,18 @@ def plot_memory(
         if name is not None and name in series[device]:
             panels.setdefault(name, []).append(device)
     if not panels:
-        raise ValueError(f"no device logged memory/<device>/{field}_MiB; fields present: {_fields(series)}")
+        present = ", ".join(sorted({f for fields in series.values() for f in fields}))
+        raise ValueError(f"no device logged memory/<device>/{field}_MiB; fields present: {present}")
     order = {name: i for i, name in enumerate(_DEFAULT_FIELDS)}
     panels = dict(sorted(panels.items(), key=lambda item: order.get(item[0], len(order))))
     log.debug("plot panels: %s", "; ".join(f"{name}: {', '.join(d)}" for name, d in panels.items()))
-    fig = Figure(figsize=(9, 1.5 + 3.5 * len(panels)), layout="constrained")
+    fig = _figure("plot_memory", 1.5 + 3.5 * len(panels))
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
     for ax, (name, devices) in zip(axes, panels.items(), strict=True):
         _draw_panel(ax, series, name, devices)
     axes[-1].set_xlabel("step")
     fig.suptitle(title or "Memory per device")
-    _save(fig, output_png(out_png))
-    return fig
+    return _saved(fig, output_png(out_png))
 
 
 def output_png(out_png: str | os.PathLike[str], name: str = "memory.png") -> Path:
@@ -160,20 +159,21 @@ def output_png(out_png: str | os.PathLike[str], name: str = "memory.png") -> Pat
     return out / name if out.is_dir() else out
 
 
-def _figure_class(caller: str) -> Any:
-    """matplotlib's ``Figure`` (pyplot stays untouched), or the error saying how to install it."""
+def _figure(caller: str, height: float) -> Any:
+    """A 9-inch-wide matplotlib ``Figure`` (pyplot stays untouched), or the error saying how to install it."""
     try:
         from matplotlib.figure import Figure
     except ImportError as err:
         raise ImportError(f"{caller} needs matplotlib: pip install 'lightning-mgpu[plot]'") from err
-    return Figure
+    return Figure(figsize=(9, height), layout="constrained")
 
 
-def _save(fig: Any, out: Path) -> None:
-    """``fig`` as a PNG at ``out``, written whole or not at all; its folder created."""
+def _saved(fig: Any, out: Path) -> Any:
+    """``fig``, written as a PNG at ``out`` whole or not at all; its folder created."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_write(out) as file:
         fig.savefig(file, format="png", dpi=100)
+    return fig
 
 
 def _draw_panel(ax: Any, series: _Series, name: str, devices: list[str]) -> None:
@@ -195,10 +195,6 @@ def _draw_panel(ax: Any, series: _Series, name: str, devices: list[str]) -> None
     ax.set_ylabel(unit)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize="small")
-
-
-def _fields(series: _Series) -> str:
-    return ", ".join(sorted({f for fields in series.values() for f in fields}))
 
 
 # what each bar segment shows, and its colour
@@ -227,12 +223,11 @@ def plot_time(summary: str | os.PathLike[str] | Mapping[str, Any], out_png: str 
 
         fig = plot_time("runs/digits-1/time_summary.json", "time.png")
     """
-    Figure = _figure_class("plot_time")
     data = summary if isinstance(summary, Mapping) else _read_time_summary(Path(summary))
     ranks = list(data.get("ranks") or [])
     if not ranks:
         raise ValueError("the time summary holds no rank: no training batch ran under DeviceTimeMonitor")
-    fig = Figure(figsize=(9, 1.6 + 0.45 * len(ranks)), layout="constrained")
+    fig = _figure("plot_time", 1.6 + 0.45 * len(ranks))
     ax = fig.subplots()
     labels = [f"rank {r['rank']} ({r['device']})" for r in ranks]
     left = [0.0] * len(ranks)
@@ -247,8 +242,7 @@ def plot_time(summary: str | os.PathLike[str] | Mapping[str, Any], out_png: str 
     ax.grid(True, axis="x", alpha=0.3)
     verdict = str((data.get("verdict") or {}).get("line", ""))
     fig.suptitle(verdict.split(" Try:")[0], fontsize="medium", wrap=True)
-    _save(fig, output_png(out_png, "time.png"))
-    return fig
+    return _saved(fig, output_png(out_png, "time.png"))
 
 
 def _read_time_summary(path: Path) -> Mapping[str, Any]:
