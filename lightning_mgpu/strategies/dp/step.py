@@ -19,7 +19,6 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_mgpu._compat.torchmetrics import set_forward_cache
 from lightning_mgpu._words import counted
 from lightning_mgpu.losses import replica_step_context
 from lightning_mgpu.strategies.dp.lockstep import Lockstep, manual_optimization_hooks, record_exit
@@ -142,13 +141,7 @@ class ReplicaStep:
             self._threads = ReplicaThreads(len(all_devices))
         outputs = self._threads.run(calls, [(chunk, *args[1:]) for chunk in chunks], kwargs, devices, errors)
 
-        originals = self._metrics.merge()
-        logged = {
-            id(v): originals[id(v)] for c in captures for v, _ in c.calls.values() if id(v) in originals
-        }
-        for original in {id(m): m for m in logged.values()}.values():
-            # what `forward` returned for the whole batch, read by Lightning when logging on step
-            set_forward_cache(original, self._metrics.batch_value(original))
+        originals = self._metrics.merge(captures)
         replay_logs(module, captures, sizes, devices[0], originals)
         saved = [call.saved_bytes for call in calls] if track_memory else []
         return ReplicaResult(combine_outputs(outputs, sizes, devices[0]), sizes, saved)

@@ -40,7 +40,6 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_mgpu._compat.torchmetrics import set_forward_cache
 from lightning_mgpu._words import counted, ranks
 from lightning_mgpu.losses import MicroCounts, micro_counts
 from lightning_mgpu.oom import is_out_of_memory
@@ -380,11 +379,7 @@ class MicroBatchRunner:
         values times their shares: the unsplit step's value (on each rank its share of the global
         mean, as ``global_mean`` returns it there); otherwise the mean by rows gives it.
         """
-        originals = self._metrics.merge()
-        for original in {id(m): m for m in originals.values()}.values():
-            value = self._metrics.batch_value(original)
-            if value is not None:  # what `forward` returned for the whole batch, logged on step
-                set_forward_cache(original, value)
+        originals = self._metrics.merge(done.captures)
         replay_logs(module, done.captures, done.sizes, self.strategy.root_device, originals, shares)
         output = combine_outputs(done.outputs, done.sizes, self.strategy.root_device)
         losses = [loss for loss in map(_loss_of, done.outputs) if loss is not None]
