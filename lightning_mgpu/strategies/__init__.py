@@ -2,7 +2,8 @@
 
 Imports run one way (``tests/strategies/test_layers.py`` checks it):
 ``auto/`` -> the families ``ddp/``, ``fsdp/``, ``dp/`` -> ``process_group/``, ``microbatch/`` -> ``split/``;
-``process_group/`` and ``auto/`` -> ``resume/``.
+``auto/`` -> ``process_group/`` (the process-group options it passes on) and ``resume/``;
+``process_group/`` -> ``resume/``.
 
 - ``auto/``: ``mgpu_auto`` and ``choose_strategy``: the pure decision, the facts it reads, the
   model's memory, and the class swap that turns the placeholder into its choice;

@@ -30,7 +30,7 @@ ALLOWED = {
     "ddp": {"mixin", "process_group", "microbatch"},
     "fsdp": {"mixin", "process_group", "microbatch"},
     "dp": {"mixin", "microbatch", "split"},
-    "auto": {"ddp", "fsdp", "dp", "microbatch", "mixin", "resume"},
+    "auto": {"ddp", "fsdp", "dp", "microbatch", "mixin", "process_group", "resume"},
 }
 
 
