@@ -91,6 +91,10 @@ class ShardingOptions:
     cpu_offload: bool = False
     activation_checkpointing: bool = False
 
+    def changed(self) -> list[str]:
+        """The names of the options set to other than their defaults."""
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not f.default]
+
     def __post_init__(self) -> None:
         validate_reshard(self.reshard_after_forward)
         for name in ("cpu_offload", "activation_checkpointing"):

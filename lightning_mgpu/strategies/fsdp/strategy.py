@@ -182,16 +182,8 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ModelParallelStrateg
     ) -> None:
         self.block_classes = validate_block_classes(block_classes)
         self.options = ShardingOptions(reshard_after_forward, cpu_offload, activation_checkpointing)
-        self._given = [
-            name
-            for name, value, default in (
-                ("block_classes", block_classes, None),
-                ("reshard_after_forward", reshard_after_forward, True),
-                ("cpu_offload", cpu_offload, False),
-                ("activation_checkpointing", activation_checkpointing, False),
-            )
-            if value is not default
-        ]
+        # the options for the automatic sharding, which a configure_model that shards itself cannot take
+        self._given = (["block_classes"] if block_classes is not None else []) + self.options.changed()
         super().__init__(  # Lightning's ModelParallelStrategy: the mixins before it take no argument
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
