@@ -133,7 +133,8 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ModelParallelStrateg
             FSDP2 cannot run. In ``setup``, before training: a model without parameters,
             ``block_classes`` that match nothing, sharding options beside a ``configure_model``
             that shards itself, ``activation_checkpointing`` without blocks, a model no GPU of
-            this count can hold.
+            this count can hold. At the first step under ``micro_batch_size="auto"``: a model sharded
+            only in parts by its ``configure_model``, or a unit of several parameter groups.
 
     Example::
 
