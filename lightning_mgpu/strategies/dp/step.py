@@ -123,7 +123,7 @@ class ReplicaStep:
             "manual optimization in lockstep" if manual else "automatic optimization",
         )
         after_step = (
-            functools.partial(refresh_parameters, module, replicas) if manual and copies else _nothing
+            functools.partial(refresh_parameters, module, replicas) if manual and copies else lambda: None
         )
         captures = [LogCapture() for _ in sizes]
         errors: list[BaseException | None] = [None] * len(sizes)
@@ -163,7 +163,3 @@ class ReplicaStep:
             self._threads.close()
             self._threads = None
         self._metrics.clear()
-
-
-def _nothing() -> None:
-    pass

@@ -184,7 +184,7 @@ class MicroBatchRunner:
                 )
                 try:
                     with watching or nullcontext():
-                        done = self._attempt(module, step, args, kwargs, rows, parts, accumulate, ddp)
+                        done = self._attempt(module, step, args, kwargs, rows, parts, accumulate)
                 except BaseException as err:
                     if not (self.sizes.auto and is_out_of_memory(err)):
                         self._metrics.forget()
@@ -255,7 +255,6 @@ class MicroBatchRunner:
         rows: int,
         parts: int,
         accumulate: int,
-        ddp: bool,
     ) -> _Done:
         sizes = split_sizes(rows, parts)
         device = self.strategy.root_device
@@ -267,7 +266,7 @@ class MicroBatchRunner:
             capture = LogCapture()
             captures.append(capture)
             seen = MicroCounts()
-            with self._no_sync(ddp):
+            with self.strategy.block_backward_sync():  # DDP's no_sync: the gradients are synced once
                 self._phase = "forward"
                 with self._captured(module, capture, index), micro_counts(seen):
                     output = step(chunk, *args[1:], **kwargs)
@@ -306,10 +305,6 @@ class MicroBatchRunner:
         finally:
             module.__dict__.pop("log", None)
             self._metrics.put_back(module)
-
-    def _no_sync(self, ddp: bool) -> Any:
-        model = self.strategy.model
-        return model.no_sync() if ddp and isinstance(model, DistributedDataParallel) else nullcontext()
 
     # ------------------------------------------------------------------ out of memory
     def _rank(self) -> int:

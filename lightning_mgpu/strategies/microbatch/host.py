@@ -68,6 +68,10 @@ class MicroBatchHost(Protocol):
     @property
     def precision_plugin(self) -> Precision: ...
 
+    def block_backward_sync(self) -> AbstractContextManager[None]:
+        """Lightning's: DDP's gradient sync off (``DistributedDataParallel.no_sync``) while open."""
+        ...
+
     def note_progress(self) -> None:
         """Tell whoever watches the run (the process group's watchdog) that this rank moves."""
         ...
