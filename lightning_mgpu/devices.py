@@ -18,6 +18,7 @@ strategies.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 import os
@@ -81,12 +82,7 @@ def visible_cuda_devices() -> list[str] | None:
         return None
     entries = [e.strip() for e in value.split(",") if e.strip()]
     # CUDA stops at the first invalid entry, such as -1
-    result = []
-    for entry in entries:
-        if entry.lstrip("-").isdigit() and int(entry) < 0:
-            break
-        result.append(entry)
-    return result
+    return list(itertools.takewhile(lambda entry: not entry.startswith("-"), entries))
 
 
 @functools.lru_cache(maxsize=1)

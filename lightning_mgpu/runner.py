@@ -124,7 +124,8 @@ def run_job(cfg: RunConfig) -> str | None:
     if cfg.seed is not None:
         L.seed_everything(cfg.seed, workers=True, verbose=False)
     run_dir = resolve_run_dir(cfg)
-    launching = RUN_DIR_ENV not in os.environ and getattr(rank_zero_only, "rank", 0) == 0
+    launcher = RUN_DIR_ENV not in os.environ  # not one of the processes Lightning's launcher started
+    launching = launcher and getattr(rank_zero_only, "rank", 0) == 0
     if launching and not continue_requeued(run_dir, slurm_restarts()):
         check_run_dir_unused(cfg, run_dir)  # the launching process decides, before anything starts
     data = build_data(cfg)
@@ -139,7 +140,6 @@ def run_job(cfg: RunConfig) -> str | None:
             _ = trainer.logger.experiment  # the CSV logger first: it warns about a folder that is not empty
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    launcher_env = RUN_DIR_ENV not in os.environ
     os.environ[RUN_DIR_ENV] = str(run_dir.resolve())
     start = time.monotonic()
     try:
@@ -150,7 +150,7 @@ def run_job(cfg: RunConfig) -> str | None:
         else:
             trainer.predict(module, datamodule=data, return_predictions=False)
     finally:
-        if launcher_env:
+        if launcher:
             os.environ.pop(RUN_DIR_ENV, None)
     if trainer.is_global_zero:
         seconds = time.monotonic() - start

@@ -1,9 +1,9 @@
 """Progress a log file can hold: whole lines instead of a redrawn bar, and no warnings users cannot act on.
 
 - ``LineProgressBar`` prints one line per training epoch (time, batches, the metrics logged with
-  ``prog_bar=True``) and one per validate / test / predict run. Lightning's TQDM bar redraws its line
-  with ``\\r`` many times a second, and in a file every redraw stays (about 60 KB for the
-  ``digits`` recipe).
+  ``prog_bar=True``) and one per validate / test / predict run, timed from its ``setup``. Lightning's
+  TQDM bar redraws its line with ``\\r`` many times a second, and in a file every redraw stays (about
+  60 KB for the ``digits`` recipe).
 - ``progress_bar_for(stream)`` picks it when ``stream`` is not a terminal; on a terminal Lightning's
   own bar stays.
 - ``hide_unactionable_warnings()`` filters, by message and module, warnings that Lightning's or
@@ -21,7 +21,6 @@ from typing import IO, Any
 
 import lightning as L
 from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 __all__ = ["LineProgressBar", "hide_unactionable_warnings", "progress_bar_for"]
@@ -32,6 +31,13 @@ log = logging.getLogger(__name__)
 _UNACTIONABLE = (
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", r"lightning\.pytorch\.utilities\._pytree"),
 )
+
+# the line ending a validate / test / predict run, and the Trainer's batch counts it reads
+_RUNS = {
+    "validate": ("validation", "num_val_batches"),
+    "test": ("test", "num_test_batches"),
+    "predict": ("prediction", "num_predict_batches"),
+}
 
 
 class LineProgressBar(ProgressBar):
@@ -57,6 +63,10 @@ class LineProgressBar(ProgressBar):
         self._enabled = True
 
     @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._start = time.monotonic()
+
+    @override
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._start = time.monotonic()
 
@@ -67,30 +77,10 @@ class LineProgressBar(ProgressBar):
         self._line(trainer, pl_module, f"epoch {trainer.current_epoch + 1}{limit}: {batches} batches")
 
     @override
-    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.state.fn == TrainerFn.VALIDATING:
-            self._start = time.monotonic()
-
-    @override
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.state.fn == TrainerFn.VALIDATING:  # during fit the epoch's line shows the results
-            self._line(trainer, pl_module, f"validation: {_total(sum(trainer.num_val_batches))} batches")
-
-    @override
-    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._start = time.monotonic()
-
-    @override
-    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._line(trainer, pl_module, f"test: {_total(sum(trainer.num_test_batches))} batches")
-
-    @override
-    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._start = time.monotonic()
-
-    @override
-    def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._line(trainer, pl_module, f"prediction: {_total(sum(trainer.num_predict_batches))} batches")
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage in _RUNS:  # a fit's validation results are on its epoch lines
+            what, counts = _RUNS[stage]
+            self._line(trainer, pl_module, f"{what}: {_total(sum(getattr(trainer, counts)))} batches")
 
     def _line(self, trainer: L.Trainer, pl_module: L.LightningModule, what: str) -> None:
         if not self._enabled:

@@ -45,12 +45,16 @@ def test_progress_in_a_log_is_one_line_per_epoch_without_lightnings_own_warnings
         warnings.simplefilter("always")
         trainer = build_trainer(cfg, tmp_path, [])  # pytest's captured stdout is not a terminal
         trainer.fit(build_module(cfg), datamodule=build_data(cfg))
+        trainer.validate(trainer.lightning_module, datamodule=build_data(cfg))
         warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning, stacklevel=1)
     out = capsys.readouterr().out
     assert "\r" not in out  # no redrawn bar frames
     lines = [line for line in out.splitlines() if line.startswith("epoch ")]
     assert [line.split(":")[0] for line in lines] == ["epoch 1/2", "epoch 2/2"]
     assert all(" batches in " in line and "val/loss=" in line for line in lines)
+    validation = [line for line in out.splitlines() if line.startswith("validation: ")]
+    assert len(validation) == 1  # validate's own line; fit's validations are on its epoch lines
+    assert " batches in " in validation[0] and "val/loss=" in validation[0]
     leaf = [str(w.message) for w in caught if "LeafSpec" in str(w.message)]
     assert leaf == ["`isinstance(treespec, LeafSpec)` is deprecated"]  # only the one raised here, by a test
 
