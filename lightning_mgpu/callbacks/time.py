@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import replace
 from typing import Any
 
 import torch.distributed as dist
@@ -129,7 +128,7 @@ class DeviceTimeMonitor(Callback):
         plan = plan_readings(trainer)
         self._device = ",".join(p.label for p in plan if p.kind != "cpu" or len(plan) == 1)
         self._cuda = root.type == "cuda"
-        self._window, self._pending, self._batches, self.totals = RankTime(0, ""), [], 0, []
+        self._window, self._pending, self._batches, self.totals = RankTime(0, self._device), [], 0, []
         self._release_group()  # a fit that ended in an error left its group
         self._labels, self._gather = [self._device], InFlightGather()
         if _distributed(trainer):
@@ -165,9 +164,8 @@ class DeviceTimeMonitor(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._start = time.perf_counter()
-        window = self._window
-        data, samples = window.data_s + self._start - self._mark, window.samples + (batch_rows(batch) or 0)
-        self._window = replace(window, data_s=data, samples=samples)
+        self._window.data_s += self._start - self._mark
+        self._window.samples += batch_rows(batch) or 0
         if self._timer is not None:
             self._timer.begin_step()
         if self._cuda:
@@ -184,7 +182,7 @@ class DeviceTimeMonitor(Callback):
             self._read_cuda(block=False)
         else:
             wait_s = None if isinstance(wait, list) else wait
-            self._window = _with_step(self._window, end - self._start, wait_s)
+            self._window.add_step(end - self._start, wait_s)
         self._batches += 1
         if self._batches % self.flush_every_n_steps == 0:
             self._flush(trainer)
@@ -231,7 +229,7 @@ class DeviceTimeMonitor(Callback):
         """Add the batches whose events have completed, oldest first; ``block`` waits for the rest."""
         while self._pending and self._pending[0].done(block):
             step = self._pending.pop(0)
-            self._window = _with_step(self._window, *step.seconds())
+            self._window.add_step(*step.seconds())
 
     def _flush(self, trainer: Trainer, last: bool = False) -> None:
         """Hand this window over: used here in one process, after an asynchronous all-gather under DDP.
@@ -239,7 +237,7 @@ class DeviceTimeMonitor(Callback):
         The gather of a handful of numbers runs while the next window trains and is read at the next
         hand-over (or the end of fit), so no rank waits there for a slower one.
         """
-        mine, self._window = replace(self._window, device=self._device), RankTime(0, "")
+        mine, self._window = self._window, RankTime(0, self._device)
         step = _report.logging_step(trainer, last)
         if not _distributed(trainer):
             self._use(trainer, [mine], step)
@@ -268,14 +266,6 @@ class DeviceTimeMonitor(Callback):
         values["time/samples_per_s"] = report.run_samples_per_s(windows)
         for logger in trainer.loggers:
             logger.log_metrics(values, step=step)
-
-
-def _with_step(window: RankTime, step_s: float, wait_s: float | None) -> RankTime:
-    """``window`` and one more batch of ``step_s`` seconds, ``wait_s`` of them waiting (``None``: unknown)."""
-    wait_s = None if wait_s is None else min(wait_s, step_s)
-    waited = window.wait_s if wait_s is None else (window.wait_s or 0.0) + wait_s
-    work = window.work_s + step_s - (wait_s or 0.0)
-    return replace(window, steps=window.steps + 1, work_s=work, wait_s=waited)
 
 
 def _distributed(trainer: Trainer) -> bool:

@@ -23,9 +23,12 @@ SLOWER_THRESHOLD = 0.10
 DATA_SHARE_THRESHOLD = 0.25
 
 
-@dataclass(frozen=True)
+@dataclass
 class RankTime:
-    """One rank's seconds over the training steps of a fit (or of a window of them), per phase."""
+    """One rank's seconds over the training steps of a fit (or of a window of them), per phase.
+
+    Mutable: the monitor adds each batch to its window in place, which a training step does not notice.
+    """
 
     rank: int
     device: str
@@ -40,6 +43,14 @@ class RankTime:
     wait_s: float | None = None
     """Blocked on the other ranks (DDP's gradient all-reduce after its own backward, FSDP's gathers and
     reduce-scatters on CPU); ``None``: not measured."""
+
+    def add_step(self, step_s: float, wait_s: float | None) -> None:
+        """One more batch of ``step_s`` seconds, ``wait_s`` of them waiting (``None``: not measured)."""
+        self.steps += 1
+        wait_s = None if wait_s is None else min(wait_s, step_s)
+        self.work_s += step_s - (wait_s or 0.0)
+        if wait_s is not None:
+            self.wait_s = (self.wait_s or 0.0) + wait_s
 
     def __add__(self, later: RankTime) -> RankTime:
         """Both spans' sums; waiting is unknown when either has it unknown."""
