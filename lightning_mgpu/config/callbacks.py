@@ -23,7 +23,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from lightning_mgpu.config.signature import checked, convert, describe, field_type, fits, keywords
+from lightning_mgpu.config.signature import checked, convert, field_type, keywords, wrong_type
 
 __all__ = ["CALLBACKS", "CALLBACK_DEFAULTS", "RUN_SETS", "build_callbacks", "callbacks_schema"]
 
@@ -104,11 +104,7 @@ def _problems(section: Any) -> list[str]:
     for name in CALLBACKS:
         params = keywords(_class(name))
         values = dataclasses.asdict(getattr(section, name))
-        hints = {key: params[key].annotation for key in values if key != "enabled"}
-        wrong = [
-            f"{name}.{k}: expected {describe(h)}, got {values[k]!r}"
-            for k, h in hints.items()
-            if not fits(values[k], h)
-        ]
+        keys = [key for key in values if key != "enabled"]
+        wrong = [p for key in keys for p in wrong_type(f"{name}.{key}", values[key], params[key].annotation)]
         out += wrong or checked(name, values, functools.partial(_build, name, section, Path("run")))
     return out

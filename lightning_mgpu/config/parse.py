@@ -24,22 +24,19 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lightning_mgpu.config.strategy import align_strategy, name_only, name_override
 
-__all__ = ["config_dir", "find_config", "load", "parse_overrides", "shipped_configs"]
+__all__ = ["find_config", "load", "parse_overrides", "shipped_configs"]
 
 log = logging.getLogger(__name__)
 
 
-def config_dir() -> Path:
-    """The folder of the shipped configs (in the installed package, or the checkout's ``recipes/configs``)."""
+def shipped_configs() -> dict[str, Path]:
+    """Every shipped config by name: its path below the config folder (``recipes.CONFIG_DIR``, in the
+    installed package or the checkout's ``recipes/configs``) without ``.yaml``, e.g. ``digits``."""
     from lightning_mgpu.recipes import CONFIG_DIR
 
-    return CONFIG_DIR
-
-
-def shipped_configs() -> dict[str, Path]:
-    """Every shipped config by name: its path below the config folder without ``.yaml``, e.g. ``digits``."""
-    root = config_dir()
-    return {p.relative_to(root).with_suffix("").as_posix(): p for p in sorted(root.rglob("*.yaml"))}
+    return {
+        p.relative_to(CONFIG_DIR).with_suffix("").as_posix(): p for p in sorted(CONFIG_DIR.rglob("*.yaml"))
+    }
 
 
 def find_config(name_or_path: str) -> Path:

@@ -4,7 +4,8 @@
 - ``convert(value, hint)``: a config value as the annotation takes it (seconds become a ``timedelta``), or
   ``TypeError``;
 - ``fits(value, hint)``: whether ``convert`` takes it;
-- ``describe(hint)``: the annotation in a config's words (``an integer or null``);
+- ``describe(hint)``: the annotation in a config's words (``an integer or null``), which
+  ``wrong_type(path, value, hint)`` puts in the message for a value ``convert`` refuses;
 - ``field_type(hint)``: the type omegaconf checks a key by (``Any`` where ``convert`` must);
 - ``checked(section, keys, build)``: what a class says of its arguments when built, as a config problem.
 
@@ -23,7 +24,7 @@ import typing
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["checked", "convert", "describe", "field_type", "fits", "keywords"]
+__all__ = ["checked", "convert", "describe", "field_type", "fits", "keywords", "wrong_type"]
 
 _PLAIN = (bool, int, float, str)
 
@@ -100,6 +101,16 @@ def fits(value: Any, hint: Any) -> bool:
     except TypeError:
         return False
     return True
+
+
+def wrong_type(path: str, value: Any, hint: Any) -> list[str]:
+    """``[]`` when ``hint`` takes ``value``, else the message naming ``path``, what it takes and what it got.
+
+    Example::
+
+        wrong_type("max_epochs", "ten", int | None)  # ["max_epochs: expected an integer or null, got 'ten'"]
+    """
+    return [] if fits(value, hint) else [f"{path}: expected {describe(hint)}, got {value!r}"]
 
 
 def describe(hint: Any) -> str:

@@ -35,7 +35,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_mgpu.config.signature import checked, convert, fits, keywords
+from lightning_mgpu.config.signature import checked, convert, keywords, wrong_type
 
 if typing.TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
@@ -120,10 +120,8 @@ def strategy_problems(value: Any, micro_batch_size: Any) -> list[str]:
     for key, given in options.items():
         if key not in params:
             out.append(_not_taken(paths[key], name, key, list(params)))
-        elif not fits(given, params[key]):
-            hint = params[key] if isinstance(params[key], str) else inspect.formatannotation(params[key])
-            hint = hint.replace("datetime.timedelta", "seconds")  # what a config gives for one
-            out.append(f"{paths[key]}: expected {hint}, got {given!r}")
+        else:
+            out += wrong_type(paths[key], given, params[key])
     if not out and cls is not None and options:  # the strategy's own checks of the values
         out += checked("trainer.strategy", options, lambda: cls(**init_params, **_converted(cls, options)))
     return out

@@ -25,7 +25,7 @@ import functools
 from typing import Any
 
 from lightning_mgpu.config.checks import at_least, one_of
-from lightning_mgpu.config.signature import convert, describe, field_type, fits, keywords
+from lightning_mgpu.config.signature import convert, field_type, keywords, wrong_type
 from lightning_mgpu.precision import precision_names
 
 __all__ = ["RUN_OWNED", "TRAINER_DEFAULTS", "trainer_arguments", "trainer_problems", "trainer_schema"]
@@ -104,8 +104,8 @@ def trainer_problems(section: Any) -> list[str]:
         elif name.startswith("limit_"):
             out += _batch_limit(name, value)
         elif name != "strategy":
-            if not fits(value, hint):
-                out.append(f"{name}: expected {describe(hint)}, got {value!r}")
+            if wrong := wrong_type(name, value, hint):
+                out += wrong
             elif name in _MINIMUMS:
                 out += at_least(name, value, *_MINIMUMS[name])
     if section.max_epochs == 0 or section.max_steps == 0:

@@ -54,7 +54,8 @@ def test_progress_in_a_log_is_one_line_per_epoch_without_lightnings_own_warnings
     assert all(" batches in " in line and "val/loss=" in line for line in lines)
     validation = [line for line in out.splitlines() if line.startswith("validation: ")]
     assert len(validation) == 1  # validate's own line; fit's validations are on its epoch lines
-    assert " batches in " in validation[0] and "val/loss=" in validation[0]
+    assert " batches in " in validation[0]
+    assert "val/loss=" in validation[0]
     leaf = [str(w.message) for w in caught if "LeafSpec" in str(w.message)]
     assert leaf == ["`isinstance(treespec, LeafSpec)` is deprecated"]  # only the one raised here, by a test
 

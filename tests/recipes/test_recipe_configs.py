@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 
 from lightning_mgpu.cli.main import main
-from lightning_mgpu.config.parse import config_dir
+from lightning_mgpu.recipes import CONFIG_DIR
 from tests.recipes.idx_files import write_mnist
 
-CONFIGS = sorted(config_dir().rglob("*.yaml"))
+CONFIGS = sorted(CONFIG_DIR.rglob("*.yaml"))
 
 
 def test_configs_found() -> None:
-    names = {p.relative_to(config_dir()).with_suffix("").as_posix() for p in CONFIGS}
+    names = {p.relative_to(CONFIG_DIR).with_suffix("").as_posix() for p in CONFIGS}
     assert {
         "digits",
         "linear",
@@ -29,7 +29,7 @@ def test_configs_found() -> None:
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_config_opens_with_its_command(path: Path) -> None:
-    name = path.relative_to(config_dir()).with_suffix("").as_posix()
+    name = path.relative_to(CONFIG_DIR).with_suffix("").as_posix()
     first = path.read_text().splitlines()[0]
     assert first.startswith(f"# lightning-mgpu run {name}"), first
 
