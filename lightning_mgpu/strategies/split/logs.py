@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -53,26 +53,28 @@ class LogCapture:
             self.micro_means.discard(name)
 
 
+_FOLDS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "sum": torch.add,
+    "max": torch.maximum,
+    "min": torch.minimum,
+}
+"""How the values of the parts fold into one, by ``reduce_fx``; a mean is weighted instead."""
+
+
 def _reduction(reduce_fx: Any) -> str:
     if isinstance(reduce_fx, str):
         name = reduce_fx.lower()
         return "mean" if name == "avg" else name
-    for name, fns in (("mean", (torch.mean,)), ("sum", (torch.sum, sum)), ("max", (torch.max, max))):
+    for name, fns in (("sum", (torch.sum, sum)), ("max", (torch.max, max)), ("min", (torch.min, min))):
         if reduce_fx in fns:
             return name
-    if reduce_fx in (torch.min, min):
-        return "min"
-    return "mean"  # Lightning rejects other reductions with its own message when the value is logged
+    return "mean"  # torch.mean; Lightning rejects other reductions with its own message when logged
 
 
 def _combine_logged(values: list[Tensor], weights: Sequence[float], reduce_fx: Any) -> Tensor:
     kind = _reduction(reduce_fx)
-    if kind == "sum":
-        return functools.reduce(torch.add, values)
-    if kind == "max":
-        return functools.reduce(torch.maximum, values)
-    if kind == "min":
-        return functools.reduce(torch.minimum, values)
+    if kind in _FOLDS:
+        return functools.reduce(_FOLDS[kind], values)
     return weighted_mean(values, weights, values[0].device)
 
 
