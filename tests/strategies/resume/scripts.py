@@ -13,8 +13,8 @@ the saving rank SIGKILLed:
   as on a file system without atomic rename) under ``mgpu_ddp``; rank 1 before writing its shard
   of the step-6 checkpoint under ``mgpu_fsdp`` (rank 0's shard written, no index);
 - ``always``: rank 1 at global step 5 in every attempt;
-- ``signal``: every rank gets ``SIGUSR1`` at global step 5, in the middle of the second epoch, as
-  SLURM sends it before a time limit (``--signal=USR1@N``): under SLURM the job saves and is requeued.
+- ``signal``: global step 5, in the middle of the second epoch, lasts on every rank until ``SIGUSR1``
+  comes, as SLURM sends it before a time limit (``--signal=USR1@N``): the job saves and is requeued.
 
 The environment may change the run's shape: ``FIT_DEVICES`` processes (2), ``FIT_BATCH`` rows per
 process (2), ``FIT_MAX_STEPS`` (-1), ``FIT_EVERY`` steps between checkpoints (3; 4 puts one at each
@@ -27,7 +27,7 @@ include, per epoch.
 """
 
 SCRIPT = r'''
-import os, signal, sys
+import os, signal, sys, time
 import torch, lightning as L
 import lightning_mgpu  # registers the mgpu_* strategies
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
@@ -56,6 +56,21 @@ def die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def wait_for_sigusr1(rank):
+    open(f"waiting_rank{rank}", "w").close()
+    came = []
+    previous = signal.getsignal(signal.SIGUSR1)  # the strategy's, which defers Lightning's handling
+
+    def note(signum, frame):
+        came.append(signum)
+        previous(signum, frame)
+
+    signal.signal(signal.SIGUSR1, note)
+    while not came:
+        time.sleep(0.1)
+    signal.signal(signal.SIGUSR1, previous)
+
+
 class Indexed(Dataset):
     def __init__(self):
         generator = torch.Generator().manual_seed(0)
@@ -79,7 +94,7 @@ class Regression(L.LightningModule):
         if killed and self.global_step == 5 and self.global_rank == 1:
             die()
         if fault == "signal" and first_attempt and self.global_step == 5:
-            os.kill(os.getpid(), signal.SIGUSR1)
+            wait_for_sigusr1(self.global_rank)
         _, x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
 
