@@ -42,6 +42,7 @@ from lightning_mgpu._compat.torch import ORIG_MOD, compile_wrapper_type
 __all__ = [
     "WRAPPERS",
     "add_prefix",
+    "explain",
     "find_wrappers",
     "plain_names",
     "select",
@@ -64,6 +65,13 @@ WRAPPERS: dict[str, str] = {
 _DISTINCTIVE = frozenset({"_orig_mod"})
 # packages whose single-child modules holding ``module`` / ``_forward_module`` are wrappers
 _WRAPPER_PACKAGES = frozenset({"lightning", "pytorch_lightning", "deepspeed"})
+
+
+def explain(prefix: str, otherwise: str) -> str:
+    """``"module. (nn.DataParallel / DistributedDataParallel)"`` for a wrapper's prefix, else
+    ``otherwise``."""
+    last = prefix.rstrip(".").rsplit(".", 1)[-1]
+    return f"{prefix} ({WRAPPERS[last]})" if last in WRAPPERS else otherwise
 
 
 def wrapped_child(module: nn.Module) -> str | None:

@@ -14,7 +14,7 @@ import torch
 from lightning_mgpu._atomic import WritebackWriter, atomic_write, cannot_write, local_path
 from lightning_mgpu.checkpoint._dcp import ShardedFolder
 from lightning_mgpu.checkpoint._mapped import ReadError
-from lightning_mgpu.checkpoint._prefixes import WRAPPERS, add_prefix, split_top
+from lightning_mgpu.checkpoint._prefixes import add_prefix, explain, split_top
 from lightning_mgpu.checkpoint._report import human_size
 from lightning_mgpu.checkpoint._safetensors import (
     ORDER_KEY,
@@ -80,7 +80,8 @@ class ExportReport:
             f"{human_size(self.bytes)})"
         ]
         if self.removed_prefixes:
-            lines.append("removed prefixes: " + ", ".join(_explain(p) for p in self.removed_prefixes))
+            removed = [explain(p, f"{p} (attribute)") for p in self.removed_prefixes]
+            lines.append("removed prefixes: " + ", ".join(removed))
         if self.added_prefix:
             lines.append(f"added prefix: {self.added_prefix} (loads into nn.DataParallel(model))")
         if self.aliases:
@@ -96,11 +97,6 @@ class ExportReport:
                 f"pass submodule={first!r} (command line: --submodule {first})"
             )
         return "\n".join(lines)
-
-
-def _explain(prefix: str) -> str:
-    last = prefix.rstrip(".").rsplit(".", 1)[-1]
-    return f"{prefix} ({WRAPPERS[last]})" if last in WRAPPERS else f"{prefix} (attribute)"
 
 
 def _choose_format(path: Path | str, format: str | None) -> str:

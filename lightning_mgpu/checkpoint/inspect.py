@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from lightning_mgpu.checkpoint._dcp import ShardedFolder
-from lightning_mgpu.checkpoint._prefixes import WRAPPERS, plain_names, split_top
+from lightning_mgpu.checkpoint._prefixes import explain, plain_names, split_top
 from lightning_mgpu.checkpoint._report import Shape, human_size, shown
 from lightning_mgpu.checkpoint._safetensors import ORDER_KEY, PREFIXES_KEY
 from lightning_mgpu.checkpoint._source import count_values, resolve
@@ -95,9 +95,10 @@ class CheckpointInfo:
         dtypes = ", ".join(f"{d} x{n}" for d, n in self.dtypes.items())
         dtypes = f" ({dtypes})" if dtypes else ""
         lines.append(f"weights{where}: {len(self.tensors)} tensors, {self.values:,} values{dtypes}")
-        through = [_explain(p, self.lightning_attribute) for p in self.wrappers]
+        through = [explain(p, p) for p in self.wrappers]  # each a wrapper's (plain_names)
         if self.lightning_attribute:
-            through.append(_explain(self.lightning_attribute, self.lightning_attribute))
+            attribute = self.lightning_attribute
+            through.append(explain(attribute, f"{attribute} (LightningModule attribute)"))
         lines.append("saved through: " + (", ".join(through) or "no wrapper"))
         if self.exported_from:
             lines.append("exported by lightning-mgpu, which removed: " + ", ".join(self.exported_from))
@@ -159,13 +160,6 @@ def suggested_output(source: Path, tag: str) -> str:
     if out.name == source.name:
         out = source.with_name(f"{stem}{tag}_plain.safetensors")
     return shlex.quote(str(out))
-
-
-def _explain(prefix: str, attribute: str | None) -> str:
-    last = prefix.rstrip(".").rsplit(".", 1)[-1]
-    if last in WRAPPERS:
-        return f"{prefix} ({WRAPPERS[last]})"
-    return f"{prefix} (LightningModule attribute)" if prefix == attribute else prefix
 
 
 def _label(name: str, depth: int, wrapper_prefixes: set[str]) -> str:
