@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +58,7 @@ __all__ = [
     "flatten_dense_tensors",
     "fsdp_comms",
     "fsdp_param_groups",
+    "hooks_set_aside",
     "privateuse1_backend_name",
     "replicate_for_data_parallel",
     "replicated_parameters",
@@ -235,6 +236,25 @@ def fsdp_param_groups(unit: FSDPModule) -> list[Any]:
     public getter (torch 2.6-2.13)."""
     groups: list[Any] = getattr(unit._get_fsdp_state(), "_fsdp_param_groups", None) or []
     return groups
+
+
+# what nn.Module keeps its hooks in (no public way to set them aside); FSDP2 registers its gathers and
+# reduce-scatters there
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+@contextlib.contextmanager
+def hooks_set_aside(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Every hook of ``modules`` set aside while open (an estimate's step on meta tensors through FSDP
+    units runs no collective), put back after (torch 2.6-2.13)."""
+    saved = [(m, name, getattr(m, name)) for m in modules for name in _HOOKS if hasattr(m, name)]
+    for module, name, hooks in saved:
+        setattr(module, name, type(hooks)())
+    try:
+        yield
+    finally:
+        for module, name, hooks in saved:
+            setattr(module, name, hooks)
 
 
 def fsdp_comms(group: Any) -> list[tuple[Any, Any]]:

@@ -15,15 +15,14 @@ activations are counted whole, so the start errs on the small side there.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_mgpu._compat.torch import hooks_set_aside
 from lightning_mgpu._words import counted
 from lightning_mgpu.estimate.predict import estimate_memory
 from lightning_mgpu.strategies.microbatch.host import MicroBatchHost
@@ -66,24 +65,6 @@ def _kind(strategy: MicroBatchHost) -> tuple[str, int]:
     return "single", 1
 
 
-# what nn.Module keeps its hooks in; FSDP2 registers its gathers and reduce-scatters there
-_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-
-
-@contextlib.contextmanager
-def _units_without_hooks(module: nn.Module) -> Iterator[None]:
-    """The hooks of every FSDP unit set aside, so the estimate's step on meta tensors runs no collective."""
-    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
-    saved = [(unit, name, getattr(unit, name)) for unit in units for name in _HOOKS if hasattr(unit, name)]
-    for unit, name, hooks in saved:
-        setattr(unit, name, type(hooks)())
-    try:
-        yield
-    finally:
-        for unit, name, hooks in saved:
-            setattr(unit, name, hooks)
-
-
 def estimated_start(
     strategy: MicroBatchHost, module: nn.Module, batch: Any, rows: int, device_memory: int | None = None
 ) -> int | None:
@@ -100,9 +81,9 @@ def estimated_start(
         device_memory = torch.cuda.mem_get_info(device)[1]
     kind, replicas = _kind(strategy)
     precision = getattr(strategy.precision_plugin, "precision", None)
-    sharded = any(isinstance(m, FSDPModule) for m in module.modules())
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
     try:
-        with _units_without_hooks(module) if sharded else contextlib.nullcontext():
+        with hooks_set_aside(units):  # FSDP's gathers and reduce-scatters: collectives
             estimate = estimate_memory(
                 module,
                 batch,
@@ -110,7 +91,7 @@ def estimated_start(
                 device_memory=device_memory,
                 precision=precision,
                 measure_on="meta",
-                block_classes=getattr(strategy, "block_classes", None) if sharded else None,
+                block_classes=getattr(strategy, "block_classes", None) if units else None,
             )
     except Exception as err:  # the estimate is a hint: without it the whole batch is tried first
         log.debug(
