@@ -260,36 +260,18 @@ def _time_lines(trainer: L.Trainer) -> list[str]:
 
 
 def _peak_memory_lines(trainer: L.Trainer) -> list[str]:
-    """Each device's peak (the memory monitor's fit-wide maxima, and each rank's micro-batch size), else
+    """The memory monitor's table of each device's fit-wide peaks (and each rank's micro-batch size), else
     this process's own device."""
     from lightning_mgpu.callbacks.memory import DeviceMemoryMonitor
+    from lightning_mgpu.callbacks.memory_report import table
     from lightning_mgpu.devices import format_bytes, process_memory
 
     callbacks = getattr(trainer, "callbacks", [])  # set at run time, unknown to type checkers
     monitor = next((cb for cb in callbacks if isinstance(cb, DeviceMemoryMonitor)), None)
-    devices = monitor.summary.as_json()["devices"] if monitor is not None else []
-    lines = []
-    for d in devices:
-        label = f"{d['device']} ({d['name']})" if d.get("name") else d["device"]
-        parts = [f"{what} {format_bytes(d[key])}" for key, what in _PEAK_FIELDS if d.get(key) is not None]
-        if "micro_batch_size" in d:  # on the rank's first device, when the strategy runs micro-batches
-            size = d["micro_batch_size"]
-            rows = f"{size} row{'s' * (size != 1)}" if size is not None else ""
-            parts.append(f"micro-batches of {rows}" if rows else "whole batches")
-        lines.append(f"{label}: {', '.join(parts) or 'not measured'}")
-    if lines:
-        return lines
+    if monitor is not None and monitor.summary.devices:
+        rows, sizes = list(monitor.summary.devices.values()), monitor.summary.micro_batches
+        return table(rows, micro_batches=sizes).splitlines()
     device = trainer.strategy.root_device  # the monitor is off, or the run was too short to read it
     if device.type == "cuda":
         return [f"{device}: peak allocated {format_bytes(torch.cuda.max_memory_allocated(device))}"]
     return [f"cpu:rank{trainer.global_rank}: peak RSS {format_bytes(process_memory()['peak_rss'])}"]
-
-
-# memory_summary.json fields worth a line, as the monitor names them
-_PEAK_FIELDS = (
-    ("peak_allocated_bytes", "peak allocated"),
-    ("peak_reserved_bytes", "peak reserved"),
-    ("nvml_used_bytes", "nvidia-smi used"),
-    ("peak_rss_bytes", "peak RSS"),
-    ("saved_bytes", "saved for backward"),
-)
