@@ -61,6 +61,7 @@ _MINIMUMS = {  # name: (lowest value, note)
     "accumulate_grad_batches": (1, ""),
     "gradient_clip_val": (0, ""),
     "num_sanity_val_steps": (-1, " (-1 runs them all)"),
+    "fast_dev_run": (0, " (true or a batch count runs that many batches, as a test)"),
 }
 
 
@@ -138,12 +139,6 @@ def _devices(name: str, devices: Any) -> list[str]:
     return [f"{name}: expected 'auto', a count or a list of indices such as [0, 3], got {devices!r}"]
 
 
-def _fast_dev_run(name: str, value: Any) -> list[str]:
-    if isinstance(value, bool) or (isinstance(value, int) and value >= 1):
-        return []
-    return [f"{name}: expected true, false or a batch count >= 1, got {value!r}"]
-
-
 def _batch_limit(name: str, value: Any) -> list[str]:
     """``limit_*_batches``: None, a batch count (int >= 0) or a fraction in [0, 1]."""
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
@@ -157,5 +152,4 @@ _VALUE_CHECKS = {
     "accelerator": lambda name, value: one_of(name, value, _ACCELERATORS),
     "precision": lambda name, value: one_of(name, value, precision_names()),
     "devices": _devices,
-    "fast_dev_run": _fast_dev_run,
 }
