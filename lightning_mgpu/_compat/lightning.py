@@ -44,15 +44,19 @@ __all__ = [
     "hpc_resume_path",
     "is_dataloader_shuffled",
     "is_slurm_requeue_handler",
+    "launch_start_method",
     "launcher",
     "loaded_checkpoint",
     "materialize_distributed_module",
     "optimizers_to_device",
+    "process_group_timeout",
     "run_slurm_requeue",
+    "save_top_k",
     "set_device_mesh",
     "set_launcher",
     "set_layer_sync",
     "set_num_threads_if_needed",
+    "skips_saving",
     "strategy_parts",
     "update_dataloader",
 ]
@@ -199,8 +203,32 @@ def launcher(strategy: Any) -> Any:
 
 
 def set_launcher(strategy: Any, value: Any) -> None:
-    """Keep a launcher that already started the processes on a strategy that changed class (2.4-2.6)."""
+    """Set a strategy's launcher: one that already started the processes, kept on a strategy that changed
+    class, or the watched launcher ``ProcessGroupServices._configure_launcher`` builds (2.4-2.6)."""
     strategy._launcher = value
+
+
+def launch_start_method(strategy: Any) -> str:
+    """``DDPStrategy``'s ``start_method``; ``"popen"`` for a strategy that keeps none
+    (``ModelParallelStrategy``, which always relaunches the script) (2.4-2.6)."""
+    return str(getattr(strategy, "_start_method", "popen"))
+
+
+def process_group_timeout(strategy: Any) -> Any:
+    """The ``timeout`` a strategy was given for its process group, ``None`` where it keeps none (2.4-2.6)."""
+    return getattr(strategy, "_timeout", None)
+
+
+def skips_saving(callback: Any, trainer: Any) -> bool:
+    """Whether a ``ModelCheckpoint`` saves nothing now (sanity check, ``fast_dev_run``, a save at this very
+    step already) (2.4-2.6); ``ResumeCheckpoint`` decides by time itself, then asks."""
+    return bool(callback._should_skip_saving_checkpoint(trainer))
+
+
+def save_top_k(callback: Any, trainer: Any) -> None:
+    """Save as a ``ModelCheckpoint`` does when a save is due, keeping its ``save_top_k`` (2.4-2.6): no public
+    method saves outside Lightning's own schedule."""
+    callback._save_topk_checkpoint(trainer, callback._monitor_candidates(trainer))
 
 
 def configure_launcher(strategy: Any) -> None:

@@ -11,8 +11,8 @@ The host's ``__init__`` initialises its Lightning base with Lightning's argument
 the host's own through ``super()`` in each:
 
 - ``_configure_launcher``: ``checks.check_devices`` before any process starts, then the watched subprocess
-  launcher for ``start_method="popen"`` (a host without ``_start_method`` counts as popen), the host's own
-  launcher otherwise;
+  launcher for ``start_method="popen"`` (``ModelParallelStrategy``, which keeps no start method, counts as
+  popen), the host's own launcher otherwise;
 - ``_get_process_group_backend``: the explicit ``process_group_backend``, else ``checks.default_backend``
   for the root device;
 - ``setup_environment`` / ``teardown``: the watchdog starts before the process group, joins the run's store
@@ -61,6 +61,10 @@ from lightning_mgpu._compat.lightning import (
     attached_trainer,
     data_connector,
     is_dataloader_shuffled,
+    launch_start_method,
+    process_group_timeout,
+    set_launcher,
+    strategy_parts,
 )
 from lightning_mgpu.oom import is_out_of_memory
 from lightning_mgpu.strategies.mixin import StrategyMixin
@@ -147,15 +151,15 @@ class ProcessGroupServices(StrategyMixin):
     @override
     def _configure_launcher(self) -> None:
         # runs inside Trainer(...), before any process starts
-        sync_batchnorm = isinstance(getattr(self, "_layer_sync", None), TorchSyncBatchNorm)
+        *_, layer_sync = strategy_parts(self)
+        sync_batchnorm = isinstance(layer_sync, TorchSyncBatchNorm)
         checks.check_devices(self.parallel_devices or [], self._process_group_backend, sync_batchnorm)
-        start_method = getattr(self, "_start_method", "popen")
+        start_method = launch_start_method(self)
         if start_method == "popen":
             assert self.cluster_environment is not None
             log.debug("%s: start_method='popen': the watched subprocess launcher", self.strategy_name)
-            self._launcher = _WatchedSubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
+            environment, processes = self.cluster_environment, self.num_processes
+            set_launcher(self, _WatchedSubprocessScriptLauncher(environment, processes, self.num_nodes))
         else:
             log.debug("%s: start_method=%r: the host's own launcher", self.strategy_name, start_method)
             super()._configure_launcher()
@@ -176,7 +180,7 @@ class ProcessGroupServices(StrategyMixin):
         if self._watching:
             watchdog().start(self.global_rank, self.local_rank)
         # under torchrun, before Lightning creates the group in the store earlier attempts left keys in
-        timeout = getattr(self, "_timeout", None) or default_pg_timeout
+        timeout = process_group_timeout(self) or default_pg_timeout
         backend = self._get_process_group_backend()
         torchrun_store.init_process_group(
             backend, self.global_rank, self.world_size, timeout, self.root_device
@@ -246,9 +250,8 @@ class ProcessGroupServices(StrategyMixin):
         if self._summary_printed or self.global_rank != 0:
             return
         self._summary_printed = True
-        infos = watchdog().infos() if self._watching else {}
-        if not infos:
-            infos = {self.global_rank: self._rank_info()}
+        # every rank's, through the watchdog's store; this rank's alone without one
+        infos = (watchdog().infos() if self._watching else {}) or {self.global_rank: self._rank_info()}
         trainer = self._trainer()
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         text = format_summary(

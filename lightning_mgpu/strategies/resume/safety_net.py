@@ -39,6 +39,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_mgpu._compat.lightning import save_top_k, skips_saving
 from lightning_mgpu.strategies.resume.requeue_failed import scontrol
 from lightning_mgpu.strategies.resume.restart import env_count
 
@@ -125,7 +126,7 @@ class ResumeCheckpoint(ModelCheckpoint):
         if self.period is None:
             return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         step = trainer.global_step
-        if step < self._next_check or self._should_skip_saving_checkpoint(trainer):
+        if step < self._next_check or skips_saving(self, trainer):
             return None
         now = time.monotonic()
         plan = plan_check(step, now, self._last_save, self._last_check, self.period)
@@ -134,7 +135,7 @@ class ResumeCheckpoint(ModelCheckpoint):
         log.debug("step %d: save %s, next check at step %d", step, due, self._next_check)
         if due:
             self._last_save = now
-            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+            save_top_k(self, trainer)
         return None
 
 
