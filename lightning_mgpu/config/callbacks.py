@@ -23,7 +23,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from lightning_mgpu.config.signature import checked, convert, field_type, keywords, wrong_type
+from lightning_mgpu.config.signature import checked, convert, fields, keywords, wrong_type
 
 __all__ = ["CALLBACKS", "CALLBACK_DEFAULTS", "RUN_SETS", "build_callbacks", "callbacks_schema"]
 
@@ -70,12 +70,8 @@ def callbacks_schema() -> type:
     """
     sections = []
     for name, (_, enabled) in CALLBACKS.items():
-        params = {n: p for n, p in keywords(_class(name)).items() if n not in RUN_SETS}
-        defaults = {n: p.default for n, p in params.items()} | CALLBACK_DEFAULTS.get(name, {})
-        fields = [
-            (n, field_type(p.annotation), dataclasses.field(default=defaults[n])) for n, p in params.items()
-        ]
-        section = dataclasses.make_dataclass(f"{name.title()}Config", [("enabled", bool, enabled), *fields])
+        keys = fields(_class(name), RUN_SETS, CALLBACK_DEFAULTS.get(name, {}))
+        section = dataclasses.make_dataclass(f"{name.title()}Config", [("enabled", bool, enabled), *keys])
         sections.append((name, section, dataclasses.field(default_factory=section)))
     return dataclasses.make_dataclass("CallbacksConfig", sections, namespace={"problems": _problems})
 

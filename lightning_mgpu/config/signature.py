@@ -6,7 +6,9 @@
 - ``fits(value, hint)``: whether ``convert`` takes it;
 - ``describe(hint)``: the annotation in a config's words (``an integer or null``), which
   ``wrong_type(path, value, hint)`` puts in the message for a value ``convert`` refuses;
-- ``field_type(hint)``: the type omegaconf checks a key by (``Any`` where ``convert`` must);
+- ``field_type(hint)``: the type omegaconf checks a key by (``Any`` where ``convert`` must), and
+  ``fields(cls, leave_out, defaults)`` one dataclass field per keyword so typed, for ``trainer`` and each
+  callback's sub-section;
 - ``checked(section, keys, build)``: what a class says of its arguments when built, as a config problem.
 
 Nothing here lists a class's arguments by hand, so a new keyword of Lightning's ``Trainer`` or of a
@@ -15,6 +17,7 @@ strategy is a config key at once. This module does not import torch.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import inspect
@@ -24,7 +27,7 @@ import typing
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["checked", "convert", "describe", "field_type", "fits", "keywords", "wrong_type"]
+__all__ = ["checked", "convert", "describe", "field_type", "fields", "fits", "keywords", "wrong_type"]
 
 _PLAIN = (bool, int, float, str)
 
@@ -151,6 +154,21 @@ def field_type(hint: Any) -> Any:
     if len(members) != 1 or members[0] not in _PLAIN:
         return Any
     return members[0] | None if optional else members[0]
+
+
+def fields(cls: type, leave_out: Iterable[str], defaults: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``make_dataclass``'s fields for the keywords of ``cls`` but ``leave_out``: typed by ``field_type``,
+    with ``cls``'s defaults unless ``defaults`` gives one.
+
+    Example::
+
+        fields(ModelCheckpoint, ["dirpath"], {"save_last": True})[0]  # ('filename', str | None, Field(...))
+    """
+    return [
+        (n, field_type(p.annotation), dataclasses.field(default=defaults.get(n, p.default)))
+        for n, p in keywords(cls).items()
+        if n not in leave_out
+    ]
 
 
 def checked(section: str, keys: Iterable[str], build: Callable[[], object]) -> list[str]:

@@ -25,7 +25,7 @@ import functools
 from typing import Any
 
 from lightning_mgpu.config.checks import at_least, one_of
-from lightning_mgpu.config.signature import convert, field_type, keywords, wrong_type
+from lightning_mgpu.config.signature import convert, fields, keywords, wrong_type
 from lightning_mgpu.precision import precision_names
 
 __all__ = ["RUN_OWNED", "TRAINER_DEFAULTS", "trainer_arguments", "trainer_problems", "trainer_schema"]
@@ -83,13 +83,11 @@ def trainer_schema() -> type:
     """
     from lightning.pytorch import Trainer
 
-    defaults = {n: p.default for n, p in keywords(Trainer).items()} | TRAINER_DEFAULTS
-    fields = [  # strategy: a name or a mapping of its options, which config/strategy.py checks
-        (n, Any if n == "strategy" else field_type(h), dataclasses.field(default=defaults[n]))
-        for n, h in trainer_keys().items()
-    ]
-    fields.append(("micro_batch_size", Any, None))
-    return dataclasses.make_dataclass("TrainerConfig", fields, namespace={"problems": trainer_problems})
+    keys = fields(Trainer, RUN_OWNED, TRAINER_DEFAULTS)
+    # strategy: a name or a mapping of its options, which config/strategy.py checks, as micro_batch_size
+    keys = [(n, Any, f) if n == "strategy" else (n, t, f) for n, t, f in keys]
+    keys.append(("micro_batch_size", Any, None))
+    return dataclasses.make_dataclass("TrainerConfig", keys, namespace={"problems": trainer_problems})
 
 
 def trainer_problems(section: Any) -> list[str]:
