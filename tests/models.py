@@ -1,10 +1,12 @@
-"""The tests' shared tiny model: what a test trains when the model itself is not what it checks.
+"""The tests' shared tiny model and quiet Trainer: what a test trains when neither is what it checks.
 
 Tests and the scripts in tests/scripts/ import it (their processes get the repository on PYTHONPATH);
 a script that injects a fault subclasses it and overrides one hook.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import lightning as L
 import torch
@@ -23,3 +25,14 @@ class Regression(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def quiet_trainer(**options: Any) -> L.Trainer:
+    """A CPU ``Trainer`` with no logger, checkpoints, progress bar or model summary unless ``options`` ask."""
+    quiet = {
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return L.Trainer(**{"accelerator": "cpu", **quiet, **options})

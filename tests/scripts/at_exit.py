@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mgpu  # noqa: F401  registers the strategies
-from tests.models import Regression
+from tests.models import Regression, quiet_trainer
 
 
 def report() -> None:
@@ -58,15 +58,10 @@ class SlowExit(L.Callback):
             time.sleep(0.1)
 
 
-trainer = L.Trainer(
-    accelerator="cpu",
+trainer = quiet_trainer(
     devices=2,
     strategy=sys.argv[1],
     max_epochs=1,
-    logger=False,
-    enable_checkpointing=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
     callbacks=[SlowExit()] if fault == "slow-exit" else [],
 )
 trainer.fit(FailingOnRank1(), DataLoader(TensorDataset(torch.randn(32, 4), torch.randn(32, 1)), batch_size=4))

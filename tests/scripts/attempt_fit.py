@@ -11,13 +11,12 @@ import os
 import signal
 import sys
 
-import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MGPUDDPStrategy
-from tests.models import Regression
+from tests.models import Regression, quiet_trainer
 
 kill_at = int(sys.argv[1])
 
@@ -39,15 +38,12 @@ class Net(Regression):
 
 generator = torch.Generator().manual_seed(0)
 data = TensorDataset(torch.randn(32, 4, generator=generator), torch.randn(32, 1, generator=generator))
-trainer = L.Trainer(
-    accelerator="cpu",
+trainer = quiet_trainer(
     devices=1,
     strategy=MGPUDDPStrategy(),
     max_epochs=2,
-    logger=False,
+    enable_checkpointing=True,
     callbacks=[ModelCheckpoint(dirpath="ckpts", every_n_train_steps=2)],
-    enable_progress_bar=False,
-    enable_model_summary=False,
 )
 module = Net()
 trainer.fit(module, DataLoader(data, batch_size=4, shuffle=True))

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mgpu  # noqa: F401  registers mgpu_ddp
+from tests.models import quiet_trainer
 
 devices, num_nodes = int(sys.argv[1]), int(sys.argv[2])
 
@@ -37,15 +38,10 @@ class Regression(L.LightningModule):
 
 
 def trainer(max_epochs: int | None = None, max_steps: int = -1) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
+    return quiet_trainer(
         devices=devices,
         num_nodes=num_nodes,
         strategy="mgpu_ddp",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         max_epochs=max_epochs,
         max_steps=max_steps,
     )

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MGPUDDPStrategy
 from lightning_mgpu.strategies.process_group.watchdog.watchdog import DEAD_AFTER, watchdog
-from tests.models import Regression
+from tests.models import Regression, quiet_trainer
 
 
 class Slow(Regression):
@@ -36,14 +36,10 @@ class Unused(Regression):
 
 def trainer(max_steps: int) -> L.Trainer:
     strategy = MGPUDDPStrategy(start_method="spawn")
-    return L.Trainer(
-        accelerator="cpu",
+    return quiet_trainer(
         devices=2,
         strategy=strategy,
         max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
     )
 
 

@@ -14,12 +14,11 @@ import sys
 import time
 from collections.abc import Iterator
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from lightning_mgpu import MGPUDDPStrategy
-from tests.models import Regression
+from tests.models import Regression, quiet_trainer
 
 victim, fault = int(sys.argv[1]), sys.argv[2]
 stall_timeout = None if sys.argv[3] == "none" else float(sys.argv[3])
@@ -64,15 +63,10 @@ class Shard(IterableDataset):
         return iter(TensorDataset(torch.randn(4 * batches, 4), torch.randn(4 * batches, 1)))
 
 
-trainer = L.Trainer(
-    accelerator="cpu",
+trainer = quiet_trainer(
     devices=2,
     strategy=MGPUDDPStrategy(stall_timeout=stall_timeout),
     max_epochs=1,
-    logger=False,
-    enable_checkpointing=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
 )
 data = Shard() if fault == "more" else TensorDataset(torch.randn(256, 4), torch.randn(256, 1))
 trainer.fit(Faulty(), DataLoader(data, batch_size=4))

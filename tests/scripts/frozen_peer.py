@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from lightning_mgpu import MGPUDDPStrategy
 from lightning_mgpu._compat.lightning import SubprocessScriptLauncher
-from tests.models import Regression
+from tests.models import Regression, quiet_trainer
 
 fault, seconds = sys.argv[1], float(sys.argv[2])
 
@@ -53,15 +53,10 @@ class Shard(IterableDataset):
         return iter(TensorDataset(torch.randn(4 * batches, 4), torch.randn(4 * batches, 1)))
 
 
-trainer = L.Trainer(
-    accelerator="cpu",
+trainer = quiet_trainer(
     devices=2,
     strategy=MGPUDDPStrategy(stall_timeout=300),
     max_epochs=1,
-    logger=False,
-    enable_checkpointing=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
 )
 data = Shard() if fault == "more" else TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
 trainer.fit(LeavingRank0(), DataLoader(data, batch_size=4))

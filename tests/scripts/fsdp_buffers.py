@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MGPUFSDPStrategy
+from tests.models import quiet_trainer
 
 
 def squeeze(room_mib: int | None) -> None:
@@ -68,15 +69,10 @@ class Model(L.LightningModule):
 def fit(room_mib: int) -> tuple[L.Trainer, Model]:
     model = Model(room_mib)
     strategy = MGPUFSDPStrategy(block_classes=["Wide"], micro_batch_size="auto")
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=2,
         strategy=strategy,
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=16))
     return trainer, model

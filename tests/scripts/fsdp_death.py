@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mgpu  # noqa: F401  registers mgpu_fsdp
+from tests.models import quiet_trainer
 
 
 class Regression(L.LightningModule):
@@ -33,14 +34,9 @@ class Regression(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-trainer = L.Trainer(
-    accelerator="cpu",
+trainer = quiet_trainer(
     devices=2,
     strategy="mgpu_fsdp",
     max_epochs=1,
-    logger=False,
-    enable_checkpointing=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
 )
 trainer.fit(Regression(), DataLoader(TensorDataset(torch.randn(256, 4), torch.randn(256, 1)), batch_size=4))

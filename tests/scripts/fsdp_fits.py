@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import DeviceMemoryMonitor, MGPUFSDPStrategy, PlainStateDictExport
 from lightning_mgpu.estimate.model_state import measure_model_state
+from tests.models import quiet_trainer
 
 RANK = int(os.environ.get("LOCAL_RANK", 0))
 
@@ -74,17 +75,13 @@ def fit(
     torch.manual_seed(RANK)  # a different init on each rank
     model = Regression(optimizer)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=2,
         strategy=MGPUFSDPStrategy(**strategy),
         max_epochs=epochs,
         precision=precision,
-        logger=False,
         enable_checkpointing=bool(callbacks),
         callbacks=list(callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False), ckpt_path=ckpt_path)
     sharded = {k: (type(v).__name__, str(v.dtype)) for k, v in model.state_dict().items()}
@@ -122,15 +119,12 @@ fit("resumed", "adamw", ckpt_path="ckpt/last.ckpt", reshard_after_forward=False)
 
 # last.ckpt saved at the end of each of two epochs, the second over the first; plain weights beside it
 wrapped = Wrapped()
-trainer = L.Trainer(
-    accelerator="cpu",
+trainer = quiet_trainer(
     devices=2,
     strategy="mgpu_fsdp",
     max_epochs=2,
-    logger=False,
+    enable_checkpointing=True,
     callbacks=[ModelCheckpoint(dirpath="wrapped", save_last=True), PlainStateDictExport()],
-    enable_progress_bar=False,
-    enable_model_summary=False,
 )
 trainer.fit(wrapped, DataLoader(TensorDataset(x, y), batch_size=4))
 final = {k: v.full_tensor() for k, v in wrapped.model.state_dict().items()}

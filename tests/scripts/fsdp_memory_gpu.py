@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mgpu  # noqa: F401  (registers the strategies)
+from tests.models import quiet_trainer
 
 
 class Wide(L.LightningModule):
@@ -36,14 +37,10 @@ class Wide(L.LightningModule):
                 f.write(str(torch.cuda.memory_allocated()))
 
 
-trainer = L.Trainer(
+trainer = quiet_trainer(
     accelerator="gpu",
     devices=2,
     strategy=sys.argv[1],
     max_steps=3,
-    logger=False,
-    enable_checkpointing=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
 )
 trainer.fit(Wide(), DataLoader(TensorDataset(torch.randn(48, 2048)), batch_size=8))

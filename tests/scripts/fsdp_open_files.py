@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MGPUFSDPStrategy
+from tests.models import quiet_trainer
 
 RANK = int(os.environ.get("LOCAL_RANK", 0))
 
@@ -35,15 +36,10 @@ class Regression(L.LightningModule):
 
 
 def fit(model: Regression, name: str) -> None:
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=2,
         strategy=MGPUFSDPStrategy(),
         max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(32, 6, generator=generator), torch.randn(32, 2, generator=generator))

@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import DeviceMemoryMonitor
-from tests.models import Regression
+from tests.models import Regression, quiet_trainer
 
 log_dir, mode = sys.argv[1], sys.argv[2]
 
@@ -42,17 +42,13 @@ class OutOfMemory(Regression):
 
 
 def trainer(every: int, flush: int = 25) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
+    return quiet_trainer(
         devices=2,
         strategy="mgpu_ddp",
         max_epochs=1,
         logger=CSVLogger(log_dir),
         callbacks=[DeviceMemoryMonitor(every_n_steps=every, flush_every_n_steps=flush)],
         log_every_n_steps=every,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
 
 

@@ -15,6 +15,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.models import quiet_trainer
+
 
 class Lit(L.LightningModule):
     def __init__(self) -> None:
@@ -41,15 +43,10 @@ class Lit(L.LightningModule):
 def main() -> None:
     torch.manual_seed(1)
     data = TensorDataset(torch.randn(16, 8), torch.randn(16, 4))
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=2,
         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     lit = Lit()
     trainer.fit(lit, DataLoader(data, batch_size=4))

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mgpu  # noqa: F401  registers the mgpu_* strategies
+from tests.models import quiet_trainer
 
 strategy, mode = sys.argv[1], sys.argv[2]
 
@@ -51,16 +52,11 @@ model = Regression()
 initial = {k: v.clone() for k, v in model.state_dict().items()}
 nodes = int(os.environ["SLURM_NNODES"])
 tasks = int(os.environ.get("SLURM_NTASKS_PER_NODE", os.environ["SLURM_NTASKS"]))
-trainer = L.Trainer(
-    accelerator="cpu",
+trainer = quiet_trainer(
     devices=tasks,
     num_nodes=nodes,
     strategy=strategy,
     max_epochs=2,
-    logger=False,
-    enable_checkpointing=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
 )
 trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False))
 final = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}

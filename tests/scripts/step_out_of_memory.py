@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_mgpu  # noqa: F401  registers mgpu_ddp
+from tests.models import quiet_trainer
 
 
 class Wide(L.LightningModule):
@@ -37,15 +38,10 @@ class Wide(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-trainer = L.Trainer(
-    accelerator="cpu",
+trainer = quiet_trainer(
     devices=2,
     strategy="mgpu_ddp",
     max_steps=4,
-    logger=False,
-    enable_checkpointing=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
 )
 data = TensorDataset(torch.randn(64, 1024), torch.randn(64, 1))
 trainer.fit(Wide(), DataLoader(data, batch_size=4))

@@ -11,12 +11,11 @@ import os
 import signal
 import time
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MGPUDDPStrategy
-from tests.models import Regression
+from tests.models import Regression, quiet_trainer
 
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 if attempt == 1 and os.environ["RANK"] == "0":
@@ -30,15 +29,10 @@ class KilledOnce(Regression):
         return super().training_step(batch, batch_idx)
 
 
-trainer = L.Trainer(
-    accelerator="cpu",
+trainer = quiet_trainer(
     devices=2,
     strategy=MGPUDDPStrategy(),
     max_epochs=1,
-    logger=False,
-    enable_checkpointing=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
 )
 trainer.fit(KilledOnce(), DataLoader(TensorDataset(torch.randn(64, 4), torch.randn(64, 1)), batch_size=4))
 print(f"attempt {attempt} rank {trainer.global_rank} finished at step {trainer.global_step}")
