@@ -115,7 +115,7 @@ def strategy_problems(value: Any, micro_batch_size: Any) -> list[str]:
         if "micro_batch_size" in options:
             return [f"{_SHORT_FORM}: trainer.strategy.micro_batch_size is set too; keep one"]
         options["micro_batch_size"], paths["micro_batch_size"] = micro_batch_size, _SHORT_FORM
-    cls, init_params = _registered(name)
+    cls, _ = _registered(name)
     params = _options(cls) if cls is not None else {}
     for key, given in options.items():
         if key not in params:
@@ -123,7 +123,7 @@ def strategy_problems(value: Any, micro_batch_size: Any) -> list[str]:
         else:
             out += wrong_type(paths[key], given, params[key])
     if not out and cls is not None and options:  # the strategy's own checks of the values
-        out += checked("trainer.strategy", options, lambda: cls(**init_params, **_converted(cls, options)))
+        out += checked("trainer.strategy", options, lambda: build_strategy(value, micro_batch_size))
     return out
 
 
@@ -143,7 +143,8 @@ def build_strategy(value: str | dict[str, Any], micro_batch_size: int | str | No
     if cls is None:
         raise ValueError(f"trainer.strategy: {name!r} takes no options; name a strategy such as mgpu_ddp")
     log.debug("trainer.strategy %s with %s", name, options)
-    strategy: Strategy = cls(**init_params, **_converted(cls, options))
+    params = _options(cls)
+    strategy: Strategy = cls(**init_params, **{k: convert(v, params[k]) for k, v in options.items()})
     return strategy
 
 
@@ -197,12 +198,6 @@ def _options(cls: type) -> dict[str, Any]:
         wrapped = keywords(DistributedDataParallel)
         out.update({n: p.annotation for n, p in wrapped.items() if n not in ("module", "device_ids", *out)})
     return out
-
-
-def _converted(cls: type, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` as ``cls``'s annotations take them (seconds become a ``timedelta``)."""
-    params = _options(cls)
-    return {key: convert(value, params[key]) for key, value in options.items()}
 
 
 def _not_taken(path: str, name: str, key: str, params: list[str]) -> str:
