@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_mgpu._words import counted, ranks
+from lightning_mgpu._words import aligned, counted, ranks
 from lightning_mgpu.strategies.microbatch.sizes import MicroBatchSizes
 from lightning_mgpu.strategies.split.batch import check_cuttable
 
@@ -26,3 +26,14 @@ def test_messages_of_one_row_or_one_item_say_so(caplog: pytest.LogCaptureFixture
         sizes.start(1)
     assert "first micro-batch size: 1 row" in caplog.text
     assert "1 rows" not in caplog.text
+
+
+def test_table_columns_take_their_widest_cell_numbers_right_aligned() -> None:
+    rows = [["strategy", "peak"], ["mgpu_fsdp", "1.00 KiB"], ["single", "12 B"]]
+    assert aligned(rows, sep=" | ", right_from=1) == [
+        "strategy  |     peak",
+        "mgpu_fsdp | 1.00 KiB",
+        "single    |     12 B",
+    ]
+    # a column at least as wide as asked, so a table keeps its layout whatever its cells hold
+    assert aligned([["a", "b"]], widths=(3, 4)) == ["a   b   "]
