@@ -185,10 +185,7 @@ class LoaderPosition(Callback):
             # here because a loader with workers draws its first indices when Lightning makes its
             # iterator, before Lightning sets the sampler's epoch (and skips nothing).
             inner.set_epoch(state["epoch"] + 1)
-            log.debug(
-                "epoch %d was over: epoch %d starts from its first batch",
-                *(state["epoch"] + d for d in (0, 1)),
-            )
+            log.debug("epoch %d was over: the next starts from its first batch", state["epoch"])
             return
         inner.set_epoch(state["epoch"])
         samples = len(inner.dataset)  # type: ignore[arg-type]
