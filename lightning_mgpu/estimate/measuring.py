@@ -30,6 +30,7 @@ __all__ = [
     "fixed_and_slope",
     "forward_step",
     "make_copies",
+    "meta_like",
     "quiet_lightning",
     "sample_sizes",
     "unique_bytes",
@@ -85,6 +86,15 @@ def unique_bytes(tensors: list[torch.Tensor], min_dim: int = 0) -> int:
     return total
 
 
+def meta_like(t: torch.Tensor, dtype: torch.dtype | None, local: bool = False) -> torch.Tensor:
+    """A meta tensor of ``t``'s shape, in ``dtype`` if ``t`` is floating-point: a sharded ``DTensor`` by its
+    global shape, or by this rank's shard with ``local``."""
+    if local and hasattr(t, "to_local"):
+        t = t.to_local()
+    dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    return torch.empty(t.shape, dtype=dtype, device="meta").requires_grad_(t.requires_grad)
+
+
 @dataclass
 class Copies:
     """The module's tensors copied to the measuring device, and a call running the step on them."""
@@ -110,10 +120,10 @@ def make_copies(
     """The copies, and a copy of ``sample_batch`` (the caller holds it, so it can free it)."""
 
     def copy(t: torch.Tensor) -> torch.Tensor:
-        dtype = param_dtype if param_dtype is not None and t.is_floating_point() else t.dtype
         if device.type == "meta" and hasattr(t, "to_local"):
             # a sharded parameter (a DTensor, under mgpu_fsdp) counts by its global shape
-            return torch.empty(t.shape, dtype=dtype, device=device).requires_grad_(t.requires_grad)
+            return meta_like(t, param_dtype)
+        dtype = param_dtype if param_dtype is not None and t.is_floating_point() else t.dtype
         return t.detach().to(device=device, dtype=dtype, copy=True).requires_grad_(t.requires_grad)
 
     named = dict(module.named_parameters())

@@ -26,7 +26,7 @@ from torch import nn
 
 from lightning_mgpu.estimate.batch import tensors
 from lightning_mgpu.estimate.live_bytes import LiveBytes
-from lightning_mgpu.estimate.measuring import quiet_lightning, unique_bytes
+from lightning_mgpu.estimate.measuring import meta_like, quiet_lightning, unique_bytes
 
 __all__ = [
     "OptimizerState",
@@ -142,14 +142,6 @@ def state_bytes(optimizers: list[torch.optim.Optimizer], device: torch.device) -
     return unique_bytes(state, min_dim=1)
 
 
-def _meta_like(p: torch.Tensor, dtype: torch.dtype | None, local: bool) -> torch.Tensor:
-    """A meta tensor of ``p``'s shape: a sharded DTensor's global shape, its local shard's with ``local``."""
-    if local and hasattr(p, "to_local"):
-        p = p.to_local()
-    dtype = dtype if dtype is not None and p.is_floating_point() else p.dtype
-    return torch.empty(p.shape, dtype=dtype, device="meta").requires_grad_(p.requires_grad)
-
-
 def _stepped_once(opt: torch.optim.Optimizer, leaf_of: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
     """A copy of ``opt`` over ``leaf_of``'s tensors, stepped once with zero gradients."""
     copy = copy_optimizer(opt, leaf_of)
@@ -162,7 +154,7 @@ def _stepped_once(opt: torch.optim.Optimizer, leaf_of: dict[int, torch.Tensor]) 
 
 def _stepped_on_meta(opt: torch.optim.Optimizer, dtype: torch.dtype | None, local: bool) -> tuple[int, int]:
     """The state one step creates, and the peak of what a later step allocates beside it (temporaries)."""
-    leaf_of = {id(p): _meta_like(p, dtype, local) for group in opt.param_groups for p in group["params"]}
+    leaf_of = {id(p): meta_like(p, dtype, local) for group in opt.param_groups for p in group["params"]}
     copy = _stepped_once(opt, leaf_of)
     # the second step, as every step after the first: what it allocates beyond the tensors that exist
     # (tracked first, so an in-place update is not taken for a new tensor), as estimate_memory counts it
@@ -178,7 +170,7 @@ def _stepped_on_meta(opt: torch.optim.Optimizer, dtype: torch.dtype | None, loca
 
 def _per_parameter(opt: torch.optim.Optimizer, dtype: torch.dtype | None, local: bool) -> int:
     """The state one step over one-element CPU copies of the parameters creates, at the parameters' sizes."""
-    shapes = {id(p): _meta_like(p, dtype, local) for group in opt.param_groups for p in group["params"]}
+    shapes = {id(p): meta_like(p, dtype, local) for group in opt.param_groups for p in group["params"]}
     tiny = {}
     for i, meta in shapes.items():
         tiny[i] = torch.zeros([1] * meta.dim(), dtype=meta.dtype).requires_grad_(meta.requires_grad)
