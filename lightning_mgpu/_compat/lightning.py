@@ -41,6 +41,8 @@ __all__ = [
     "ddp_comm_hook",
     "destroy_dist_connection",
     "detach_trainer",
+    "forward_redirection",
+    "given_backend",
     "hpc_resume_path",
     "is_dataloader_shuffled",
     "is_slurm_requeue_handler",
@@ -53,6 +55,7 @@ __all__ = [
     "run_slurm_requeue",
     "save_top_k",
     "set_device_mesh",
+    "set_fsdp_only_mesh",
     "set_launcher",
     "set_layer_sync",
     "set_num_threads_if_needed",
@@ -188,6 +191,25 @@ def strategy_parts(strategy: Any) -> tuple[Any, Any, Any, Any]:
 def set_layer_sync(strategy: Any, layer_sync: Any) -> None:
     """Keep the layer sync (``SyncBatchNorm``) a strategy had before it changed class (2.4-2.6)."""
     strategy._layer_sync = layer_sync
+
+
+def set_fsdp_only_mesh(strategy: Any) -> None:
+    """Make ``ModelParallelStrategy``'s mesh one data-parallel dimension over every process, no tensor
+    parallelism (FSDP alone), before its ``setup_environment`` builds it: its sizes are set only in
+    ``__init__``, as given or ``"auto"`` (2.4-2.6)."""
+    strategy._data_parallel_size = strategy.num_nodes * strategy.num_processes
+    strategy._tensor_parallel_size = 1
+
+
+def forward_redirection(strategy: Any) -> Any:
+    """The strategy's ``_ForwardRedirection``, which runs a step from inside the module's ``forward`` so
+    that its hooks (FSDP2's gathers) run (2.4-2.6)."""
+    return strategy._forward_redirection
+
+
+def given_backend(strategy: Any) -> str | None:
+    """The ``process_group_backend`` a strategy was given, ``None`` if none (2.4-2.6)."""
+    return getattr(strategy, "_process_group_backend", None)
 
 
 def set_device_mesh(strategy: Any, mesh: Any) -> None:

@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_mgpu._compat.lightning import StrategyRegistry
+from lightning_mgpu._compat.lightning import StrategyRegistry, strategy_parts
 from lightning_mgpu.strategies.dp.step import ReplicaStep
 from lightning_mgpu.strategies.microbatch.mixin import STEP_CONTEXTS, MicroBatching
 
@@ -208,7 +208,7 @@ class MGPUDataParallelStrategy(MicroBatching, ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self._layer_sync is not None:
+        if strategy_parts(self)[3] is not None:  # the layer sync: sync_batchnorm=True
             raise ValueError(
                 "`sync_batchnorm=True` needs one process per device; mgpu_dp keeps nn.DataParallel's"
                 " per-replica BatchNorm. Use `strategy='mgpu_ddp'` on GPUs for synchronised BatchNorm."

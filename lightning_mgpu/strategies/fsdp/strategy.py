@@ -22,9 +22,11 @@ from lightning_mgpu._compat.lightning import (
     PATH,
     StrategyRegistry,
     attached_trainer,
+    forward_redirection,
     materialize_distributed_module,
     optimizers_to_device,
     set_device_mesh,
+    set_fsdp_only_mesh,
 )
 from lightning_mgpu._sharding.plan import ShardingPlan, plan_sharding, validate_block_classes
 from lightning_mgpu.devices import format_bytes
@@ -214,9 +216,7 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ModelParallelStrateg
 
     @override
     def setup_environment(self) -> None:
-        # one data-parallel dimension over every process: FSDP alone, no tensor parallelism
-        self._data_parallel_size = self.num_nodes * self.num_processes
-        self._tensor_parallel_size = 1
+        set_fsdp_only_mesh(self)  # one data-parallel dimension over every process
         super().setup_environment()
         # Lightning builds a new mesh, with new process groups, for every fit: the process keeps one
         set_device_mesh(self, shared_mesh(self.device_mesh))
@@ -316,7 +316,7 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ModelParallelStrateg
         if not isinstance(module, FSDPModule) or self.model is not module:
             return super()._unbatched_step(stage, *args, **kwargs)
         with getattr(self.precision_plugin, STEP_CONTEXTS[stage])():
-            return self._forward_redirection(module, module, stage, *args, **kwargs)
+            return forward_redirection(self)(module, module, stage, *args, **kwargs)
 
     @property
     @override

@@ -60,6 +60,7 @@ from lightning_mgpu._compat.lightning import (
     PREPARE_DATALOADER,
     attached_trainer,
     data_connector,
+    given_backend,
     is_dataloader_shuffled,
     launch_start_method,
     process_group_timeout,
@@ -153,7 +154,7 @@ class ProcessGroupServices(StrategyMixin):
         # runs inside Trainer(...), before any process starts
         *_, layer_sync = strategy_parts(self)
         sync_batchnorm = isinstance(layer_sync, TorchSyncBatchNorm)
-        checks.check_devices(self.parallel_devices or [], self._process_group_backend, sync_batchnorm)
+        checks.check_devices(self.parallel_devices or [], given_backend(self), sync_batchnorm)
         start_method = launch_start_method(self)
         if start_method == "popen":
             assert self.cluster_environment is not None
@@ -167,9 +168,10 @@ class ProcessGroupServices(StrategyMixin):
     # the hosts' hook (DDPStrategy's, ModelParallelStrategy's); ParallelStrategy, the checker's host, lacks it
     @override
     def _get_process_group_backend(self) -> str:  # type: ignore[misc]
-        if self._process_group_backend:
-            log.debug("%s: backend %s, given explicitly", self.strategy_name, self._process_group_backend)
-            return self._process_group_backend
+        backend = given_backend(self)
+        if backend:
+            log.debug("%s: backend %s, given explicitly", self.strategy_name, backend)
+            return backend
         return checks.default_backend(self.root_device)
 
     @override
@@ -259,7 +261,7 @@ class ProcessGroupServices(StrategyMixin):
             infos=infos,
             num_nodes=self.num_nodes,
             processes_per_node=self.num_processes,
-            backend=self._process_group_backend or self._get_process_group_backend(),
+            backend=self._get_process_group_backend(),
             launcher=launcher_name(self.cluster_environment),
             batch_size=self._batch_size,
             accumulate=trainer.accumulate_grad_batches if fitting and trainer is not None else 1,
