@@ -121,8 +121,10 @@ def test_one_device_and_mgpu_dp_one_row_per_process(tmp_path: Path) -> None:
     assert row["device"] == "cpu:replica0,cpu:replica1"
     assert "Rank 0 runs 2 mgpu_dp replicas in one process: they run each batch together" in output
     assert runs["even"]["summary"]["verdict"]["rank"] is None
-    # each batch's two halves sleep at the same time, in the replicas' two threads
-    within_10_percent(row["work_s"], runs["even"]["outside"][0]["work"] / 2)
+    # each batch's two halves sleep at the same time, in the replicas' two threads: the row counts each
+    # batch's sleep once (half the replicas' sum), plus the step's own computation, and far from the whole sum
+    slept = runs["even"]["outside"][0]["work"]
+    assert 0.9 * slept / 2 <= row["work_s"] <= 0.75 * slept, (row["work_s"], slept)
     check_totals(runs["even"], steps=64, samples=256)
 
 
