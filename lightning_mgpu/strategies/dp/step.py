@@ -141,7 +141,7 @@ class ReplicaStep:
             self._threads = ReplicaThreads(len(all_devices))
         outputs = self._threads.run(calls, [(chunk, *args[1:]) for chunk in chunks], kwargs, devices, errors)
 
-        originals = self._metrics.merge(captures)
+        originals = self._metrics.merge()
         replay_logs(module, captures, sizes, devices[0], originals)
         saved = [call.saved_bytes for call in calls] if track_memory else []
         return ReplicaResult(combine_outputs(outputs, sizes, devices[0]), sizes, saved)

@@ -374,7 +374,7 @@ class MicroBatchRunner:
         values times their shares: the unsplit step's value (on each rank its share of the global
         mean, as ``global_mean`` returns it there); otherwise the mean by rows gives it.
         """
-        originals = self._metrics.merge(done.captures)
+        originals = self._metrics.merge()
         replay_logs(module, done.captures, done.sizes, self.strategy.root_device, originals, shares)
         output = combine_outputs(done.outputs, done.sizes, self.strategy.root_device)
         losses = [loss for loss in map(_loss_of, done.outputs) if loss is not None]

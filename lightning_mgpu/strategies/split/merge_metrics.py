@@ -33,7 +33,6 @@ from lightning_mgpu._compat.torchmetrics import (
     state_names,
     update_count,
 )
-from lightning_mgpu.strategies.split.logs import LogCapture
 
 __all__ = ["PartMetrics", "merge_in_order", "metric_paths", "replica_path"]
 
@@ -103,7 +102,7 @@ class PartMetrics:
 
         metrics.begin(module)
         metrics.put(replica, 0, device)  # or the module itself: a micro-batch, put_back after it
-        originals = metrics.merge(captures)  # id(copy) -> the module's metric
+        originals = metrics.merge()  # id(copy) -> the module's metric
     """
 
     def __init__(self) -> None:
@@ -145,11 +144,11 @@ class PartMetrics:
         """The parts run so far count for nothing (an attempt that failed)."""
         self._used = 0
 
-    def merge(self, captures: Sequence[LogCapture] = ()) -> dict[int, Metric]:
+    def merge(self) -> dict[int, Metric]:
         """Merge the copies used in this batch into the module's metrics.
 
-        A metric one of ``captures`` logged gets the whole batch's value as the one ``forward`` returned,
-        which Lightning logs on step.
+        Each metric a part updated gets the whole batch's value as the one ``forward`` returned, which
+        Lightning logs on step, whichever hook logs it (``training_step``, ``on_train_batch_end``, ...).
 
         Returns:
             ``id(copy) -> metric of the module`` for every copy used, to map a metric
@@ -160,9 +159,10 @@ class PartMetrics:
             used = copies[: self._used]
             merge_in_order(original, used)
             originals.update((id(c), original) for c in used)
-        logged = (originals.get(id(value)) for capture in captures for value, _ in capture.calls.values())
-        for original in {id(m): m for m in logged if m is not None}.values():
-            set_forward_cache(original, self._batch_value(original))
+        for original in {id(m): m for m in originals.values()}.values():
+            value = self._batch_value(original)
+            if value is not None:  # a copy that was updated
+                set_forward_cache(original, value)
         return originals
 
     def _batch_value(self, original: Metric) -> Any:

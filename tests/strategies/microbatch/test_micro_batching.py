@@ -123,6 +123,41 @@ def test_logs_metrics_and_hooks_see_the_whole_batch() -> None:
     assert max_difference(split.state_dict(), whole.state_dict()) < ATOL
 
 
+class LoggedAtBatchEnd(L.LightningModule):
+    """A metric updated in ``training_step`` and logged from ``on_train_batch_end``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 1)
+        self.mse = MeanSquaredError()
+        self.on_step: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self.net(x)
+        self.mse(out, y)
+        return F.mse_loss(out, y)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.log("batch_mse", self.mse, on_step=True, on_epoch=True)
+        self.on_step.append(self.mse._forward_cache.item())  # what Lightning logs on step
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_metric_logged_outside_the_step_gets_the_whole_batch_value(devices: int) -> None:
+    whole, split = LoggedAtBatchEnd(), LoggedAtBatchEnd()
+    expected = fit(whole, regression_data(20), 8, max_epochs=1).callback_metrics
+    logged = fit(split, regression_data(20), 8, devices, micro_batch_size=3, max_epochs=1).callback_metrics
+    assert len(whole.on_step) == 3
+    assert split.on_step == pytest.approx(whole.on_step, abs=ATOL)  # each batch's value, not a micro-batch's
+    for name in ("batch_mse_step", "batch_mse_epoch"):
+        torch.testing.assert_close(logged[name], expected[name], atol=ATOL, rtol=0, msg=name)
+
+
 @pytest.mark.parametrize("devices", [1, 2])
 def test_a_global_mean_loss_is_logged_and_returned_as_over_the_whole_batch(devices: int) -> None:
     seen = {}
