@@ -117,21 +117,24 @@ def wrong_type(path: str, value: Any, hint: Any) -> list[str]:
 
 
 def describe(hint: Any) -> str:
-    """What a config may give for ``hint``, in words; members no config value can be are left out.
+    """What a config may give for ``hint``, in words; members no config value can be are named as objects.
 
     Example::
 
         describe(typing.Union[int, float, None])  # 'an integer, a number or null'
     """
     words: list[str] = []
+    objects: list[str] = []  # what only Python code can give: a ClusterEnvironment, a Strategy object, ...
     for member in _union_members(hint):
         if typing.get_origin(member) is typing.Literal:  # deterministic: true, false or 'warn'
             found = [repr(arg) for arg in typing.get_args(member)]
         else:
             found = [_WORDS.get(typing.get_origin(member) or member, "")]
+            if not found[0]:
+                objects.append(getattr(member, "__name__", str(member)))
         words += [word for word in found if word and word not in words]
-    if not words:
-        return str(hint)
+    if objects:
+        words.append(f"a {' or '.join(objects)} object (given in Python code, not in a config)")
     return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
