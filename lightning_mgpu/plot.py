@@ -22,7 +22,7 @@ import logging
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +122,7 @@ def plot_memory(
 
         fig = plot_memory("lightning_logs/version_0", "memory.png")
     """
+    figure = _figures("plot_memory")
     series = read_memory_metrics(run_dir_or_metrics)
     if not series:
         raise ValueError(
@@ -139,7 +140,7 @@ def plot_memory(
     order = {name: i for i, name in enumerate(_DEFAULT_FIELDS)}
     panels = dict(sorted(panels.items(), key=lambda item: order.get(item[0], len(order))))
     log.debug("plot panels: %s", "; ".join(f"{name}: {', '.join(d)}" for name, d in panels.items()))
-    fig = _figure("plot_memory", 1.5 + 3.5 * len(panels))
+    fig = figure(1.5 + 3.5 * len(panels))
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
     for ax, (name, devices) in zip(axes, panels.items(), strict=True):
         _draw_panel(ax, series, name, devices)
@@ -159,13 +160,14 @@ def output_png(out_png: str | os.PathLike[str], name: str = "memory.png") -> Pat
     return out / name if out.is_dir() else out
 
 
-def _figure(caller: str, height: float) -> Any:
-    """A 9-inch-wide matplotlib ``Figure`` (pyplot stays untouched), or the error saying how to install it."""
+def _figures(caller: str) -> Callable[[float], Any]:
+    """What makes a 9-inch-wide matplotlib ``Figure`` of a given height (pyplot stays untouched), or the
+    error saying how to install matplotlib: asked first, before the data, so that the fix comes first."""
     try:
         from matplotlib.figure import Figure
     except ImportError as err:
         raise ImportError(f"{caller} needs matplotlib: pip install 'lightning-mgpu[plot]'") from err
-    return Figure(figsize=(9, height), layout="constrained")
+    return lambda height: Figure(figsize=(9, height), layout="constrained")
 
 
 def _saved(fig: Any, out: Path) -> Any:
@@ -223,11 +225,12 @@ def plot_time(summary: str | os.PathLike[str] | Mapping[str, Any], out_png: str 
 
         fig = plot_time("runs/digits-1/time_summary.json", "time.png")
     """
+    figure = _figures("plot_time")
     data = summary if isinstance(summary, Mapping) else _read_time_summary(Path(summary))
     ranks = list(data.get("ranks") or [])
     if not ranks:
         raise ValueError("the time summary holds no rank: no training batch ran under DeviceTimeMonitor")
-    fig = _figure("plot_time", 1.6 + 0.45 * len(ranks))
+    fig = figure(1.6 + 0.45 * len(ranks))
     ax = fig.subplots()
     labels = [f"rank {r['rank']} ({r['device']})" for r in ranks]
     left = [0.0] * len(ranks)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -11,7 +12,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mgpu import DeviceMemoryMonitor, plot_memory
+from lightning_mgpu import DeviceMemoryMonitor, plot_memory, plot_time
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -106,3 +107,14 @@ def test_each_quantity_gets_its_own_panel_and_scale(tmp_path: Path) -> None:
     assert saved.get_ylabel() == "KiB"
     assert list(saved.get_lines()[1].get_ydata()) == pytest.approx([0.15 * 1024] * 4)
     assert saved.get_ylim()[1] < 400  # on its own scale: the replicas do not lie flat on zero
+
+
+def test_without_matplotlib_the_install_hint_comes_before_any_data_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # what a venv without [plot] gives
+    with pytest.raises(ImportError, match=r"plot_memory needs matplotlib: pip install 'lightning-mgpu\[plot"):
+        plot_memory(tmp_path, tmp_path / "memory.png")  # a folder with no metrics at all
+    with pytest.raises(ImportError, match=r"plot_time needs matplotlib"):
+        plot_time(tmp_path / "time_summary.json", tmp_path / "time.png")  # no such file
+    assert list(tmp_path.iterdir()) == []
