@@ -240,11 +240,11 @@ class ArchiveCheck:
         first = damaged[0].archive
         where = "the file" if first.length is None else "the folder"
         if not damaged[0].crc:
-            end = first.start + (first.length or 0)
+            span = "" if first.length is None else f" at bytes {first.start:,}-{first.start + first.length:,}"
             return (
-                f"{first.path} is corrupt: {first.holds} at bytes {first.start:,}-{end:,} is no "
-                f"readable torch archive ({damaged[0].why}); copy {where} again from where it was written, "
-                "or use another checkpoint"
+                f"{first.path} is corrupt: {first.holds}{span} is no readable torch archive"
+                f" ({damaged[0].why}); copy {where} again from where it was written, or use another"
+                " checkpoint"
             )
         held: dict[int | None, list[str]] = {}  # a record's start -> the tensors whose storage it holds
         for key, value in tensors.items():

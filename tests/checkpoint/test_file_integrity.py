@@ -11,6 +11,7 @@ import safetensors.torch
 import torch
 
 from lightning_mgpu import export_state_dict, inspect_checkpoint, load_state_dict
+from lightning_mgpu.checkpoint._zip_check import Archive, ArchiveCheck
 from lightning_mgpu.cli.main import main
 from tests.checkpoint._models import net
 from tests.helpers import run_script
@@ -122,3 +123,13 @@ def test_a_flipped_bit_in_a_tensor_of_a_torch_file_is_named(
     assert main(["export", str(path), str(tmp_path / "w.safetensors")]) == 1
     assert "model.3.weight" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fit.ckpt"]
+
+
+def test_a_whole_file_that_is_no_archive_is_named_without_a_byte_span(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a zip archive " * 8)
+    with pytest.raises(ValueError, match="is corrupt: data is no readable torch archive") as info:
+        ArchiveCheck([Archive(bad)]).verify()
+    assert str(bad) in str(info.value)
+    assert "copy the file again from where it was written" in str(info.value)
+    assert "bytes" not in str(info.value)  # the whole file, not a span of it
