@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -143,12 +144,20 @@ def state_bytes(optimizers: list[torch.optim.Optimizer], device: torch.device) -
 
 
 def _stepped_once(opt: torch.optim.Optimizer, leaf_of: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
-    """A copy of ``opt`` over ``leaf_of``'s tensors, stepped once with zero gradients."""
+    """A copy of ``opt`` over ``leaf_of``'s tensors, stepped once with zero gradients (sparse ones for an
+    optimizer that takes only those, such as ``SparseAdam``)."""
     copy = copy_optimizer(opt, leaf_of)
-    for leaf in leaf_of.values():
-        if leaf.requires_grad:
-            leaf.grad = torch.zeros_like(leaf)
-    copy.step()
+    leaves = [leaf for leaf in leaf_of.values() if leaf.requires_grad]
+    for leaf in leaves:
+        leaf.grad = torch.zeros_like(leaf)
+    try:
+        copy.step()
+    except RuntimeError as err:
+        if "dense gradients" not in str(err) or leaves[0].device.type == "meta":
+            raise
+        for leaf in leaves:
+            leaf.grad = torch.zeros_like(leaf).to_sparse()
+        copy.step()
     return copy
 
 
@@ -168,19 +177,29 @@ def _stepped_on_meta(opt: torch.optim.Optimizer, dtype: torch.dtype | None, loca
     return state_bytes([copy], torch.device("meta")), later["peak"] - before
 
 
+_PROBE = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)  # a size of its own for each dimension
+
+
 def _per_parameter(opt: torch.optim.Optimizer, dtype: torch.dtype | None, local: bool) -> int:
-    """The state one step over one-element CPU copies of the parameters creates, at the parameters' sizes."""
+    """The state one step over small CPU copies of the parameters creates, scaled to the parameters' sizes.
+
+    Each copy has a size of its own in each dimension (2 x 3 for a matrix), so a state tensor's sizes say
+    which of its parameter's dimensions it keeps: a moment of the parameter's shape counts as the whole
+    parameter, a factored statistic (Adafactor's 2 x 1 rows, 1 x 3 columns) as the dimensions it keeps,
+    a size of 1 as 1.
+    """
     shapes = {id(p): meta_like(p, dtype, local) for group in opt.param_groups for p in group["params"]}
-    tiny = {}
+    small = {}
     for i, meta in shapes.items():
-        tiny[i] = torch.zeros([1] * meta.dim(), dtype=meta.dtype).requires_grad_(meta.requires_grad)
-    state = _stepped_once(opt, tiny).state
-    return sum(
-        shapes[i].numel() * t.element_size()
-        for i, leaf in tiny.items()
-        for t in tensors(state.get(leaf, {}))
-        if t.dim() > 0
-    )
+        small[i] = torch.zeros(_PROBE[: meta.dim()], dtype=meta.dtype).requires_grad_(meta.requires_grad)
+    state = _stepped_once(opt, small).state
+    total = 0
+    for i, leaf in small.items():
+        real = dict(zip(_PROBE, shapes[i].shape, strict=False))  # a probe size -> the parameter's own size
+        for t in tensors(state.get(leaf, {})):
+            if t.dim() > 0:
+                total += math.prod(real.get(size, size) for size in t.shape) * t.element_size()
+    return total
 
 
 def count_optimizer_state(
@@ -199,7 +218,7 @@ def count_optimizer_state(
       ones (a converting precision: ``bf16-true`` keeps the state in bfloat16 too), stepped once with
       zero gradients, and its state counted by ``state_bytes``; stepped again, what that step allocates
       beside the state is its ``step_temporaries``;
-    - where that step fails, the state a step over one-element CPU copies creates, at the parameters' sizes.
+    - where that step fails, the state a step over small CPU copies creates, scaled to the parameters' sizes.
 
     Args:
         module: The model (meta parameters count by their shape).

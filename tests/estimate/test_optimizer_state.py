@@ -70,6 +70,26 @@ def test_an_optimizer_that_cannot_step_on_meta_counts_by_its_class_known_state()
     assert counted.counted
 
 
+@pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="this torch has no Adafactor")
+def test_a_factored_state_that_cannot_step_on_meta_counts_what_a_real_step_keeps() -> None:
+    """Adafactor keeps a row and a column statistic per matrix, not moments of the weight's shape."""
+    model = stack()
+    counted = count_optimizer_state(model, optimizer=torch.optim.Adafactor(model.parameters()))
+    real = torch.optim.Adafactor(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    real.step()
+    kept = [t for state in real.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
+    assert counted.bytes == sum(t.numel() * t.element_size() for t in kept) == 2 * (64 + 64 + 64) * 4
+    assert "known state per parameter" in counted.note
+
+
+def test_an_optimizer_of_sparse_gradients_is_counted() -> None:
+    model = nn.Sequential(nn.Embedding(100, 16))  # 6.25 KiB of float32 weights
+    counted = count_optimizer_state(model, optimizer=torch.optim.SparseAdam(list(model.parameters())))
+    assert counted.bytes == 2 * 100 * 16 * 4  # two moments of the weight's shape
+    assert "SparseAdam's known state per parameter" in counted.note
+
+
 def test_what_cannot_be_counted_says_why() -> None:
     model = stack()
     lbfgs = count_optimizer_state(model, optimizer=torch.optim.LBFGS(model.parameters()))
