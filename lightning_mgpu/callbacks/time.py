@@ -126,7 +126,9 @@ class DeviceTimeMonitor(Callback):
         root = trainer.strategy.root_device
         # named as DeviceMemoryMonitor reads them: its devices, or its CPU process without replicas
         plan = plan_readings(trainer)
-        self._device = ",".join(p.label for p in plan if p.kind != "cpu" or len(plan) == 1)
+        labels = [p.label for p in plan if p.kind != "cpu" or len(plan) == 1]
+        # a device the memory monitor does not read (MPS, XPU, ...): named by its type and the rank
+        self._device = ",".join(labels) or f"{root.type}:rank{trainer.global_rank}"
         self._cuda = root.type == "cuda"
         self._window, self._pending, self._batches, self.totals = RankTime(0, self._device), [], 0, []
         self._release_group()  # a fit that ended in an error left its group

@@ -222,7 +222,13 @@ class ProcessGroupServices(StrategyMixin):
         visible there, so this trainer's connector gets the shuffle its loader had.
         """
         connector = data_connector(trainer)
-        original = getattr(type(connector), PREPARE_DATALOADER)
+        original = getattr(type(connector), PREPARE_DATALOADER, None)
+        if original is None:  # a Lightning above the versions checked (2.4-2.6) that renamed it
+            rank_zero_warn(
+                f"{self.strategy_name}: this Lightning version has no `{PREPARE_DATALOADER}`; the training"
+                " sampler shuffles even if the DataLoader did not"
+            )
+            return
         if PREPARE_DATALOADER in vars(connector):
             return  # installed by an earlier fit/validate/test of this trainer
 

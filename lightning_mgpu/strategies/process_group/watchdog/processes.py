@@ -71,7 +71,8 @@ def stat_fields(path: str) -> list[str] | None:
     except OSError:
         return None
     # the command name may contain spaces and parentheses; the fields follow the last ")"
-    return stat.rsplit(")", 1)[1].split()
+    _, closing, fields = stat.rpartition(")")
+    return fields.split() if closing else None  # an empty read: the process ended meanwhile
 
 
 def start_time(pid: int) -> str | None:
