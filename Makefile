@@ -1,5 +1,5 @@
 # make demo  -- build .venv, install the project, train the digits recipe on all local devices
-# make test  -- build .venv with the test extras, lint, run the whole suite
+# make test  -- build .venv with the test extras, lint, run the whole suite (two workers; WORKERS=0: one)
 # make test-fast -- the edit loop: the suite without the tests that start processes or are slow
 #                   (markers `processes`, set by tests/conftest.py, and `slow`), no lint; under 2 minutes
 # make test-slurm -- the SLURM tests: a one-node cluster started for them (root; apt installs slurm-wlm)
@@ -63,8 +63,13 @@ format: test-venv
 	$(BIN)/ruff format lightning_mgpu recipes tests benchmarks notebooks
 	$(BIN)/ruff check --fix lightning_mgpu recipes tests benchmarks notebooks
 
+# two workers, each test file on one (its module fixtures run once): the suite alone keeps about one of two
+# cores busy, its multi-process tests waiting on heartbeats and timeouts; WORKERS=0 runs it in this process
+WORKERS ?= 2
+XDIST := $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadfile)
+
 test: lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # this -m replaces pyproject's `-m 'not slurm'`, so it leaves slurm out itself
 test-fast: test-venv

@@ -76,7 +76,8 @@ build_venv() {  # NAME: its venv from nothing; the seconds it took go to $COMPAT
     "$UV" pip install -q --python "$venv/bin/python" --resolution "$resolution" -e ".[plot,recipes]" "${pins[@]}" ||
         return 1
     # test tools: newest; setuptools for pip's offline --no-build-isolation check of this project
-    "$UV" pip install -q --python "$venv/bin/python" "pytest>=8" "pytest-timeout>=2.2" "setuptools>=77" || return 1
+    "$UV" pip install -q --python "$venv/bin/python" "pytest>=8" "pytest-timeout>=2.2" "pytest-xdist>=3.5" \
+        "setuptools>=77" || return 1
     echo $(($(date +%s) - start)) >"$venv.built"
 }
 
@@ -111,7 +112,8 @@ print(f"Python {platform.python_version()}", *(f"{n} {m.version(n)}" for n in na
     echo "== test-compat $name: $versions (venv built in ${built}s)"
     start=$(date +%s)
     read -r -a subset <<<"$(subset_for "$name" | tr '\n' ' ')"
-    if "$venv/bin/python" -m pytest -p no:cacheprovider -q --disable-warnings "${subset[@]}"; then
+    # two workers, a file each, as make test runs them
+    if "$venv/bin/python" -m pytest -p no:cacheprovider -q --disable-warnings -n 2 --dist loadfile "${subset[@]}"; then
         status=passed
         rm -rf "$venv"
     else
