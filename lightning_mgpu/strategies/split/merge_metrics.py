@@ -159,20 +159,11 @@ class PartMetrics:
             used = copies[: self._used]
             merge_in_order(original, used)
             originals.update((id(c), original) for c in used)
-        for original in {id(m): m for m in originals.values()}.values():
-            value = self._batch_value(original)
-            if value is not None:  # a copy that was updated
-                set_forward_cache(original, value)
+            if used:  # the whole batch's value: the copies merged into the first, as one forward gives it
+                merge_in_order(used[0], used[1:])
+                if update_count(used[0]):
+                    set_forward_cache(original, used[0].compute())
         return originals
-
-    def _batch_value(self, original: Metric) -> Any:
-        """The metric's value over the whole batch, as one device's ``forward`` gives it; ``None``: unused."""
-        for metric, copies in self._copies.values():
-            if metric is original and self._used:
-                head, rest = copies[0], copies[1 : self._used]
-                merge_in_order(head, rest)
-                return head.compute() if update_count(head) else None
-        return None
 
     def clear(self) -> None:
         """Drop every copy (the run ended)."""
