@@ -26,13 +26,27 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+
+from typing_extensions import Self
 
 __all__ = ["Beat", "Judge", "RankInfo", "Suspect", "Verdict", "finished_early", "left_behind"]
 
 
+class _JsonRecord:
+    """A frozen dataclass as the store carries it: a JSON object of its fields (lists read back as tuples)."""
+
+    def to_json(self) -> str:
+        return json.dumps(vars(self))
+
+    @classmethod
+    def from_json(cls, text: bytes | str) -> Self:
+        fields = json.loads(text)
+        return cls(**{name: tuple(v) if isinstance(v, list) else v for name, v in fields.items()})
+
+
 @dataclass(frozen=True)
-class Verdict:
+class Verdict(_JsonRecord):
     """Why the run must stop, as every rank reports it."""
 
     message: str
@@ -61,14 +75,6 @@ class Verdict:
         # the run was failing already (a rank died): this traceback is the only one
         return f"[rank {rank}] failed with {error}, after {self.message}", True
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: bytes | str) -> Verdict:
-        data = json.loads(text)
-        return cls(data["message"], tuple(data["stuck"]), tuple(data["dead"]), data["origin"])
-
 
 @dataclass(frozen=True)
 class Suspect:
@@ -88,7 +94,7 @@ class Suspect:
 
 
 @dataclass(frozen=True)
-class RankInfo:
+class RankInfo(_JsonRecord):
     """Where one rank runs."""
 
     rank: int
@@ -99,13 +105,6 @@ class RankInfo:
     local_rank: int
     device: str
     device_name: str
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: bytes | str) -> RankInfo:
-        return cls(**json.loads(text))
 
     @property
     def where(self) -> str:
