@@ -34,27 +34,22 @@ from lightning_mgpu.estimate.optimizer_state import copy_optimizer, module_optim
 __all__ = ["measure_steps"]
 
 
-def _training_step(module: nn.Module, batch: Any) -> Any:
-    return module.training_step(batch, 0)  # type: ignore[operator]
-
-
-def _predict_step(module: nn.Module, batch: Any) -> Any:
-    return module.predict_step(batch, 0)  # type: ignore[operator]
+def _lightning_step(hook: str, module: nn.Module, batch: Any) -> Any:
+    return getattr(module, hook)(batch, 0)
 
 
 def _resolve_step(module: nn.Module, step_fn: Callable[[nn.Module, Any], Any] | None, inference: bool) -> Any:
     if step_fn is not None:
         return step_fn
-    if inference:
-        return _predict_step if hasattr(module, "predict_step") else forward_step
-    if hasattr(module, "training_step"):
-        if getattr(module, "automatic_optimization", True) is False:
-            raise ValueError(
-                f"{type(module).__name__} uses manual optimization, so its training_step does not return a"
-                " loss: pass step_fn=lambda module, batch: <loss> to estimate_memory"
-            )
-        return _training_step
-    return forward_step
+    hook = "predict_step" if inference else "training_step"
+    if not hasattr(module, hook):
+        return forward_step
+    if not inference and getattr(module, "automatic_optimization", True) is False:
+        raise ValueError(
+            f"{type(module).__name__} uses manual optimization, so its training_step does not return a"
+            " loss: pass step_fn=lambda module, batch: <loss> to estimate_memory"
+        )
+    return functools.partial(_lightning_step, hook)
 
 
 def _resolve_optimizers(
@@ -82,18 +77,6 @@ def _loss_of(out: Any) -> torch.Tensor:
     return out if out.numel() == 1 else out.sum()
 
 
-def _inference(call: Callable[[Any], Any], batch: Any, tracker: LiveBytes) -> dict[str, int]:
-    with tracker.phase() as forward:
-        out = call(batch)
-    return {
-        "forward_backward": forward["peak"],
-        "optimizer_step": 0,
-        "saved": 0,
-        "outputs": unique_bytes(tensors(out), min_dim=1),
-        "batch": unique_bytes(tensors(batch)),
-    }
-
-
 def _step(
     call: Callable[[Any], Any],
     batch: Any,
@@ -101,24 +84,27 @@ def _step(
     leaves: list[torch.Tensor],
     tracker: LiveBytes,
     static: list[torch.Tensor],
+    inference: bool,
 ) -> dict[str, int]:
+    """One step's peaks and bytes; under ``inference`` (and ``torch.no_grad()``) the forward alone."""
     saved = SavedBytes(static + tensors(batch))
     with tracker.phase() as forward_backward:
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             out = call(batch)
-        loss = _loss_of(out)
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        for leaf in leaves:
-            leaf.grad = None
-        loss.backward()
-        del loss
+        if not inference:
+            loss = _loss_of(out)
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            for leaf in leaves:
+                leaf.grad = None
+            loss.backward()
+            del loss
     with tracker.phase() as step:
         for opt in optimizers:
             opt.step()
     return {
         "forward_backward": forward_backward["peak"],
-        "optimizer_step": step["peak"],
+        "optimizer_step": 0 if inference else step["peak"],
         "saved": saved.total,
         "outputs": unique_bytes(tensors(out), min_dim=1),
         "batch": unique_bytes(tensors(batch)),
@@ -156,12 +142,15 @@ def measure_steps(
     # state some optimizers create when built (Adagrad's sums), before the counter started
     tracker.track_all([t for o in optimizers for state in o.state.values() for t in tensors(state)])
     trainable = [p for p in params.values() if p.requires_grad]
-    if inference:
-        run: Callable[[Any], dict[str, int]] = functools.partial(_inference, call, tracker=tracker)
-    else:
-        run = functools.partial(
-            _step, call, optimizers=optimizers, leaves=trainable, tracker=tracker, static=static
-        )
+    run = functools.partial(
+        _step,
+        call,
+        optimizers=optimizers,
+        leaves=trainable,
+        tracker=tracker,
+        static=static,
+        inference=inference,
+    )
     was_training = module.training
     module.train(not inference)
     no_grad = torch.no_grad() if inference else contextlib.nullcontext()
