@@ -24,6 +24,7 @@ store) is gone would abort the process the same way.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import threading
@@ -38,8 +39,6 @@ log = logging.getLogger(__name__)
 
 SETTLE_SECONDS = 0.5
 """The longest the exit waits for other threads to stop running (they take milliseconds when idle)."""
-
-_REGISTERED = False
 
 
 def _runnable_threads() -> int:
@@ -66,12 +65,9 @@ def _destroy_then_settle() -> None:
     _let_threads_settle()
 
 
+@functools.cache  # registered once per process
 def destroy_at_exit() -> None:
     """Destroy the default process group (if one exists then) when the interpreter exits, then let
     the threads that still hold Python objects release them; once."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    _REGISTERED = True
     atexit.register(_destroy_then_settle)
     log.debug("the process group is destroyed at exit")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -374,12 +375,7 @@ class Watchdog:
             time.sleep(2 * (GRACE + DEAD_AFTER))  # the watchdog's os._exit, or the switch's, ends it
 
 
-_WATCHDOG: Watchdog | None = None
-
-
+@functools.cache
 def watchdog() -> Watchdog:
     """This process's watchdog (one per process: signals and ``os._exit`` are per process)."""
-    global _WATCHDOG
-    if _WATCHDOG is None:
-        _WATCHDOG = Watchdog()
-    return _WATCHDOG
+    return Watchdog()
