@@ -31,8 +31,6 @@ __all__ = [
     "LockstepError",
     "ReplicaAborted",
     "manual_optimization_hooks",
-    "raise_first",
-    "record_exit",
 ]
 
 
@@ -51,77 +49,86 @@ class ReplicaAborted(RuntimeError):
 
 
 class Lockstep:
-    """A rendezvous of ``size`` replica threads; the last to arrive runs the shared action."""
+    """A rendezvous of ``size`` replica threads (a ``threading.Barrier``): the last to arrive acts for all.
+
+    It also keeps how each replica's step ended (``exit``), to raise the error that matters (``raise_first``).
+    """
 
     def __init__(self, size: int) -> None:
-        self._size = size
-        self._cond = threading.Condition()
-        self._arrived: dict[int, tuple[str, Any]] = {}
-        self._generation = 0
+        self._barrier = threading.Barrier(size, action=self._act)
+        self._lock = threading.Lock()
+        self._arrived: dict[int, tuple[str, Any, Callable[[list[Any]], Any]]] = {}
         self._result: Any = None
         self._error: BaseException | None = None
         self._finished: set[int] = set()
+        self.errors: list[BaseException | None] = [None] * size
+        """How each replica's step ended: its exception, or ``None``."""
 
     def _fail(self, error: BaseException) -> None:
-        if self._error is None:
-            self._error = error
-        self._cond.notify_all()
+        with self._lock:
+            self._error = self._error or error
+        self._barrier.abort()  # the replicas waiting in ``run`` stop
 
     def run(self, index: int, label: str, value: Any, action: Callable[[list[Any]], Any]) -> Any:
         """Let all replicas reach ``label``, run ``action`` once on their values, return its result."""
-        with self._cond:
-            if self._error is not None:
-                raise ReplicaAborted(f"replica {index} stopped: another replica failed") from self._error
-            if self._finished:
-                error = LockstepError(
-                    f"replica {index} calls `{label}` but replica(s) {sorted(self._finished)} already"
-                    f" returned from training_step. {_SAME_CALLS}"
+        with self._lock:
+            error, finished = self._error, sorted(self._finished)
+            if error is None and not finished:
+                self._arrived[index] = (label, value, action)
+        if error is not None:
+            raise ReplicaAborted(f"replica {index} stopped: another replica failed") from error
+        if finished:
+            error = LockstepError(
+                f"replica {index} calls `{label}` but replica(s) {finished} already"
+                f" returned from training_step. {_SAME_CALLS}"
+            )
+            self._fail(error)
+            raise error
+        try:
+            self._barrier.wait()
+        except threading.BrokenBarrierError:
+            raise ReplicaAborted(f"replica {index} stopped while waiting in `{label}`") from self._error
+        return self._result
+
+    def _act(self) -> None:
+        """In the last replica to arrive, the others waiting: the action they all called, once."""
+        arrived, self._arrived = self._arrived, {}
+        labels = {i: arrived[i][0] for i in sorted(arrived)}
+        try:
+            if len(set(labels.values())) > 1:
+                raise LockstepError(
+                    f"replicas called different actions at the same point of training_step: {labels}."
+                    " Under mgpu_dp every replica must run the same manual-optimization calls"
+                    " in the same order."
                 )
-                self._fail(error)
-                raise error
-            self._arrived[index] = (label, value)
-            if len(self._arrived) == self._size:
-                labels = {i: lab for i, (lab, _) in self._arrived.items()}
-                if len(set(labels.values())) > 1:
-                    error = LockstepError(
-                        f"replicas called different actions at the same point of training_step: {labels}."
-                        " Under mgpu_dp every replica must run the same manual-optimization calls"
-                        " in the same order."
-                    )
-                    self._fail(error)
-                    raise error
-                values = [self._arrived[i][1] for i in range(self._size)]
-                self._arrived = {}
-                try:
-                    self._result = action(values)
-                except BaseException as err:
-                    self._fail(err)
-                    raise
-                self._generation += 1
-                self._cond.notify_all()
-                return self._result
-            generation = self._generation
-            while self._generation == generation and self._error is None:
-                self._cond.wait()
-            if self._generation == generation:
-                raise ReplicaAborted(f"replica {index} stopped while waiting in `{label}`") from self._error
-            return self._result
+            self._result = arrived[0][2]([arrived[i][1] for i in sorted(arrived)])
+        except BaseException as error:  # raised in this replica; the barrier breaks for the others
+            self._error = self._error or error
+            raise
 
     def exit(self, index: int, error: BaseException | None) -> None:
         """Called when a replica's step ends, with its exception if it raised one."""
-        with self._cond:
-            if error is not None:
-                self._fail(error)
-                return
+        self.errors[index] = error
+        if error is not None:
+            self._fail(error)
+            return
+        with self._lock:
             self._finished.add(index)
-            if self._arrived:
-                waiting = {i: lab for i, (lab, _) in self._arrived.items()}
-                self._fail(
-                    LockstepError(
-                        f"replica {index} returned from training_step while replica(s) wait in {waiting}."
-                        f" {_SAME_CALLS}"
-                    )
+            waiting = {i: self._arrived[i][0] for i in sorted(self._arrived)}
+        if waiting:
+            self._fail(
+                LockstepError(
+                    f"replica {index} returned from training_step while replica(s) wait in {waiting}."
+                    f" {_SAME_CALLS}"
                 )
+            )
+
+    def raise_first(self) -> None:
+        """Raise the error that stopped the step: a replica's own before those it caused in the others."""
+        real = [e for e in self.errors if e is not None and not isinstance(e, ReplicaAborted)]
+        aborted = [e for e in self.errors if e is not None]
+        if real or aborted:
+            raise (real or aborted)[0]
 
 
 class _Shared:
@@ -145,11 +152,11 @@ class _SharedOptimizer(_Shared):
 
     def __init__(
         self,
-        module: LightningModule,
         optimizer: Any,
         lockstep: Lockstep,
         index: int,
         label: str,
+        module: LightningModule,
         after_step: Callable[[], None],
     ) -> None:
         if isinstance(getattr(optimizer, "optimizer", optimizer), torch.optim.LBFGS):
@@ -220,61 +227,31 @@ def manual_optimization_hooks(
 
         lockstep.run(index, "manual_backward", loss, backward)
 
+    def each(given: Any, shared: Callable[..., _Shared], label: str, *extra: Any) -> Any:
+        """``given`` (one, a list, or ``None``) as ``shared`` stand-ins, each labelled for errors."""
+        if isinstance(given, list):
+            return [shared(item, lockstep, index, f"{label}[{i}]", *extra) for i, item in enumerate(given)]
+        return None if given is None else shared(given, lockstep, index, label, *extra)
+
     def wrap_optimizers(use_pl_optimizer: bool = True) -> Any:
-        opts = module.optimizers(use_pl_optimizer)
-        if isinstance(opts, list):
-            return [
-                _SharedOptimizer(module, o, lockstep, index, f"optimizer[{i}]", after_step)
-                for i, o in enumerate(opts)
-            ]
-        return _SharedOptimizer(module, opts, lockstep, index, "optimizer", after_step)
+        return each(module.optimizers(use_pl_optimizer), _SharedOptimizer, "optimizer", module, after_step)
 
     def wrap_schedulers() -> Any:
-        schedulers = module.lr_schedulers()
-        if schedulers is None:
-            return None
-        if isinstance(schedulers, list):
-            return [
-                _SharedScheduler(s, lockstep, index, f"lr_scheduler[{i}]") for i, s in enumerate(schedulers)
-            ]
-        return _SharedScheduler(schedulers, lockstep, index, "lr_scheduler")
+        return each(module.lr_schedulers(), _SharedScheduler, "lr_scheduler")
 
-    def once(label: str, action: Callable[..., Any], optimizer: Any, *args: Any, **kwargs: Any) -> None:
-        lockstep.run(index, label, None, lambda _: action(_unwrap(optimizer), *args, **kwargs))
+    def once(name: str) -> Callable[..., None]:
+        """``module.<name>(optimizer, ...)`` run once for all replicas, on the optimizer itself."""
+        action = getattr(module, name)
 
-    def clip_gradients(optimizer: Any, *args: Any, **kwargs: Any) -> None:
-        once("clip_gradients", module.clip_gradients, optimizer, *args, **kwargs)
+        def call(optimizer: Any, *args: Any, **kwargs: Any) -> None:
+            lockstep.run(index, name, None, lambda _: action(_unwrap(optimizer), *args, **kwargs))
 
-    def toggle_optimizer(optimizer: Any) -> None:
-        once("toggle_optimizer", module.toggle_optimizer, optimizer)
+        return call
 
-    def untoggle_optimizer(optimizer: Any) -> None:
-        once("untoggle_optimizer", module.untoggle_optimizer, optimizer)
-
+    shared = ("clip_gradients", "toggle_optimizer", "untoggle_optimizer")
     return {
         "manual_backward": manual_backward,
         "optimizers": wrap_optimizers,
         "lr_schedulers": wrap_schedulers,
-        "clip_gradients": clip_gradients,
-        "toggle_optimizer": toggle_optimizer,
-        "untoggle_optimizer": untoggle_optimizer,
+        **{name: once(name) for name in shared},
     }
-
-
-def record_exit(
-    errors: list[BaseException | None], index: int, lockstep: Lockstep | None, error: BaseException | None
-) -> None:
-    """Note how replica ``index`` ended, and tell the other replicas of the step."""
-    errors[index] = error
-    if lockstep is not None:
-        lockstep.exit(index, error)
-
-
-def raise_first(errors: list[BaseException | None]) -> None:
-    """Raise the error that stopped the step: a replica's own error before those it caused in the others."""
-    real = [e for e in errors if e is not None and not isinstance(e, ReplicaAborted)]
-    if real:
-        raise real[0]
-    aborted = [e for e in errors if e is not None]
-    if aborted:
-        raise aborted[0]

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_mgpu._words import counted
 from lightning_mgpu.losses import replica_step_context
-from lightning_mgpu.strategies.dp.lockstep import Lockstep, manual_optimization_hooks, record_exit
+from lightning_mgpu.strategies.dp.lockstep import Lockstep, manual_optimization_hooks
 from lightning_mgpu.strategies.dp.replicas import (
     ReplicaCall,
     compiled_submodules,
@@ -126,20 +126,21 @@ class ReplicaStep:
             functools.partial(refresh_parameters, module, replicas) if manual and copies else lambda: None
         )
         captures = [LogCapture() for _ in sizes]
-        errors: list[BaseException | None] = [None] * len(sizes)
         calls = []
         for index, (replica, device, capture) in enumerate(zip(replicas, devices, captures, strict=True)):
             hooks: dict[str, Callable[..., Any]] = {"log": capture.log}
             if manual:
                 hooks.update(manual_optimization_hooks(module, lockstep, index, sizes, after_step))
             prepare_replica(replica, device, hooks)
-            on_exit = functools.partial(record_exit, errors, index, lockstep)
+            on_exit = functools.partial(lockstep.exit, index)
             context = replica_step_context(step_context, index, sizes, lockstep.run)
             calls.append(ReplicaCall(replica, method, context, track_memory, on_exit))
 
         if self._threads is None:
             self._threads = ReplicaThreads(len(all_devices))
-        outputs = self._threads.run(calls, [(chunk, *args[1:]) for chunk in chunks], kwargs, devices, errors)
+        outputs = self._threads.run(
+            calls, [(chunk, *args[1:]) for chunk in chunks], kwargs, devices, lockstep
+        )
 
         originals = self._metrics.merge()
         replay_logs(module, captures, sizes, devices[0], originals)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lightning_mgpu.strategies.dp.lockstep import raise_first
+from lightning_mgpu.strategies.dp.lockstep import Lockstep
 from lightning_mgpu.strategies.dp.replicas import ReplicaCall
 
 __all__ = ["ReplicaThreads"]
@@ -39,7 +39,7 @@ class ReplicaThreads:
     Example::
 
         threads = ReplicaThreads(2)
-        outputs = threads.run(calls, inputs, {}, devices, errors)
+        outputs = threads.run(calls, inputs, {}, devices, lockstep)
         threads.close()
     """
 
@@ -53,12 +53,12 @@ class ReplicaThreads:
         inputs: list[tuple[Any, ...]],
         kwargs: dict[str, Any],
         devices: Sequence[torch.device],
-        errors: list[BaseException | None],
+        lockstep: Lockstep,
     ) -> list[Any]:
         """Each ``calls[i](*inputs[i], **kwargs)`` on ``devices[i]``; their results in replica order.
 
         Raises:
-            BaseException: the first replica's own error (see ``lockstep.raise_first``).
+            BaseException: the first replica's own error (see ``Lockstep.raise_first``).
         """
         if devices[0].type == "cuda":
             from torch.nn.parallel import parallel_apply
@@ -66,7 +66,7 @@ class ReplicaThreads:
             try:
                 return parallel_apply(calls, inputs, [kwargs] * len(calls), list(devices))  # type: ignore[arg-type]
             except Exception:
-                raise_first(errors)
+                lockstep.raise_first()
                 raise
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=max(1, self._size - 1), thread_name_prefix="mgpu_dp")
@@ -85,7 +85,7 @@ class ReplicaThreads:
                 self._pool.submit(call, *inp, **kwargs)
                 for call, inp in zip(calls[1:], inputs[1:], strict=True)
             ]
-            # a replica's exception is recorded in `errors`: wait for all, then raise the one that matters
+            # a replica's exception is recorded in `lockstep`: wait for all, then raise the one that matters
             first = None
             with contextlib.suppress(Exception):
                 first = calls[0](*inputs[0], **kwargs)
@@ -93,7 +93,7 @@ class ReplicaThreads:
         finally:
             if _OPENMP:
                 torch.set_num_threads(threads)
-        raise_first(errors)
+        lockstep.raise_first()
         return [first, *(future.result() for future in futures)]
 
     def close(self) -> None:
