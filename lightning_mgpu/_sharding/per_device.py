@@ -24,8 +24,8 @@ from lightning_mgpu._sharding.plan import ShardingPlan
 __all__ = [
     "ShardedNeed",
     "fewest_devices",
+    "parameter_and_gradient_bytes",
     "parameter_rows",
-    "shard_bytes",
     "shard_share",
     "sharded_need",
     "unit_bytes",
@@ -126,30 +126,31 @@ def parameter_rows(module: nn.Module, dtype: torch.dtype | None = None) -> tuple
         dtype: The dtype floating-point parameters are kept in (``"bf16-true"``: bfloat16);
             ``None`` for their own.
     """
-    params = {id(p): p for p in module.parameters()}.values()
     out = []
-    for p in params:
+    for p in module.parameters():  # each once: tied weights are listed once
         size = dtype.itemsize if dtype is not None and p.is_floating_point() else p.element_size()
         rows = p.shape[0] if p.dim() else 1
         out.append((rows, p.numel() // rows * size if rows else 0))
     return tuple(out)
 
 
-def shard_bytes(rows: Iterable[tuple[int, int]], world: int) -> int:
-    """Bytes of the fullest rank's shards of parameters given by ``parameter_rows``, padding included.
-
-    FSDP2 splits each parameter's dim 0 into ``world`` chunks of ``ceil(rows / world)`` rows
-    (the last padded), so a 33-row weight over 2 ranks takes 17 rows on each.
-    """
-    return sum(math.ceil(n / world) * row for n, row in rows)
+def parameter_and_gradient_bytes(module: nn.Module, rows: Iterable[tuple[int, int]]) -> tuple[int, int]:
+    """Bytes of the parameters given by ``parameter_rows(module)``, and of the trained ones' gradients."""
+    sizes = [n * row for n, row in rows]
+    trained = [p.requires_grad for p in module.parameters()]
+    return sum(sizes), sum(size for size, trains in zip(sizes, trained, strict=True) if trains)
 
 
 def shard_share(rows: Iterable[tuple[int, int]], world: int) -> float:
     """The fullest rank's share of the parameters given by ``parameter_rows``, padding included (``1/world``
-    without rows): gradients and optimizer state are sharded like their parameters, so the same share."""
+    without rows): gradients and optimizer state are sharded like their parameters, so the same share.
+
+    FSDP2 splits each parameter's dim 0 into ``world`` chunks of ``ceil(rows / world)`` rows
+    (the last padded), so a 33-row weight over 2 ranks takes 17 rows on each.
+    """
     rows = tuple(rows)
     whole = sum(n * row for n, row in rows)
-    return shard_bytes(rows, world) / whole if whole else 1 / world
+    return sum(math.ceil(n / world) * row for n, row in rows) / whole if whole else 1 / world
 
 
 def sharded_need(
@@ -177,10 +178,7 @@ def sharded_need(
             (``optimizer_state.count_optimizer_state``), sharded like the parameters.
     """
     rows = parameter_rows(module, param_dtype)
-    params = {id(p): p for p in module.parameters()}.values()
-    parameters = sum(n * row for n, row in rows)
-    # a frozen parameter has no gradient
-    gradients = sum(n * row for (n, row), p in zip(rows, params, strict=True) if p.requires_grad)
+    parameters, gradients = parameter_and_gradient_bytes(module, rows)  # a frozen parameter has no gradient
     units = unit_bytes(module, plan, gather_itemsize)
     return ShardedNeed(
         state=parameters + gradients + optimizer_state,

@@ -38,15 +38,16 @@ import torch
 from torch import nn
 
 from lightning_mgpu._compat.lightning import convert_precision_to_unified_args
-from lightning_mgpu._sharding.per_device import parameter_rows, unit_bytes
+from lightning_mgpu._sharding.per_device import parameter_and_gradient_bytes, parameter_rows, unit_bytes
 from lightning_mgpu._sharding.plan import BlockClasses, plan_sharding
 from lightning_mgpu.devices import cuda_devices, parse_bytes
+from lightning_mgpu.estimate.measuring import meta_like
 from lightning_mgpu.estimate.memory_estimate import STRATEGIES, MemoryEstimate
 from lightning_mgpu.estimate.optimizer_state import OptimizerState
 from lightning_mgpu.estimate.steps import measure_steps
 from lightning_mgpu.precision import PRECISIONS, precision_names
 
-__all__ = ["STRATEGIES", "MemoryEstimate", "estimate_memory", "model_state_estimate"]
+__all__ = ["STRATEGIES", "MemoryEstimate", "device_memory_of", "estimate_memory", "model_state_estimate"]
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ def estimate_memory(
     if measure_on not in ("auto", "meta", "cpu"):
         raise ValueError(f"measure_on must be 'auto', 'meta' or 'cpu', got {measure_on!r}")
     precision_name = _precision_name(precision)
-    memory = parse_bytes(device_memory) if device_memory is not None else _smallest_cuda_device()
+    memory = device_memory_of(device_memory, "cuda")
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     dtypes = PRECISIONS[precision_name]
@@ -215,15 +216,10 @@ def model_state_estimate(
     converted = PRECISIONS[name].parameters
     param_dtype = getattr(torch, converted) if converted else None
 
-    def size(t: torch.Tensor) -> int:
-        itemsize = param_dtype.itemsize if param_dtype is not None and t.is_floating_point() else None
-        return t.numel() * (itemsize or t.element_size())
-
-    params = list(module.parameters())
-    parameters, buffers = sum(map(size, params)), sum(map(size, module.buffers()))
-    gradients = sum(size(p) for p in params if p.requires_grad)
-    held = parameters + buffers + gradients + state.bytes
     rows, units = _sharding(module, param_dtype, name, block_classes)
+    parameters, gradients = parameter_and_gradient_bytes(module, rows)
+    buffers = sum(meta_like(b, param_dtype).nbytes for b in module.buffers())
+    held = parameters + buffers + gradients + state.bytes
     return MemoryEstimate(
         model=type(module).__name__,
         batch_size=1,
@@ -260,6 +256,9 @@ def _sharding(
     return parameter_rows(module, param_dtype), tuple(unit_bytes(module, plan, itemsize))
 
 
-def _smallest_cuda_device() -> int | None:
-    totals = [d.total_bytes for d in cuda_devices() if d.total_bytes]
+def device_memory_of(device_memory: int | str | None, device_type: str) -> int | None:
+    """``device_memory`` in bytes; without it the smallest CUDA device's on CUDA, else ``None``."""
+    if device_memory is not None:
+        return parse_bytes(device_memory)
+    totals = [d.total_bytes for d in cuda_devices() if d.total_bytes] if device_type == "cuda" else []
     return min(totals) if totals else None

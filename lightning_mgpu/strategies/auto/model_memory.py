@@ -20,14 +20,13 @@ from typing import Any
 import torch
 
 from lightning_mgpu._words import counted
-from lightning_mgpu.devices import cuda_devices, format_bytes, parse_bytes
+from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.estimate.optimizer_state import OptimizerState
 from lightning_mgpu.estimate.predict import model_state_estimate
 from lightning_mgpu.strategies.fsdp.need import count_state
 
 __all__ = [
     "ModelMemory",
-    "device_memory_of",
     "fitting_reason",
     "model_memory",
     "sharding_reason",
@@ -156,11 +155,3 @@ def shortfall_reason(memory: ModelMemory) -> str:
         f" {counted(memory.world, 'process', 'processes')} with {_sharded_peak(memory)} ({_on_top(memory)});"
         f" {fix}"
     )
-
-
-def device_memory_of(device_memory: int | str | None, device_type: str) -> int | None:
-    """``device_memory`` in bytes; without it the smallest CUDA device's on CUDA, else ``None``."""
-    if device_memory is not None:
-        return parse_bytes(device_memory)
-    totals = [d.total_bytes for d in cuda_devices() if d.total_bytes] if device_type == "cuda" else []
-    return min(totals) if totals else None
