@@ -170,24 +170,21 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def read_chunk(file: BinaryIO, path: Path, layout: Layout, into: torch.Tensor | None = None) -> torch.Tensor:
-    """The chunk's values, read from ``file`` (at ``path``): into ``into`` if given, else a new tensor.
+def read_chunk(file: BinaryIO, path: Path, layout: Layout, into: torch.Tensor) -> None:
+    """Read the chunk's values from ``file`` (at ``path``) into ``into``.
 
     Raises:
         ValueError: the file ended before the values did (it changed since it was checked).
     """
     contiguous = torch.empty_strided(layout.shape, layout.stride, device="meta").is_contiguous()
-    if into is not None and into.is_contiguous() and contiguous and not layout.swap:
+    if into.is_contiguous() and contiguous and not layout.swap:
         _read_into(file, path, layout, into.reshape(-1).view(torch.uint8))
-        return into
+        return
     raw = torch.empty(layout.nbytes, dtype=torch.uint8)
     _read_into(file, path, layout, raw)
     if layout.swap:
         raw.untyped_storage().byteswap(layout.dtype)
-    values = raw.view(layout.dtype).as_strided(layout.shape, layout.stride)
-    if into is None:
-        return values
-    return into.copy_(values)
+    into.copy_(raw.view(layout.dtype).as_strided(layout.shape, layout.stride))
 
 
 def _read_into(file: BinaryIO, path: Path, layout: Layout, buffer: torch.Tensor) -> None:

@@ -88,17 +88,14 @@ class StoredRecord:
     compressed: int | None = None
 
 
-def stored_records(file: BinaryIO, start: int = 0, length: int | None = None) -> list[StoredRecord]:
+def stored_records(file: BinaryIO, start: int, length: int) -> list[StoredRecord]:
     """Every record of the zip archive at bytes ``[start, start + length)`` of ``file``.
 
-    ``length=None``: the archive is the whole file. Where a record begins, and the archive's own
-    directory, are read within those bytes only.
+    Where a record begins, and the archive's own directory, are read within those bytes only.
 
     Raises:
         zipfile.BadZipFile: the bytes are no zip archive, or a record has no local header.
     """
-    if length is None:
-        length = os.fstat(file.fileno()).st_size - start
     window = Window(file, start, length)
     with zipfile.ZipFile(window) as archive:
         infos = archive.infolist()
