@@ -37,7 +37,7 @@ from lightning_mgpu.checkpoint._prefixes import (
     wrapped_child,
 )
 from lightning_mgpu.checkpoint._report import shown
-from lightning_mgpu.checkpoint._safetensors import ORDER_KEY
+from lightning_mgpu.checkpoint._safetensors import ORDER_KEY, view_key
 from lightning_mgpu.checkpoint._zip_check import ArchiveCheck
 
 __all__ = [
@@ -243,7 +243,7 @@ def count_values(state_dict: Mapping[str, Any]) -> int:
     for tensor in state_dict.values():
         if not isinstance(tensor, torch.Tensor):
             continue
-        view = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        view = view_key(tensor)
         if tensor.numel() and view in seen:
             continue
         seen.add(view)
