@@ -19,6 +19,8 @@ from lightning_mgpu.checkpoint._source import count_values, resolve
 __all__ = ["CheckpointInfo", "TensorInfo", "inspect_checkpoint", "suggested_output"]
 
 _MAX_GROUP_DEPTH = 3
+# training-checkpoint entries shown as details: entry -> label
+_DETAILS = {"pytorch-lightning_version": "lightning", "epoch": "epoch", "global_step": "global step"}
 # suffixes a suggested export's name drops, after the last one: x.pth.tar -> x
 _STRIPPED_SUFFIXES = {".pt", ".pth", ".ckpt", ".bin", ".safetensors", ".tar", ".gz", ".zip"}
 
@@ -117,21 +119,19 @@ class CheckpointInfo:
         source = Path(self.source) if self.format else Path("weights")
         entry = f" (its {self.weights_key!r} entry)" if self.weights_key else ""
         key = f" --key {shlex.quote(self.chosen_key)}" if self.chosen_key is not None else ""
-        export = f"no  -> lightning-mgpu export{key}"
-        given = shlex.quote(str(source))
-        plain = f"yes{entry}" if self.loads_into_plain else f"{export} {given} {suggested_output(source, '')}"
-        dp = (
-            f"yes{entry}"
-            if self.loads_into_dataparallel
-            else f"{export} --dataparallel {given} {suggested_output(source, '_dp')}"
-        )
-        hedge = "only if the model ties no weights this file left out (see below)"
-        if self.tied_unknown:
-            plain = hedge if self.loads_into_plain else plain
-            dp = hedge if self.loads_into_dataparallel else dp
+
+        def answer(loads: bool, dataparallel: bool) -> str:
+            if loads and self.tied_unknown:
+                return "only if the model ties no weights this file left out (see below)"
+            if loads:
+                return f"yes{entry}"
+            flag, tag = (" --dataparallel", "_dp") if dataparallel else ("", "")
+            given = shlex.quote(str(source))
+            return f"no  -> lightning-mgpu export{key}{flag} {given} {suggested_output(source, tag)}"
+
         lines = [
-            f"loads into a plain model:          {plain}",
-            f"loads into nn.DataParallel(model): {dp}",
+            f"loads into a plain model:          {answer(self.loads_into_plain, False)}",
+            f"loads into nn.DataParallel(model): {answer(self.loads_into_dataparallel, True)}",
             "  (lightning_mgpu.load_state_dict(model, FILE) loads it into either,"
             " and into DDP or compiled models)",
         ]
@@ -242,15 +242,11 @@ def _records_ties(metadata: Mapping[str, str], names: Mapping[str, str]) -> bool
 def _describe_checkpoint(
     checkpoint: Mapping[str, Any], weights_key: str | None, info: CheckpointInfo
 ) -> None:
-    for key, label in (
-        ("pytorch-lightning_version", "lightning"),
-        ("epoch", "epoch"),
-        ("global_step", "global step"),
-    ):
-        if key in checkpoint:
-            info.details.append(f"{label} {shown(checkpoint[key])}")
+    info.details += [
+        f"{label} {shown(checkpoint[key])}" for key, label in _DETAILS.items() if key in checkpoint
+    ]
     for key, value in checkpoint.items():
-        if key in (weights_key, "pytorch-lightning_version", "epoch", "global_step"):
+        if key == weights_key or key in _DETAILS:
             continue
         kind = value.__name__ if isinstance(value, type) else type(value).__name__
         info.other_entries.append(
