@@ -39,9 +39,14 @@ class Shape(tuple[int, ...]):
         return "[" + ", ".join(str(d) for d in self) + "]"
 
 
-def _names(keys: list[str]) -> str:
-    shown = ", ".join(keys[:_SHOW])
-    return shown + (f", ... and {len(keys) - _SHOW} more" if len(keys) > _SHOW else "")
+def _listed(problems: list[tuple[str, list[str]]]) -> list[str]:
+    """``"  label (N): a, b, ... and K more"`` for each non-empty list of names."""
+    lines = []
+    for label, names in problems:
+        if names:
+            more = f", ... and {len(names) - _SHOW} more" if len(names) > _SHOW else ""
+            lines.append(f"  {label} ({len(names)}): {', '.join(names[:_SHOW])}{more}")
+    return lines
 
 
 @dataclass
@@ -96,17 +101,17 @@ class LoadReport:
 
     def problem_lines(self) -> list[str]:
         """One indented line per kind of problem."""
-        lines = []
-        if self.missing:
-            lines.append(f"  missing from the source ({len(self.missing)}): {_names(self.missing)}")
-        if self.unexpected:
-            lines.append(f"  not in the model ({len(self.unexpected)}): {_names(self.unexpected)}")
-        if self.mismatched:
-            shown = [
-                f"{s} {ss} -> {t} {ts}" if s != t else f"{s}: source {ss}, model {ts}"
-                for s, t, ss, ts in self.mismatched
+        mismatched = [
+            f"{s} {ss} -> {t} {ts}" if s != t else f"{s}: source {ss}, model {ts}"
+            for s, t, ss, ts in self.mismatched
+        ]
+        lines = _listed(
+            [
+                ("missing from the source", self.missing),
+                ("not in the model", self.unexpected),
+                ("shape mismatch", mismatched),
             ]
-            lines.append(f"  shape mismatch ({len(shown)}): {_names(shown)}")
+        )
         changes = []
         if self.removed_prefixes:
             changes.append("removed " + ", ".join(self.removed_prefixes))
@@ -120,16 +125,12 @@ class LoadReport:
         return lines
 
     def __str__(self) -> str:
-        head = f"loaded {self.loaded} entries from {self.source}"
-        lines = [head, *self.problem_lines()]
-        if self.ignored:
-            lines.append(
-                f"  ignored, outside the loaded submodule ({len(self.ignored)}): {_names(self.ignored)}"
-            )
-        if self.tied:
-            shown = [f"{name} (is {loaded})" for name, loaded in self.tied]
-            lines.append(f"  not in the source but tied to a loaded entry ({len(shown)}): {_names(shown)}")
-        if self.pairs:
-            shown = [f"{s} -> {t}" for s, t in self.pairs]
-            lines.append(f"  paired by order ({len(shown)}): {_names(shown)}")
+        lines = [f"loaded {self.loaded} entries from {self.source}", *self.problem_lines()]
+        lines += _listed(
+            [
+                ("ignored, outside the loaded submodule", self.ignored),
+                ("not in the source but tied to a loaded entry", [f"{n} (is {s})" for n, s in self.tied]),
+                ("paired by order", [f"{s} -> {t}" for s, t in self.pairs]),
+            ]
+        )
         return "\n".join(lines)
