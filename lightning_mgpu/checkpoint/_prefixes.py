@@ -135,33 +135,20 @@ def plain_names(
         ``(names, removed)``: ``names[key]`` is the plain name; ``removed`` lists each wrapper prefix
         found, in the keys' own spelling and outermost first (``"module."``, ``"module._orig_mod."``).
     """
-    names: dict[str, str] = {}
-    removed: list[str] = []
-    if wrappers is None:
-        walk = _Walk(frozenset(kinds), lightning, names, removed)
-        walk.visit([(key, key.split(".")) for key in keys], "", "", after_wrapper=False, whole=True)
-        return names, removed
-    known = set(wrappers)
-    for key in keys:
-        raw, plain = "", ""
-        parts = key.split(".")
-        for part in parts[:-1]:
-            raw += part + "."
-            if raw in known:
-                if raw not in removed:
-                    removed.append(raw)
-            else:
-                plain += part + "."
-        names[key] = plain + parts[-1]
-    return names, removed
+    known = None if wrappers is None else frozenset(wrappers)
+    walk = _Walk(frozenset(kinds), lightning, known, {}, [])
+    walk.visit([(key, key.split(".")) for key in keys], "", "", after_wrapper=False, whole=True)
+    return walk.names, walk.removed
 
 
 @dataclass
 class _Walk:
-    """Judges a file's names by position, one level of the name tree at a time (module docstring)."""
+    """Names a state_dict one level of its name tree at a time: a wrapper, the only child where it
+    sits, is one of the ``known`` prefixes, or judged by position (module docstring) without them."""
 
     kinds: frozenset[str]
     lightning: bool
+    known: frozenset[str] | None
     names: dict[str, str]
     removed: list[str]
 
@@ -184,9 +171,9 @@ class _Walk:
                 groups.setdefault(parts[0], []).append((key, parts[1:]))
         if not leaves and len(groups) == 1:
             (child,) = groups
-            reason = self._reason(child, plain_prefix, after_wrapper, whole)
+            prefix = f"{raw_prefix}{child}."
+            reason = self._reason(prefix, child, plain_prefix, after_wrapper, whole)
             if reason is not None:
-                prefix = f"{raw_prefix}{child}."
                 logger.debug(
                     "removed wrapper prefix %r: every key below %r goes through it, %s",
                     prefix,
@@ -210,8 +197,12 @@ class _Walk:
                 whole=siblings_whole,
             )
 
-    def _reason(self, child: str, plain_prefix: str, after_wrapper: bool, whole: bool) -> str | None:
-        """Why ``child`` here is a wrapper, or None when it is a model's own attribute."""
+    def _reason(
+        self, prefix: str, child: str, plain_prefix: str, after_wrapper: bool, whole: bool
+    ) -> str | None:
+        """Why ``child`` (at ``prefix``) is a wrapper, or None when it is a model's own attribute."""
+        if self.known is not None:
+            return "a wrapper module holds it" if prefix in self.known else None
         if child not in self.kinds:
             return None
         if child in _DISTINCTIVE:
