@@ -101,10 +101,8 @@ class AutoResume:
         # weights_only came with Lightning 2.6; older releases call and take the path alone
         start = original if weights_only is None else functools.partial(original, weights_only=weights_only)
         # Lightning's own choice under SLURM is the newest hpc_ckpt, complete or not: ours to make
-        chosen_by_lightning = checkpoint_path is not None and str(checkpoint_path) == str(
-            hpc_resume_path(connector)
-        )
-        if trainer.state.fn != TrainerFn.FITTING or (checkpoint_path is not None and not chosen_by_lightning):
+        given = checkpoint_path is not None and str(checkpoint_path) != str(hpc_resume_path(connector))
+        if trainer.state.fn != TrainerFn.FITTING or given:
             return start(checkpoint_path)
         restart = self._agreed_restart(trainer)
         name = self.host.strategy_name

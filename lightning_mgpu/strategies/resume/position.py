@@ -112,11 +112,8 @@ class LoaderPosition(Callback):
         if type(sampler) is not DistributedSampler or type(batch_sampler) is not BatchSampler:
             log.debug("%s: the training loader's sampler %s is left alone", self.name, type(sampler).__name__)
             return loader
-        self.sampler, self.batch_size, self._trainer = (
-            ResumableSampler(sampler),
-            batch_sampler.batch_size,
-            trainer,
-        )
+        self.sampler = ResumableSampler(sampler)
+        self.batch_size, self._trainer = batch_sampler.batch_size, trainer
         wrapped = update_dataloader(loader, self.sampler, mode=RunningStage.TRAINING)
         # before Lightning's first iter(): its workers may take the first indices at once
         if self._pending is not None:
