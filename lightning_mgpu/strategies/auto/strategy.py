@@ -47,7 +47,7 @@ from lightning_mgpu.strategies.auto.decide import (
     with_options,
 )
 from lightning_mgpu.strategies.auto.facts import EnvironmentFacts
-from lightning_mgpu.strategies.auto.model_memory import model_memory
+from lightning_mgpu.strategies.auto.model_memory import ModelMemory, model_memory
 from lightning_mgpu.strategies.microbatch.mixin import check_micro_batch_size
 from lightning_mgpu.strategies.process_group.services import STALL_TIMEOUT
 from lightning_mgpu.strategies.resume.resumption import DEFAULTS, check_options
@@ -145,6 +145,20 @@ def choose_strategy(
     return decide(count, num_nodes, device_type, facts, memory)
 
 
+def _decide_with(
+    devices: int,
+    num_nodes: int,
+    device_type: str,
+    facts: EnvironmentFacts,
+    micro_batch_size: int | str | None,
+    passed_on: dict[str, Any],
+    memory: ModelMemory | None = None,
+) -> StrategyChoice:
+    """``decide``, with ``micro_batch_size`` and those ``passed_on`` options the choice takes."""
+    choice = with_micro_batching(decide(devices, num_nodes, device_type, facts, memory), micro_batch_size)
+    return with_options(choice, passed_on)
+
+
 class MGPUAutoStrategy(ParallelStrategy):
     """Placeholder registered as ``mgpu_auto``: becomes the strategy ``choose_strategy`` picks.
 
@@ -211,12 +225,10 @@ class MGPUAutoStrategy(ParallelStrategy):
         self.device_memory = None if device_memory is None else parse_bytes(device_memory)
         self.micro_batch_size = check_micro_batch_size(micro_batch_size)
         self.resumption = check_options(resume, checkpoint_every, requeue_on_failure)
-        values: dict[str, Any] = {"process_group_backend": process_group_backend, "timeout": timeout}
-        values["stall_timeout"] = stall_timeout
-        defaults: dict[str, Any] = {"process_group_backend": None, "timeout": default_pg_timeout}
-        defaults["stall_timeout"] = STALL_TIMEOUT
+        given: dict[str, tuple[Any, Any]] = {"process_group_backend": (process_group_backend, None)}
+        given.update(timeout=(timeout, default_pg_timeout), stall_timeout=(stall_timeout, STALL_TIMEOUT))
         # those given (not left at their defaults), passed on where taken
-        self.process_group = {name: value for name, value in values.items() if value != defaults[name]}
+        self.process_group = {name: value for name, (value, default) in given.items() if value != default}
         self.num_nodes = 1
         self.choice: StrategyChoice | None = None
 
@@ -226,11 +238,17 @@ class MGPUAutoStrategy(ParallelStrategy):
         # a custom accelerator may list objects of its own (strings, say) rather than torch.device
         device_type = str(getattr(devices[0], "type", devices[0])) if devices else "cpu"
         facts = self.facts if self.facts is not None else EnvironmentFacts.detect()
-        choice = with_micro_batching(
-            decide(len(devices), self.num_nodes, device_type, facts), self.micro_batch_size
+        decide_with = functools.partial(
+            _decide_with,
+            len(devices),
+            self.num_nodes,
+            device_type,
+            facts,
+            self.micro_batch_size,
+            self._passed_on(),
         )
+        choice = decide_with()
         self._warn_left_out(choice)
-        choice = with_options(choice, self._passed_on())
         memory = device_memory_of(self.device_memory, device_type) if choice.strategy == "mgpu_ddp" else None
         if memory is None:
             rank_zero_info(f"mgpu_auto chose {choice.strategy}: {choice.reason}")
@@ -242,10 +260,7 @@ class MGPUAutoStrategy(ParallelStrategy):
                 f" {format_bytes(memory)} of a device, their shards do), then mgpu_fsdp: decided when the"
                 " model is known"
             )
-            redecide = functools.partial(decide, len(devices), self.num_nodes, device_type, facts)
-            pending = PendingChoice(
-                redecide, memory, len(devices) * self.num_nodes, self.micro_batch_size, self._passed_on()
-            )
+            pending = PendingChoice(decide_with, memory, len(devices) * self.num_nodes)
             become(self, choice, devices, strategy_class=PendingDDPStrategy)
             self.pending = pending  # self is a PendingDDPStrategy now
 
