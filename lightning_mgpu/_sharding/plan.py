@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -82,9 +83,7 @@ def _repeated_children(module: nn.Module) -> list[str]:
     if isinstance(module, (nn.ModuleList, nn.Sequential)):
         classes = {type(child) for _, child in children}
         return [name for name, _ in children] if len(children) >= 2 and len(classes) == 1 else []
-    counts: dict[type, int] = {}
-    for _, child in children:
-        counts[type(child)] = counts.get(type(child), 0) + 1
+    counts = Counter(type(child) for _, child in children)
     return [name for name, child in children if _user_class(child) and counts[type(child)] >= 2]
 
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_mgpu.estimate.batch import tensors
+
 __all__ = ["ModelState", "ModelStateMeter", "StateBytes", "measure_model_state"]
 
 
@@ -78,13 +80,7 @@ def measure_model_state(module: nn.Module, optimizers: Iterable[torch.optim.Opti
     """
     params = list(module.parameters())
     grads = [p.grad for p in params if p.grad is not None]
-    states = [
-        value
-        for optimizer in optimizers
-        for state in optimizer.state.values()
-        for value in state.values()
-        if isinstance(value, torch.Tensor)
-    ]
+    states = [t for optimizer in optimizers for state in optimizer.state.values() for t in tensors(state)]
     sizes = [_local_and_whole(tensors) for tensors in (params, grads, states)]
     return ModelState(StateBytes(*(local for local, _ in sizes)), StateBytes(*(whole for _, whole in sizes)))
 

@@ -161,9 +161,16 @@ def _stepped_once(opt: torch.optim.Optimizer, leaf_of: dict[int, torch.Tensor]) 
     return copy
 
 
+def _meta_leaves(
+    opt: torch.optim.Optimizer, dtype: torch.dtype | None, local: bool
+) -> dict[int, torch.Tensor]:
+    """A meta tensor of each of ``opt``'s parameters' shapes, by the parameter's ``id``."""
+    return {id(p): meta_like(p, dtype, local) for group in opt.param_groups for p in group["params"]}
+
+
 def _stepped_on_meta(opt: torch.optim.Optimizer, dtype: torch.dtype | None, local: bool) -> tuple[int, int]:
     """The state one step creates, and the peak of what a later step allocates beside it (temporaries)."""
-    leaf_of = {id(p): meta_like(p, dtype, local) for group in opt.param_groups for p in group["params"]}
+    leaf_of = _meta_leaves(opt, dtype, local)
     copy = _stepped_once(opt, leaf_of)
     # the second step, as every step after the first: what it allocates beyond the tensors that exist
     # (tracked first, so an in-place update is not taken for a new tensor), as estimate_memory counts it
@@ -188,7 +195,7 @@ def _per_parameter(opt: torch.optim.Optimizer, dtype: torch.dtype | None, local:
     parameter, a factored statistic (Adafactor's 2 x 1 rows, 1 x 3 columns) as the dimensions it keeps,
     a size of 1 as 1.
     """
-    shapes = {id(p): meta_like(p, dtype, local) for group in opt.param_groups for p in group["params"]}
+    shapes = _meta_leaves(opt, dtype, local)
     small = {}
     for i, meta in shapes.items():
         small[i] = torch.zeros(_PROBE[: meta.dim()], dtype=meta.dtype).requires_grad_(meta.requires_grad)

@@ -119,8 +119,7 @@ def decide(
 
     def choice(strategy: str, reason: str, **options: Any) -> StrategyChoice:
         if (
-            strategy != "mgpu_dp"
-            and strategy != "single_device"
+            strategy not in ("mgpu_dp", "single_device")
             and device_type == "cuda"
             and not facts.nccl_available
         ):
