@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from lightning_mgpu.checkpoint._dcp import FORMAT, ShardedFolder
 from lightning_mgpu.checkpoint._io import read_file
 from lightning_mgpu.checkpoint._mapped import MappedFile
 from lightning_mgpu.checkpoint._prefixes import (
+    WRAPPERS,
     find_wrappers,
     select,
     split_top,
@@ -269,18 +270,22 @@ class PlainWeights:
         removed: The prefixes removed, in the keys' spelling (``["module.", "model."]``).
         kept: When a LightningModule holds its weights in several attributes and no submodule was
             asked for: those attributes, kept in the names (what a report offers to pick).
+        ignored: The source's names outside the submodule picked.
     """
 
     state_dict: OrderedDict[str, Any]
     removed: list[str]
     kept: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
 
 
-def plain_state_dict(src: Source, submodule: str | None = None) -> PlainWeights:
+def plain_state_dict(
+    src: Source, submodule: str | None = None, kinds: Collection[str] = tuple(WRAPPERS)
+) -> PlainWeights:
     """The weights as a plain model holds them: wrappers removed, one submodule picked.
 
     - every wrapper prefix is removed: exactly the wrappers' for a module, for a file or a dict
-      those the names show (see ``_prefixes``);
+      those the names show (see ``_prefixes``), of the ``kinds`` given;
     - ``submodule="name"`` keeps the entries under ``name.`` and removes that prefix;
       ``submodule=""`` keeps everything;
     - by default a LightningModule (or a Lightning checkpoint) that holds one submodule loses its
@@ -288,7 +293,7 @@ def plain_state_dict(src: Source, submodule: str | None = None) -> PlainWeights:
       ``head``) keeps them all, named as the module names them: nothing is lost, and
       :attr:`PlainWeights.kept` lists them (never the names inside the one attribute removed).
     """
-    state_dict, removed = strip_wrappers(src.state_dict, src.wrappers, lightning=src.lightning)
+    state_dict, removed = strip_wrappers(src.state_dict, src.wrappers, kinds, lightning=src.lightning)
     kept: list[str] = []
     if submodule is None and src.lightning and state_dict:
         tops = split_top(state_dict)
@@ -301,7 +306,10 @@ def plain_state_dict(src: Source, submodule: str | None = None) -> PlainWeights:
         else:
             logger.debug("kept every entry: the LightningModule's weights lie in %s", ", ".join(tops))
             kept = list(tops) if len(tops) > 1 else []
+    ignored: list[str] = []
     if submodule:
+        prefix = submodule.rstrip(".") + "."
+        ignored = [k for k in state_dict if not k.startswith(prefix)]
         state_dict = select(state_dict, submodule)
-        removed.append(submodule.rstrip(".") + ".")
-    return PlainWeights(state_dict, removed, kept)
+        removed.append(prefix)
+    return PlainWeights(state_dict, removed, kept, ignored)

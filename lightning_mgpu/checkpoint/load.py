@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Collection
 from itertools import chain
 from typing import Any
 
@@ -13,16 +12,16 @@ from torch import nn
 
 from lightning_mgpu.checkpoint._dcp import ShardedFolder
 from lightning_mgpu.checkpoint._match import Mapping, match_names
-from lightning_mgpu.checkpoint._prefixes import (
-    WRAPPERS,
-    find_wrappers,
-    plain_names,
-    select,
-    split_top,
-    strip_wrappers,
-)
+from lightning_mgpu.checkpoint._prefixes import WRAPPERS, find_wrappers, plain_names, split_top
 from lightning_mgpu.checkpoint._report import LoadReport, Shape
-from lightning_mgpu.checkpoint._source import Source, describe_tops, is_lightning_module, resolve
+from lightning_mgpu.checkpoint._source import (
+    PlainWeights,
+    Source,
+    describe_tops,
+    is_lightning_module,
+    plain_state_dict,
+    resolve,
+)
 
 __all__ = ["LoadError", "LoadReport", "load_state_dict"]
 
@@ -114,10 +113,11 @@ def load_state_dict(
         print(report.removed_prefixes)  # ['module.']
     """
     src = resolve(source, map_location=map_location, trust_pickle=trust_pickle, key=key)
-    source_sd, removed, ignored = _source_entries(src, submodule, WRAPPERS)
+    plain = plain_state_dict(src, submodule or "")  # the model decides a LightningModule's attribute
+    source_sd, removed, ignored = plain.state_dict, plain.removed, plain.ignored
     target_sd = model.state_dict()
     target_names, target_wrappers = plain_names(target_sd, find_wrappers(model))
-    actual = {plain: key for key, plain in target_names.items()}
+    actual = {name: key for key, name in target_names.items()}
     target = OrderedDict((target_names[k], v) for k, v in target_sd.items())
 
     report = LoadReport(source=src.description, removed_prefixes=removed, added_prefixes=target_wrappers)
@@ -129,7 +129,8 @@ def load_state_dict(
         if src.wrappers is None and not _fits(source_sd, target, mapping):
             other = _attributes_reading(src, submodule, target, lightning, removed)
             if other is not None:
-                (source_sd, removed, ignored), mapping = other
+                plain, mapping = other
+                source_sd, removed, ignored = plain.state_dict, plain.removed, plain.ignored
                 report.removed_prefixes = removed
         pairs = _pair_by_name(source_sd, target, mapping, report)
         _fill_ties(model, target_names, pairs, report)
@@ -150,20 +151,6 @@ def load_state_dict(
         model.load_state_dict(to_load, strict=False)
     report.loaded = len(to_load)
     return report
-
-
-def _source_entries(
-    src: Source, submodule: str | None, kinds: Collection[str]
-) -> tuple[OrderedDict[str, Any], list[str], list[str]]:
-    """The source without its wrappers, under ``submodule``: entries, removed prefixes, ignored keys."""
-    source_sd, removed = strip_wrappers(src.state_dict, src.wrappers, kinds, lightning=src.lightning)
-    ignored: list[str] = []
-    if submodule:
-        selected = select(source_sd, submodule)
-        ignored = [k for k in source_sd if not k.startswith(submodule.rstrip(".") + ".")]
-        source_sd = selected
-        removed.append(submodule.rstrip(".") + ".")
-    return source_sd, removed, ignored
 
 
 def _match(
@@ -188,16 +175,16 @@ def _attributes_reading(
     target: OrderedDict[str, Any],
     lightning: tuple[bool, bool],
     removed: list[str],
-) -> tuple[tuple[OrderedDict[str, Any], list[str], list[str]], Mapping] | None:
+) -> tuple[PlainWeights, Mapping] | None:
     """A file's names misled when its ``module.`` is the model's own attribute: that reading, if it fits."""
     try:
-        entries = _source_entries(src, submodule, ["_orig_mod"])
-        if entries[1] == removed:
+        plain = plain_state_dict(src, submodule or "", ["_orig_mod"])
+        if plain.removed == removed:
             return None
-        mapping = _match(entries[0], target, lightning)
+        mapping = _match(plain.state_dict, target, lightning)
     except (KeyError, ValueError):
         return None
-    return (entries, mapping) if _fits(entries[0], target, mapping) else None
+    return (plain, mapping) if _fits(plain.state_dict, target, mapping) else None
 
 
 def _fits(source: OrderedDict[str, Any], target: OrderedDict[str, Any], mapping: Mapping) -> bool:
