@@ -34,7 +34,6 @@ import lightning as L
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import OmegaConf
@@ -214,9 +213,7 @@ def _metric_order(name: str) -> tuple[int, str]:
 
 
 def _describe_files(trainer: L.Trainer, run_dir: Path) -> list[str]:
-    best = next(
-        (cb.best_model_path for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)), ""
-    )
+    best = getattr(trainer.checkpoint_callback, "best_model_path", "")  # ModelCheckpoint's, if it ran
     notes = {
         "config.yaml": "the resolved config",
         "metrics.csv": "every logged metric",
