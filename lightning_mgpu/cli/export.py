@@ -40,22 +40,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="cast floating-point weights",
     )
-    add_key(parser)
-    add_trust_pickle(parser)
+    add_reading_options(parser)
 
 
-def add_key(parser: argparse.ArgumentParser) -> None:
-    """The ``--key`` option, shared with ``lightning-mgpu inspect``."""
+def add_reading_options(parser: argparse.ArgumentParser) -> None:
+    """``--key`` and ``--trust-pickle``, how the file is read: shared with ``lightning-mgpu inspect``."""
     parser.add_argument(
         "--key",
         metavar="NAME",
         default=None,
         help="entry of a training checkpoint holding several state_dicts to use (e.g. ema)",
     )
-
-
-def add_trust_pickle(parser: argparse.ArgumentParser) -> None:
-    """The ``--trust-pickle`` flag, shared with ``lightning-mgpu inspect``."""
     parser.add_argument(
         "--trust-pickle",
         action="store_true",

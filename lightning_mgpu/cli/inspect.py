@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from lightning_mgpu.cli._errors import user_errors
-from lightning_mgpu.cli.export import add_key, add_trust_pickle
+from lightning_mgpu.cli.export import add_reading_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,8 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="checkpoint or weights file (.ckpt, .pt/.pth, .safetensors) or a sharded checkpoint's folder",
     )
     parser.add_argument("--all", action="store_true", help="list every entry (default: 20 per group)")
-    add_key(parser)
-    add_trust_pickle(parser)
+    add_reading_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
