@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import inspect
 import logging
 from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from lightning_mgpu.config.checks import at_least, one_of
+from lightning_mgpu.config.signature import keywords, not_taken
 
 if TYPE_CHECKING:
     import torch
@@ -131,10 +131,7 @@ def _component_problems(component: str, kwargs: Mapping[str, Any]) -> list[str]:
         if key in _SECTION_ARGS:
             out.append(f"kwargs.{key}: set it as optimizer.{key}, the section's own key")
         elif key not in takes:
-            close = difflib.get_close_matches(key, takes, n=1)
-            hint = f"; did you mean {close[0]}?" if close else f"; it takes {', '.join(takes)}"
-            path = _SHORT_NAMES.get(component, component)
-            out.append(f"kwargs.{key}: {path} takes no argument {key}{hint}")
+            out.append(not_taken(f"kwargs.{key}", _SHORT_NAMES.get(component, component), "argument", takes))
     return out
 
 
@@ -194,16 +191,10 @@ def build_optimizer(params: Iterable[Any], section: Mapping[str, Any] | None) ->
     takes = _arguments(cls)
     kwargs = {k: cfg[k] for k in _SECTION_ARGS if k in takes}
     kwargs.update(cfg["kwargs"])
-    log.debug(
-        "optimizer %s.%s for %r with %s (left out, not in its signature: %s)",
-        cls.__module__,
-        cls.__qualname__,
-        cfg["_component_"],
-        kwargs,
-        [k for k in _SECTION_ARGS if k not in takes] or "nothing",
-    )
+    left_out = [k for k in _SECTION_ARGS if k not in takes] or "nothing"
+    log.debug("optimizer %s with %s (left out, not in its signature: %s)", cls, kwargs, left_out)
     return cls(params, **kwargs)
 
 
 def _arguments(cls: type) -> list[str]:
-    return [n for n in inspect.signature(cls).parameters if n not in ("self", "params")]
+    return [n for n in keywords(cls) if n != "params"]

@@ -3,12 +3,13 @@
 - ``keywords(cls)``: each keyword argument with its annotation resolved (``Optional[int]``, not a string);
 - ``convert(value, hint)``: a config value as the annotation takes it (seconds become a ``timedelta``), or
   ``TypeError``;
-- ``fits(value, hint)``: whether ``convert`` takes it;
 - ``describe(hint)``: the annotation in a config's words (``an integer or null``), which
   ``wrong_type(path, value, hint)`` puts in the message for a value ``convert`` refuses;
 - ``field_type(hint)``: the type omegaconf checks a key by (``Any`` where ``convert`` must), and
   ``fields(cls, leave_out, defaults)`` one dataclass field per keyword so typed, for ``trainer`` and each
   callback's sub-section;
+- ``not_taken(path, owner, noun, takes)``: the message for a keyword a class does not take, with "did you
+  mean", for a strategy's options and an optimizer's arguments;
 - ``checked(section, keys, build)``: what a class says of its arguments when built, as a config problem.
 
 Nothing here lists a class's arguments by hand, so a new keyword of Lightning's ``Trainer`` or of a
@@ -19,15 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import difflib
 import functools
 import inspect
 import sys
 import types
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["checked", "convert", "describe", "field_type", "fields", "fits", "keywords", "wrong_type"]
+__all__ = ["checked", "convert", "describe", "field_type", "fields", "keywords", "not_taken", "wrong_type"]
 
 _PLAIN = (bool, int, float, str)
 
@@ -97,23 +99,33 @@ def convert(value: Any, hint: Any) -> Any:
     raise TypeError(value)
 
 
-def fits(value: Any, hint: Any) -> bool:
-    """Whether ``convert(value, hint)`` takes ``value``."""
-    try:
-        convert(value, hint)
-    except TypeError:
-        return False
-    return True
-
-
 def wrong_type(path: str, value: Any, hint: Any) -> list[str]:
-    """``[]`` when ``hint`` takes ``value``, else the message naming ``path``, what it takes and what it got.
+    """``[]`` when ``convert`` takes ``value``, else the message naming ``path``, what ``hint`` takes and
+    what it got.
 
     Example::
 
         wrong_type("max_epochs", "ten", int | None)  # ["max_epochs: expected an integer or null, got 'ten'"]
     """
-    return [] if fits(value, hint) else [f"{path}: expected {describe(hint)}, got {value!r}"]
+    try:
+        convert(value, hint)
+    except TypeError:
+        return [f"{path}: expected {describe(hint)}, got {value!r}"]
+    return []
+
+
+def not_taken(path: str, owner: str, noun: str, takes: Sequence[str]) -> str:
+    """The message for a keyword ``owner`` does not take: the closest one it takes, else all of them.
+
+    Example::
+
+        not_taken("kwargs.betaz", "torch.optim.AdamW", "argument", ["lr", "betas"])
+        # 'kwargs.betaz: torch.optim.AdamW takes no argument betaz; did you mean betas?'
+    """
+    key = path.rpartition(".")[2]
+    close = difflib.get_close_matches(key, takes, n=1)
+    hint = f"did you mean {close[0]}?" if close else f"it takes {', '.join(takes) or 'nothing'}"
+    return f"{path}: {owner} takes no {noun} {key}; {hint}"
 
 
 def describe(hint: Any) -> str:

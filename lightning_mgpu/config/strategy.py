@@ -35,7 +35,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_mgpu.config.signature import checked, convert, keywords, wrong_type
+from lightning_mgpu.config.signature import checked, convert, keywords, not_taken, wrong_type
 
 if typing.TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
@@ -115,7 +115,7 @@ def strategy_problems(value: Any, micro_batch_size: Any) -> list[str]:
         if "micro_batch_size" in options:
             return [f"{_SHORT_FORM}: trainer.strategy.micro_batch_size is set too; keep one"]
         options["micro_batch_size"], paths["micro_batch_size"] = micro_batch_size, _SHORT_FORM
-    cls, _ = _registered(name)
+    cls = _registered(name).get("strategy")
     params = _options(cls) if cls is not None else {}
     for key, given in options.items():
         if key not in params:
@@ -139,12 +139,12 @@ def build_strategy(value: str | dict[str, Any], micro_batch_size: int | str | No
         options["micro_batch_size"] = micro_batch_size
     if not options:
         return name
-    cls, init_params = _registered(name)
-    if cls is None:
+    if not (registered := _registered(name)):
         raise ValueError(f"trainer.strategy: {name!r} takes no options; name a strategy such as mgpu_ddp")
     log.debug("trainer.strategy %s with %s", name, options)
-    params = _options(cls)
-    strategy: Strategy = cls(**init_params, **{k: convert(v, params[k]) for k, v in options.items()})
+    params = _options(registered["strategy"])
+    kwargs = {k: convert(v, params[k]) for k, v in options.items()}
+    strategy: Strategy = registered["strategy"](**registered["init_params"], **kwargs)
     return strategy
 
 
@@ -155,15 +155,16 @@ def _split(value: str | dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return options.pop("name"), options
 
 
-def _registered(name: str) -> tuple[type | None, dict[str, Any]]:
-    """The strategy class registered as ``name`` and the arguments the registration adds."""
+def _registered(name: str) -> dict[str, Any]:
+    """The registry's entry for ``name``: its ``strategy`` class and the ``init_params`` its registration
+    adds; ``{}`` for a name that is not registered (``auto``)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
     import lightning_mgpu  # noqa: F401  registers the mgpu_* names
 
-    if name not in StrategyRegistry:
-        return None, {}
-    return StrategyRegistry[name]["strategy"], StrategyRegistry[name]["init_params"]
+    if name not in StrategyRegistry:  # not StrategyRegistry.get: that builds the strategy
+        return {}
+    return StrategyRegistry[name]
 
 
 def _name_problem(name: str) -> str | None:
@@ -216,6 +217,4 @@ def _not_taken(path: str, name: str, key: str, params: list[str]) -> str:
             f"{path}: strategy {name!r} does not take {key}; the strategies that take {key} are"
             f" {', '.join(takers)} (set trainer.strategy to one of them), or {fix}"
         )
-    close = difflib.get_close_matches(key, params, n=1)
-    hint = f"did you mean {close[0]}?" if close else f"its options: {', '.join(params) or 'none'}"
-    return f"{path}: {name} takes no option {key}; {hint}"
+    return not_taken(path, name, "option", params)
