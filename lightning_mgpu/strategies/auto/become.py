@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,7 +33,7 @@ from lightning_mgpu._compat.lightning import (
 from lightning_mgpu._compat.lightning import launcher as launcher_of
 from lightning_mgpu.callbacks.time import DeviceTimeMonitor
 from lightning_mgpu.precision import FSDP_PRECISIONS
-from lightning_mgpu.strategies.auto.decide import StrategyChoice
+from lightning_mgpu.strategies.auto.decide import StrategyChoice, with_micro_batching, with_options
 from lightning_mgpu.strategies.auto.model_memory import (
     ModelMemory,
     model_memory,
@@ -150,10 +150,12 @@ class PendingChoice:
     """What ``PendingDDPStrategy`` needs to decide again once the model is known."""
 
     redecide: Callable[[ModelMemory], StrategyChoice]
-    """The first decision again (its facts, devices, nodes, ``micro_batch_size`` and the options
-    ``mgpu_auto`` passes on), given the model's memory."""
+    """``decide`` with the facts, devices and nodes of the first decision, given the model's memory."""
     device_memory: int
     world: int
+    micro_batch_size: int | str | None
+    passed_on: dict[str, Any] = field(default_factory=dict)
+    """What ``mgpu_auto`` passes on (resumption, process group), for ``mgpu_fsdp`` as for ``mgpu_ddp``."""
 
 
 class PendingDDPStrategy(MGPUDDPStrategy):
@@ -200,7 +202,8 @@ def _second_look(strategy: MGPUDDPStrategy, model: pl.LightningModule, pending: 
             f" precision={precision!r}. Choose one of {', '.join(FSDP_PRECISIONS)} to have the model sharded."
         )
         return
-    choice = pending.redecide(memory)
+    choice = with_micro_batching(pending.redecide(memory), pending.micro_batch_size)
+    choice = with_options(choice, pending.passed_on)
     if choice.strategy != "mgpu_fsdp":  # the same facts as the first decision: not expected
         log.debug("mgpu_auto keeps mgpu_ddp: %s", choice)
         return

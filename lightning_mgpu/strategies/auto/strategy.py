@@ -47,7 +47,7 @@ from lightning_mgpu.strategies.auto.decide import (
     with_options,
 )
 from lightning_mgpu.strategies.auto.facts import EnvironmentFacts
-from lightning_mgpu.strategies.auto.model_memory import ModelMemory, model_memory
+from lightning_mgpu.strategies.auto.model_memory import model_memory
 from lightning_mgpu.strategies.microbatch.mixin import check_micro_batch_size
 from lightning_mgpu.strategies.process_group.services import STALL_TIMEOUT
 from lightning_mgpu.strategies.resume.resumption import DEFAULTS, check_options
@@ -145,20 +145,6 @@ def choose_strategy(
     return decide(count, num_nodes, device_type, facts, memory)
 
 
-def _decide_with(
-    devices: int,
-    num_nodes: int,
-    device_type: str,
-    facts: EnvironmentFacts,
-    micro_batch_size: int | str | None,
-    passed_on: dict[str, Any],
-    memory: ModelMemory | None = None,
-) -> StrategyChoice:
-    """``decide``, with ``micro_batch_size`` and those ``passed_on`` options the choice takes."""
-    choice = with_micro_batching(decide(devices, num_nodes, device_type, facts, memory), micro_batch_size)
-    return with_options(choice, passed_on)
-
-
 class MGPUAutoStrategy(ParallelStrategy):
     """Placeholder registered as ``mgpu_auto``: becomes the strategy ``choose_strategy`` picks.
 
@@ -238,17 +224,11 @@ class MGPUAutoStrategy(ParallelStrategy):
         # a custom accelerator may list objects of its own (strings, say) rather than torch.device
         device_type = str(getattr(devices[0], "type", devices[0])) if devices else "cpu"
         facts = self.facts if self.facts is not None else EnvironmentFacts.detect()
-        decide_with = functools.partial(
-            _decide_with,
-            len(devices),
-            self.num_nodes,
-            device_type,
-            facts,
-            self.micro_batch_size,
-            self._passed_on(),
+        choice = with_micro_batching(
+            decide(len(devices), self.num_nodes, device_type, facts), self.micro_batch_size
         )
-        choice = decide_with()
         self._warn_left_out(choice)
+        choice = with_options(choice, self._passed_on())
         memory = device_memory_of(self.device_memory, device_type) if choice.strategy == "mgpu_ddp" else None
         if memory is None:
             rank_zero_info(f"mgpu_auto chose {choice.strategy}: {choice.reason}")
@@ -260,7 +240,10 @@ class MGPUAutoStrategy(ParallelStrategy):
                 f" {format_bytes(memory)} of a device, their shards do), then mgpu_fsdp: decided when the"
                 " model is known"
             )
-            pending = PendingChoice(decide_with, memory, len(devices) * self.num_nodes)
+            redecide = functools.partial(decide, len(devices), self.num_nodes, device_type, facts)
+            pending = PendingChoice(
+                redecide, memory, len(devices) * self.num_nodes, self.micro_batch_size, self._passed_on()
+            )
             become(self, choice, devices, strategy_class=PendingDDPStrategy)
             self.pending = pending  # self is a PendingDDPStrategy now
 
