@@ -90,33 +90,26 @@ def _compile_wrappers_removed(module: nn.Module) -> Iterator[None]:
 
 def _replicate_on_one_device(module: nn.Module, count: int) -> list[nn.Module]:
     wrapper = compile_wrapper_type() or ()
-    modules: list[nn.Module] = []
-    index: dict[int, int] = {}
-    pending = [module]
-    while pending:
-        current = pending.pop()
-        if id(current) in index:
-            continue
-        index[id(current)] = len(modules)
-        modules.append(current)
-        if not isinstance(current, Metric):  # metrics get their own copies (split.merge_metrics.PartMetrics)
-            children = [child for child in current._modules.values() if child is not None]
-            pending.extend(_unwrapped(child, wrapper) for child in children)
-    copies = [[replicate_for_data_parallel(m) for m in modules] for _ in range(count)]
-    for j in range(count):
-        for i, original in enumerate(modules):
-            replica = copies[j][i]
-            run_uncompiled(replica)
-            # the replica's own dicts, filled in directly (Module.__setattr__ adds nothing here)
-            state = replica.__dict__
-            state["_parameters"] = dict(original._parameters)
-            if j > 0:
-                buffers = original._buffers.items()
-                state["_buffers"] = {k: None if b is None else b.clone() for k, b in buffers}
+
+    def copy(original: nn.Module, j: int, made: dict[int, nn.Module]) -> nn.Module:
+        """Replica ``j`` of ``original``'s tree; ``made`` by id, so that a module used twice stays one."""
+        if id(original) in made:
+            return made[id(original)]
+        replica = made[id(original)] = replicate_for_data_parallel(original)
+        run_uncompiled(replica)
+        # the replica's own dicts, filled in directly (Module.__setattr__ adds nothing here)
+        state = replica.__dict__
+        state["_parameters"] = dict(original._parameters)
+        if j > 0:
+            buffers = original._buffers.items()
+            state["_buffers"] = {k: None if b is None else b.clone() for k, b in buffers}
+        if not isinstance(original, Metric):  # metrics get their own copies (split.merge_metrics.PartMetrics)
             for key, child in original._modules.items():
-                if child is not None and id(inner := _unwrapped(child, wrapper)) in index:
-                    state["_modules"][key] = copies[j][index[id(inner)]]
-    return [c[0] for c in copies]
+                if child is not None:
+                    state["_modules"][key] = copy(_unwrapped(child, wrapper), j, made)
+        return replica
+
+    return [copy(module, j, {}) for j in range(count)]
 
 
 def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:

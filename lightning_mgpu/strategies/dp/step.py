@@ -109,8 +109,6 @@ class ReplicaStep:
         chunks = scatter_batch(args[0], sizes, devices, "mgpu_dp", module)
         replicas = replicate(module, devices)
         self._metrics.begin(module)
-        for index, (replica, device) in enumerate(zip(replicas, devices, strict=True)):
-            self._metrics.put(replica, index, device)
         manual = method == "training_step" and not module.automatic_optimization
         lockstep = Lockstep(len(sizes))  # manual optimization and global_mean meet there
         # replicas on one device share the module's parameters; elsewhere they hold copies
@@ -132,6 +130,7 @@ class ReplicaStep:
             if manual:
                 hooks.update(manual_optimization_hooks(module, lockstep, index, sizes, after_step))
             prepare_replica(replica, device, hooks)
+            self._metrics.put(replica, index, device)
             on_exit = functools.partial(lockstep.exit, index)
             context = replica_step_context(step_context, index, sizes, lockstep.run)
             calls.append(ReplicaCall(replica, method, context, track_memory, on_exit))
