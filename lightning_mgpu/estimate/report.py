@@ -149,16 +149,10 @@ def format_estimate(est: MemoryEstimate, *, heading: str | None = None, global_b
         if est.inference:
             kind, what = "Inference memory", "no gradients or optimizer state"
         heading = f"{kind} estimate for {est.model} ({est.precision}, {what}, measured on {est.measured_on})"
-    lines = [
-        heading,
-        f"  parameters           {format_bytes(est.parameter_bytes):>12}",
-        f"  buffers              {format_bytes(est.buffer_bytes):>12}",
-    ]
+    held = {"parameters": est.parameter_bytes, "buffers": est.buffer_bytes}
     if not est.inference:
-        lines += [
-            f"  gradients            {format_bytes(est.gradient_bytes):>12}",
-            f"  optimizer state      {format_bytes(est.optimizer_state_bytes):>12}",
-        ]
+        held.update({"gradients": est.gradient_bytes, "optimizer state": est.optimizer_state_bytes})
+    lines = [heading, *(f"  {name:<21}{format_bytes(size):>12}" for name, size in held.items())]
     batch = f"global batch {est.batch_size}" if global_batch else f"DataLoader batch {est.batch_size}"
     lines += [
         f"  per sample: {_per_sample(est)}",

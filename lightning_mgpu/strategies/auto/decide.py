@@ -46,7 +46,6 @@ from lightning_mgpu.strategies.auto.model_memory import (
 
 __all__ = [
     "PROCESS_GROUP_OPTIONS",
-    "RESUMING_STRATEGIES",
     "TAKES",
     "StrategyChoice",
     "decide",
@@ -56,9 +55,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-RESUMING_STRATEGIES = ("mgpu_ddp", "mgpu_fsdp")
-"""The choices that take ``resume``, ``checkpoint_every`` and ``requeue_on_failure``."""
 
 PROCESS_GROUP_OPTIONS = ("process_group_backend", "timeout", "stall_timeout")
 """What ``mgpu_auto`` takes for the process group of the strategy it becomes."""
