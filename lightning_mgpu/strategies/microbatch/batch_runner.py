@@ -28,7 +28,7 @@ import gc
 import logging
 import math
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,15 +176,14 @@ class MicroBatchRunner:
                 # unless the last agreement said that every rank runs this batch whole (its first attempt)
                 if lockstep is not None and not (self._whole_everywhere and not attempts):
                     parts = self._shared_parts(agreement, parts, rows, where)
-                tried = max(split_sizes(rows, parts))  # what runs: another rank may cut this one finer
-                watching = (
-                    lockstep.watching(agreement, (self.stage, parts))
-                    if lockstep is not None and self.sizes.auto
-                    else None
-                )
+                sizes = split_sizes(rows, parts)  # what runs: another rank may cut this one finer
+                tried = max(sizes)
+                watching: AbstractContextManager[None] = nullcontext()
+                if lockstep is not None and self.sizes.auto:
+                    watching = lockstep.watching(agreement, (self.stage, parts))
                 try:
-                    with watching or nullcontext():
-                        done = self._attempt(module, step, args, kwargs, rows, parts, accumulate)
+                    with watching:
+                        done = self._attempt(module, step, args, kwargs, sizes, accumulate)
                 except BaseException as err:
                     if not (self.sizes.auto and is_out_of_memory(err)):
                         self._metrics.forget()
@@ -252,11 +251,10 @@ class MicroBatchRunner:
         step: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        rows: int,
-        parts: int,
+        sizes: list[int],
         accumulate: int,
     ) -> _Done:
-        sizes = split_sizes(rows, parts)
+        rows = sum(sizes)
         device = self.strategy.root_device
         chunks = scatter_batch(args[0], sizes, [device] * len(sizes), self.feature, module)
         scaler = getattr(self.strategy.precision_plugin, "scaler", None)
