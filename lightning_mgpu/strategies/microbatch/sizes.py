@@ -8,21 +8,12 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 
 from lightning_mgpu._words import counted
 
-__all__ = ["MicroBatchSizes", "Shrink"]
+__all__ = ["MicroBatchSizes"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Shrink:
-    """What an out-of-memory error changed: the size that failed and the one to try next."""
-
-    old: int
-    new: int
 
 
 class MicroBatchSizes:
@@ -76,8 +67,8 @@ class MicroBatchSizes:
         if batch_rows >= self._largest_batch:
             self.last_rows = None if rows >= batch_rows else rows
 
-    def out_of_memory(self, tried: int) -> Shrink | None:
-        """Micro-batches of ``tried`` rows failed; ``None`` when that was already 1 row."""
+    def out_of_memory(self, tried: int) -> int | None:
+        """Micro-batches of ``tried`` rows failed: the rows to try next; ``None`` when it was 1 row."""
         self._clean = 0
         self.failed = tried if self.failed is None else min(self.failed, tried)
         if tried <= 1:
@@ -86,7 +77,7 @@ class MicroBatchSizes:
         log.debug(
             "out of memory with %s: next %d, never %d or more again", counted(tried, "row"), self.size, tried
         )
-        return Shrink(tried, self.size)
+        return self.size
 
     def succeeded(self) -> int | None:
         """A batch ran without error; returns the new size when this one made it grow."""

@@ -8,7 +8,7 @@ import numpy
 import pytest
 
 from lightning_mgpu.strategies.microbatch.mixin import check_micro_batch_size
-from lightning_mgpu.strategies.microbatch.sizes import MicroBatchSizes, Shrink
+from lightning_mgpu.strategies.microbatch.sizes import MicroBatchSizes
 
 
 def test_a_fixed_size_never_changes_and_caps_at_the_batch() -> None:
@@ -23,10 +23,10 @@ def test_a_fixed_size_never_changes_and_caps_at_the_batch() -> None:
 def test_auto_halves_on_out_of_memory_and_gives_up_at_one_row() -> None:
     sizes = MicroBatchSizes(None, auto=True)
     assert sizes.rows(12) == 12  # starts with the whole batch
-    assert sizes.out_of_memory(12) == Shrink(12, 6)
+    assert sizes.out_of_memory(12) == 6
     assert sizes.rows(12) == 6
-    assert sizes.out_of_memory(6) == Shrink(6, 3)
-    assert sizes.out_of_memory(3) == Shrink(3, 1)
+    assert sizes.out_of_memory(6) == 3
+    assert sizes.out_of_memory(3) == 1
     assert sizes.out_of_memory(1) is None
     assert sizes.failed == 1
 
@@ -55,7 +55,7 @@ def test_a_size_that_changes_nothing_is_not_a_growth() -> None:
 def test_the_rows_that_ran_are_recorded_and_never_tried_again() -> None:
     sizes = MicroBatchSizes(7, auto=True, grow_after=1)
     assert sizes.rows(8) == 4  # at most 7 rows: 8 rows run as 4 and 4
-    assert sizes.out_of_memory(sizes.rows(8)) == Shrink(4, 2)
+    assert sizes.out_of_memory(sizes.rows(8)) == 2
     assert sizes.failed == 4
     assert sizes.succeeded() == 3  # 3, 3 and 2 rows; 4 failed
     assert sizes.rows(8) == 3
