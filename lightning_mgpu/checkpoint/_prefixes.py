@@ -29,9 +29,9 @@ plain model's file: one child among several carrying ``module.`` is that child's
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
+from itertools import accumulate
 from typing import TypeVar
 
 from torch import nn
@@ -136,95 +136,66 @@ def plain_names(
         found, in the keys' own spelling and outermost first (``"module."``, ``"module._orig_mod."``).
     """
     known = None if wrappers is None else frozenset(wrappers)
-    walk = _Walk(frozenset(kinds), lightning, known, {}, [])
-    walk.visit([(key, key.split(".")) for key in keys], "", "", after_wrapper=False, whole=True)
-    return walk.names, walk.removed
+    keys = list(keys)
+    # how many keys lie below each prefix ("model.", "model.module.", ...)
+    below = Counter(p for key in keys for p in accumulate(f"{part}." for part in key.split(".")[:-1]))
+    below[""] = len(keys)
 
-
-@dataclass
-class _Walk:
-    """Names a state_dict one level of its name tree at a time: a wrapper, the only child where it
-    sits, is one of the ``known`` prefixes, or judged by position (module docstring) without them."""
-
-    kinds: frozenset[str]
-    lightning: bool
-    known: frozenset[str] | None
-    names: dict[str, str]
-    removed: list[str]
-
-    def visit(
-        self,
-        entries: list[tuple[str, list[str]]],
-        raw_prefix: str,
-        plain_prefix: str,
-        *,
-        after_wrapper: bool,
-        whole: bool,
-    ) -> None:
-        """Name the ``entries`` below ``raw_prefix``; ``whole``: this subtree is the whole state."""
-        groups: dict[str, list[tuple[str, list[str]]]] = {}
-        leaves = []
-        for key, parts in entries:
-            if len(parts) == 1:
-                leaves.append((key, parts[0]))
-            else:
-                groups.setdefault(parts[0], []).append((key, parts[1:]))
-        if not leaves and len(groups) == 1:
-            (child,) = groups
-            prefix = f"{raw_prefix}{child}."
-            reason = self._reason(prefix, child, plain_prefix, after_wrapper, whole)
-            if reason is not None:
-                logger.debug(
-                    "removed wrapper prefix %r: every key below %r goes through it, %s",
-                    prefix,
-                    raw_prefix or "the top",
-                    reason,
-                )
-                self.removed.append(prefix)
-                self.visit(groups[child], prefix, plain_prefix, after_wrapper=True, whole=whole)
-                return
-        for key, leaf in leaves:
-            self.names[key] = plain_prefix + leaf
-        # a top-level name is the whole state when it is the only one, or when it is an attribute of
-        # a LightningModule, whose other attributes (a loss's weights) say nothing about its model
-        siblings_whole = not plain_prefix and (self.lightning or (len(groups) == 1 and not leaves))
-        for child, sub in groups.items():
-            self.visit(
-                sub,
-                f"{raw_prefix}{child}.",
-                f"{plain_prefix}{child}.",
-                after_wrapper=False,
-                whole=siblings_whole,
-            )
-
-    def _reason(
-        self, prefix: str, child: str, plain_prefix: str, after_wrapper: bool, whole: bool
-    ) -> str | None:
-        """Why ``child`` (at ``prefix``) is a wrapper, or None when it is a model's own attribute."""
-        if self.known is not None:
-            return "a wrapper module holds it" if prefix in self.known else None
-        if child not in self.kinds:
+    def reason(part: str, prefix: str, plain: str, after_wrapper: bool, whole: bool) -> str | None:
+        """Why ``part`` (at ``prefix``), the only child where it sits, is a wrapper; None if it is not."""
+        if known is not None:
+            return "a wrapper module holds it" if prefix in known else None
+        if part not in kinds:
             return None
-        if child in _DISTINCTIVE:
+        if part in _DISTINCTIVE:
             return "a name only torch.compile gives"
         if after_wrapper:
             return "directly inside another wrapper"
-        if not plain_prefix:
+        if not plain:
             return "at the top"
-        top = plain_prefix[:-1]
+        top = plain[:-1]
         if "." in top or top.isdigit():
             return None  # inside a model's own layers: a block's attribute
         if not whole:
             logger.debug(
                 "kept %r under %r: other top-level entries sit beside %r, so it is the model's own attribute",
-                child,
+                part,
                 top,
                 top,
             )
             return None
         return f"directly under {top!r}, " + (
-            "a LightningModule attribute" if self.lightning else "the only top-level name"
+            "a LightningModule attribute" if lightning else "the only top-level name"
         )
+
+    names: dict[str, str] = {}
+    wrapper: dict[str, bool] = {}  # prefix -> whether it is a wrapper's, decided once, in order
+    for key in keys:
+        *parts, leaf = key.split(".")
+        raw = plain = ""
+        after_wrapper = whole = False
+        for part in parts:
+            prefix = f"{raw}{part}."
+            only = below[prefix] == below[raw]  # every key below ``raw`` goes through ``part``
+            if prefix not in wrapper:
+                why = reason(part, prefix, plain, after_wrapper, whole) if only else None
+                if why is not None:
+                    logger.debug(
+                        "removed wrapper prefix %r: every key below %r goes through it, %s",
+                        prefix,
+                        raw or "the top",
+                        why,
+                    )
+                wrapper[prefix] = why is not None
+            if not wrapper[prefix]:
+                if not plain:
+                    # a top-level name is the whole state when it is the only one, or when it is an attribute
+                    # of a LightningModule, whose other attributes (a loss's weights) say nothing of its model
+                    whole = lightning or only
+                plain += f"{part}."
+            after_wrapper, raw = wrapper[prefix], prefix
+        names[key] = plain + leaf
+    return names, [prefix for prefix, removed in wrapper.items() if removed]
 
 
 def strip_wrappers(
