@@ -5,11 +5,13 @@
 - ``memory_estimate.py``: the ``MemoryEstimate`` it returns, each strategy's peak from it (public);
 - ``report.py``: the estimate's one table, for ``str(estimate)`` and ``lightning-mgpu estimate``;
 - ``batch.py``: a batch's rows (Lightning's ``extract_batch_size``), its tensors, a resized copy;
-- ``measuring.py``: what both measurements share: copies of the module, byte counts, the result;
 - ``steps.py``: one warm-up and two measured training steps on copies of the module, or two
   measured forward passes under ``torch.no_grad()`` for inference;
+- ``optimizer_state.py``: the one counter of optimizer state (an optimizer copied and stepped);
+- ``model_state.py``: the model state a rank holds now, its shards beside the whole model's;
 - ``live_bytes.py``: the one counter of bytes held by live tensors, on any device including ``meta``,
-  and of bytes saved for backward (also used by ``mgpu_dp`` for each replica).
+  of a list of tensors' storages, and of bytes saved for backward (also used by ``mgpu_dp`` for each
+  replica).
 
 ``mgpu_fsdp``'s peak comes from its sharding plan and what it leaves on each device, which live with
 neither the estimate nor the strategy but in ``lightning_mgpu._sharding``, which both use.

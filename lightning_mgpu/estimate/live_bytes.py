@@ -6,6 +6,8 @@ while the storage lives). This is what a device's caching allocator would hold, 
 its rounding and cache, so it works on CPU and on meta tensors where no allocator
 statistics exist.
 
+``unique_bytes``: the bytes of a list of tensors' storages, each once.
+
 ``SavedBytes``: the bytes autograd keeps for backward, counted once per storage. The one
 counter of them: the estimate's activations per sample and ``mgpu_dp``'s per-replica
 ``replica_saved_bytes`` both come from it.
@@ -24,7 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_mgpu._compat.torch import TorchDispatchMode, tree_flatten
 
-__all__ = ["LiveBytes", "SavedBytes", "storage_of"]
+__all__ = ["LiveBytes", "SavedBytes", "storage_of", "unique_bytes"]
 
 
 def storage_of(t: torch.Tensor) -> Any | None:
@@ -32,6 +34,23 @@ def storage_of(t: torch.Tensor) -> Any | None:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # sparse and other layouts without one storage
         return None
+
+
+def unique_bytes(tensors: list[torch.Tensor], min_dim: int = 0) -> int:
+    """Bytes of the storages behind ``tensors``, each once (a view keeps its whole storage alive); tensors
+    under ``min_dim`` dimensions skipped, one without a storage (sparse) counted by its elements."""
+    seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+    total = 0
+    for t in tensors:
+        st = storage_of(t)
+        if t.dim() < min_dim or (st is not None and st in seen):
+            continue
+        if st is None:
+            total += t.numel() * t.element_size()
+        else:
+            seen[st] = True
+            total += int(st.nbytes())
+    return total
 
 
 class LiveBytes(TorchDispatchMode):

@@ -1,5 +1,7 @@
 """Optimizer state, one counter: for ``estimate_memory``, ``mgpu_auto`` and a step that runs out of memory.
 
+- ``meta_like``: a meta tensor of a parameter's shape, in the dtype measured (a ``DTensor`` by its global
+  shape); ``quiet_lightning``: Lightning's warnings about a module without a Trainer silenced;
 - ``module_optimizers``: the optimizers a module's ``configure_optimizers()`` returns (or the one given);
 - ``copy_optimizer``: the same optimizer, with the same settings, over copies of its parameters;
 - ``state_bytes``: the bytes of the state tensors optimizers hold on a device, each storage once,
@@ -18,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,14 +29,15 @@ import torch
 from torch import nn
 
 from lightning_mgpu.estimate.batch import tensors
-from lightning_mgpu.estimate.live_bytes import LiveBytes
-from lightning_mgpu.estimate.measuring import meta_like, quiet_lightning, unique_bytes
+from lightning_mgpu.estimate.live_bytes import LiveBytes, unique_bytes
 
 __all__ = [
     "OptimizerState",
     "copy_optimizer",
     "count_optimizer_state",
+    "meta_like",
     "module_optimizers",
+    "quiet_lightning",
     "state_bytes",
 ]
 
@@ -61,6 +65,24 @@ class OptimizerState:
     def counted(self) -> bool:
         """Whether an optimizer was found and its state counted (measured or from the known table)."""
         return bool(self.optimizer) and not self.note.startswith("not counted")
+
+
+def meta_like(t: torch.Tensor, dtype: torch.dtype | None, local: bool = False) -> torch.Tensor:
+    """A meta tensor of ``t``'s shape, in ``dtype`` if ``t`` is floating-point: a sharded ``DTensor`` by its
+    global shape, or by this rank's shard with ``local``."""
+    if local and hasattr(t, "to_local"):
+        t = t.to_local()
+    dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    return torch.empty(t.shape, dtype=dtype, device="meta").requires_grad_(t.requires_grad)
+
+
+@contextlib.contextmanager
+def quiet_lightning() -> Iterator[None]:
+    """Silence Lightning's warnings about a module used without a Trainer, which measuring does on purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*self\.trainer.*")
+        warnings.filterwarnings("ignore", message=r".*configure_optimizers.*")
+        yield
 
 
 def _found_in(conf: Any) -> list[torch.optim.Optimizer]:

@@ -41,9 +41,8 @@ from lightning_mgpu._compat.lightning import convert_precision_to_unified_args
 from lightning_mgpu._sharding.per_device import parameter_and_gradient_bytes, parameter_rows, unit_bytes
 from lightning_mgpu._sharding.plan import BlockClasses, plan_sharding
 from lightning_mgpu.devices import cuda_devices, parse_bytes
-from lightning_mgpu.estimate.measuring import meta_like
 from lightning_mgpu.estimate.memory_estimate import STRATEGIES, MemoryEstimate
-from lightning_mgpu.estimate.optimizer_state import OptimizerState
+from lightning_mgpu.estimate.optimizer_state import OptimizerState, meta_like
 from lightning_mgpu.estimate.steps import measure_steps
 from lightning_mgpu.precision import PRECISIONS, precision_names
 

@@ -16,22 +16,39 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
+from torch.func import functional_call
 
-from lightning_mgpu.estimate.batch import resized, tensors
-from lightning_mgpu.estimate.live_bytes import LiveBytes, SavedBytes
-from lightning_mgpu.estimate.measuring import (
-    fixed_and_slope,
-    forward_step,
-    make_copies,
-    quiet_lightning,
-    sample_sizes,
-    unique_bytes,
-)
+from lightning_mgpu.estimate.batch import batch_rows, resized, tensors
+from lightning_mgpu.estimate.live_bytes import LiveBytes, SavedBytes, unique_bytes
 from lightning_mgpu.estimate.memory_estimate import MemoryEstimate
-from lightning_mgpu.estimate.optimizer_state import copy_optimizer, module_optimizers, state_bytes
+from lightning_mgpu.estimate.optimizer_state import (
+    copy_optimizer,
+    meta_like,
+    module_optimizers,
+    quiet_lightning,
+    state_bytes,
+)
 
 __all__ = ["measure_steps"]
+
+
+class _StepCall(nn.Module):
+    """Lets ``functional_call`` run any step function, not only ``forward``."""
+
+    def __init__(self, module: nn.Module, step: Callable[[nn.Module, Any], Any]) -> None:
+        super().__init__()
+        self.module = module
+        self._step = step
+
+    def forward(self, batch: Any) -> Any:
+        return self._step(self.module, batch)
+
+
+def _forward_step(module: nn.Module, batch: Any) -> Any:
+    """The step of a plain ``nn.Module``: ``module(batch)``."""
+    return module(batch)
 
 
 def _lightning_step(hook: str, module: nn.Module, batch: Any) -> Any:
@@ -43,7 +60,7 @@ def _resolve_step(module: nn.Module, step_fn: Callable[[nn.Module, Any], Any] | 
         return step_fn
     hook = "predict_step" if inference else "training_step"
     if not hasattr(module, hook):
-        return forward_step
+        return _forward_step
     if not inference and getattr(module, "automatic_optimization", True) is False:
         raise ValueError(
             f"{type(module).__name__} uses manual optimization, so its training_step does not return a"
@@ -111,6 +128,33 @@ def _step(
     }
 
 
+def _copy(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` copied to the measuring ``device``, in ``dtype`` if floating-point."""
+    if device.type == "meta" and hasattr(t, "to_local"):
+        # a sharded parameter (a DTensor, under mgpu_fsdp) counts by its global shape
+        return meta_like(t, dtype)
+    dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    return t.detach().to(device=device, dtype=dtype, copy=True).requires_grad_(t.requires_grad)
+
+
+def _sample_sizes(sample_batch: Any) -> tuple[int, int]:
+    """The two batch sizes measured: the sample's, and half of it (or 2 for a sample of one row).
+
+    Raises:
+        ValueError: if the sample holds no tensor.
+    """
+    b1 = batch_rows(sample_batch)
+    if b1 is None:
+        raise ValueError("the sample batch holds no tensor: give one batch as the DataLoader yields it")
+    return b1, b1 // 2 if b1 >= 2 else 2
+
+
+def _fixed_and_slope(b1: int, v1: float, b2: int, v2: float) -> tuple[float, float]:
+    """``(fixed, slope)`` of the line ``fixed + slope * batch`` bytes through two measurements."""
+    slope = max(0.0, (v1 - v2) / (b1 - b2))
+    return v1 - slope * b1, slope
+
+
 def measure_steps(
     module: nn.Module,
     sample_batch: Any,
@@ -132,11 +176,26 @@ def measure_steps(
     """
     notes: list[str] = []
     step = _resolve_step(module, step_fn, inference)
-    b1, b2 = sample_sizes(sample_batch)
+    b1, b2 = _sample_sizes(sample_batch)
     originals = [] if inference else _resolve_optimizers(module, optimizer, notes)
-    copies, batch1 = make_copies(module, sample_batch, step, device, param_dtype, autocast_dtype)
-    params, static, call = copies.params, copies.static, copies.call
-    optimizers = [copy_optimizer(o, copies.leaf_of) for o in originals]
+    # the module's tensors, and the sample batch, copied to the measuring device in the precision measured
+    copy = functools.partial(_copy, device=device, dtype=param_dtype)
+    named = dict(module.named_parameters())
+    params = {name: copy(p) for name, p in named.items()}
+    buffers = {name: copy(b) for name, b in module.named_buffers()}
+    static = [*params.values(), *buffers.values()]
+    batch1 = apply_to_collection(sample_batch, torch.Tensor, copy)
+    optimizers = [copy_optimizer(o, {id(p): params[name] for name, p in named.items()}) for o in originals]
+    wrapper = _StepCall(module, step)
+    by_name = {f"module.{k}": v for k, v in {**params, **buffers}.items()}
+    autocast: Any = contextlib.nullcontext()
+    if autocast_dtype is not None:
+        autocast = torch.autocast(device.type, dtype=autocast_dtype)
+
+    def call(batch: Any) -> Any:  # the step on the copies: the module's own tensors stay as they were
+        with autocast:
+            return functional_call(wrapper, by_name, (batch,))
+
     tracker = LiveBytes(device)
     tracker.track_all(static + tensors(batch1))
     # state some optimizers create when built (Adagrad's sums), before the counter started
@@ -165,7 +224,7 @@ def measure_steps(
             m2 = run(batch2)
     finally:
         module.train(was_training)
-    line = {key: fixed_and_slope(b1, m1[key], b2, m2[key]) for key in m1}
+    line = {key: _fixed_and_slope(b1, m1[key], b2, m2[key]) for key in m1}
     return MemoryEstimate(
         model=type(module).__name__,
         batch_size=b1,
@@ -175,7 +234,7 @@ def measure_steps(
         precision=precision,
         optimizer=", ".join(type(o).__name__ for o in originals) or "none",
         parameter_bytes=unique_bytes(list(params.values())),
-        buffer_bytes=unique_bytes(list(copies.buffers.values())),
+        buffer_bytes=unique_bytes(list(buffers.values())),
         gradient_bytes=unique_bytes([p.grad for p in params.values() if p.grad is not None]),
         optimizer_state_bytes=state_bytes(optimizers, device),
         batch_bytes_per_sample=line["batch"][1],
