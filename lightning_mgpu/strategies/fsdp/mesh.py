@@ -35,12 +35,8 @@ def _alive(mesh: DeviceMesh) -> bool:
     return True
 
 
-def _same(a: DeviceMesh, b: DeviceMesh) -> bool:
-    return (a.device_type, a.mesh_dim_names, a.mesh.tolist()) == (
-        b.device_type,
-        b.mesh_dim_names,
-        b.mesh.tolist(),
-    )
+def _layout(mesh: DeviceMesh) -> tuple[object, ...]:
+    return mesh.device_type, mesh.mesh_dim_names, mesh.mesh.tolist()
 
 
 def shared_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -54,7 +50,7 @@ def shared_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """
     global _SHARED
     shared = _SHARED
-    if shared is None or shared is mesh or not _same(shared, mesh) or not _alive(shared):
+    if shared is None or shared is mesh or _layout(shared) != _layout(mesh) or not _alive(shared):
         _SHARED = mesh
         return mesh
     kept = {id(group) for group in shared.get_all_groups()} | {id(dist.GroupMember.WORLD)}
