@@ -41,7 +41,7 @@ from lightning_mgpu.checkpoint._report import reason
 from lightning_mgpu.checkpoint._safetensors import read_safetensors
 from lightning_mgpu.checkpoint._zip_check import Archive, ArchiveCheck
 
-__all__ = ["LoadedFile", "read_file", "sniff"]
+__all__ = ["LoadedFile", "read_file"]
 
 _ZIP_MAGIC = b"PK\x03\x04"
 _PICKLE_PROTO = 0x80
@@ -58,19 +58,6 @@ class LoadedFile:
     metadata: dict[str, str] = field(default_factory=dict)
     mapped: MappedFile | None = None
     check: ArchiveCheck | None = None  # a torch zip file's CRC-32 check, run by who reads the tensors
-
-
-def sniff(path: Path) -> str | None:
-    """``"torch zip"``, ``"torch legacy"``, ``"safetensors"``, or None for anything else."""
-    with open(path, "rb") as f:
-        head = f.read(9)
-    if head.startswith(_ZIP_MAGIC):
-        return "torch zip"
-    if head[8:9] == b"{":  # 8-byte header length, then the JSON header
-        return "safetensors"
-    if head[:1] == bytes([_PICKLE_PROTO]):
-        return "torch legacy"
-    return None
 
 
 def read_file(
@@ -92,10 +79,15 @@ def read_file(
         raise IsADirectoryError(f"{path} is a folder, not a checkpoint file")
     if path.stat().st_size == 0:
         raise ValueError(f"{path} is empty: it is truncated or was never written")
-    kind = sniff(path)
-    if kind is None:
-        with open(path, "rb") as f:
-            head = f.read(16)
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if head.startswith(_ZIP_MAGIC):
+        kind = "torch zip"
+    elif head[8:9] == b"{":  # 8-byte header length, then the JSON header
+        kind = "safetensors"
+    elif head[:1] == bytes([_PICKLE_PROTO]):
+        kind = "torch legacy"
+    else:
         raise ValueError(
             f"{path} is not a checkpoint: expected a file written by torch.save (.pt, .pth, .ckpt) "
             f"or a .safetensors file, but it starts with {head!r}"
@@ -253,9 +245,8 @@ def _missing_class_message(path: Path, err: _MissingClassError) -> str:
 
 
 def _all_unsafe_globals(path: Path) -> list[str]:
-    """Every global the weights-only unpickler would refuse (torch only names the first one)."""
-    if sniff(path) != "torch zip":
-        return []
+    """Every global the weights-only unpickler would refuse (torch only names the first one); none
+    for a legacy file, which torch does not look into."""
     try:
         with _hyperparameters_allowed(True):
             return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
