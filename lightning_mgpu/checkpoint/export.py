@@ -29,12 +29,7 @@ from lightning_mgpu.checkpoint.inspect import suggested_output
 __all__ = ["ExportReport", "export_state_dict", "exported_state_dict"]
 
 _FORMATS = {"safetensors": "safetensors", "pt": "pt", "pth": "pt", "bin": "pt", "ckpt": "pt"}
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
+_DTYPES = ("float32", "float16", "bfloat16", "float64")  # dtype= by name: torch's names for them
 
 
 @dataclass
@@ -119,7 +114,7 @@ def _choose_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
         return dtype
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
+    return getattr(torch, dtype)
 
 
 def export_state_dict(
@@ -205,7 +200,7 @@ def export_state_dict(
     kept_attributes = {top: count for top, count in split_top(state_dict).items() if top in plain.kept}
     if isinstance(src.mapped, ShardedFolder):  # placeholders: the writer reads them one by one
         src.check = src.mapped.record_check(state_dict)
-        state_dict, to_dtype = src.mapped.prepare(state_dict, to_dtype, stream=fmt == "safetensors"), None
+        state_dict = src.mapped.prepare(state_dict, to_dtype, stream=fmt == "safetensors")
     if to_dtype is not None:
         state_dict = _cast(state_dict, to_dtype)
     if prefix:
