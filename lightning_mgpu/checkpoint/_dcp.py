@@ -144,7 +144,7 @@ class ShardedFolder:
         """The state_dict to write: placeholders cast to ``dtype`` if ``stream``, else every tensor read.
 
         A streamed placeholder keeps its slot, so :meth:`copy_to` still knows what it stands for;
-        saved objects are read.
+        saved objects are read. Tensors read are left in their dtype, for the caller to cast.
         """
         out: OrderedDict[str, Any] = OrderedDict()
         for name, value in state_dict.items():
@@ -156,8 +156,6 @@ class ShardedFolder:
                 value = self.read(value)
             elif isinstance(value, Stored):
                 value = self._read_object(value.key)
-            if dtype is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
-                value = value.to(dtype)
             out[name] = value
         return out
 
