@@ -44,7 +44,6 @@ class ShardedNeed:
         largest_unit: The largest unit's parameters, gathered whole for its forward and backward.
         world: Number of processes the state is sharded over.
         offloaded: Whether the shards live in CPU memory (``cpu_offload=True``).
-        gradients: The part of ``state`` that is gradients (also what DDP's buckets hold).
         optimizer_state: The part of ``state`` that is optimizer state (0: not counted).
         rows: ``parameter_rows`` of the model: the padding of dim 0 weighs on every shard; without
             them the state divides evenly.
@@ -54,7 +53,6 @@ class ShardedNeed:
     largest_unit: int
     world: int
     offloaded: bool = False
-    gradients: int = 0
     optimizer_state: int = 0
     rows: tuple[tuple[int, int], ...] = ()
 
@@ -73,7 +71,6 @@ class ShardedNeed:
         """The fewest processes whose devices hold this state; ``None`` when no count can."""
         if self.offloaded:
             return 1 if self.largest_unit < device_memory else None
-
         return fewest_devices(lambda n: self.shards(n) + self.largest_unit <= device_memory)
 
 
@@ -185,7 +182,6 @@ def sharded_need(
         largest_unit=max(units),
         world=world,
         offloaded=offloaded,
-        gradients=gradients,
         optimizer_state=optimizer_state,
         rows=rows,
     )
