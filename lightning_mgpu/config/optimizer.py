@@ -192,7 +192,8 @@ def build_optimizer(params: Iterable[Any], section: Mapping[str, Any] | None) ->
     kwargs = {k: cfg[k] for k in _SECTION_ARGS if k in takes}
     kwargs.update(cfg["kwargs"])
     left_out = [k for k in _SECTION_ARGS if k not in takes] or "nothing"
-    log.debug("optimizer %s with %s (left out, not in its signature: %s)", cls, kwargs, left_out)
+    used = f"{cls.__module__}.{cls.__qualname__} for {cfg['_component_']!r} with {kwargs}"
+    log.debug("optimizer %s (left out, not in its signature: %s)", used, left_out)
     return cls(params, **kwargs)
 
 
