@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
 from torchmetrics import Metric
 
 from lightning_mgpu._compat.torch import ORIG_MOD
@@ -46,14 +47,6 @@ def metric_paths(module: nn.Module) -> list[str]:
     return paths
 
 
-def _move(state: Any, device: torch.device) -> Any:
-    if isinstance(state, torch.Tensor):
-        return state.to(device)
-    if isinstance(state, list):
-        return [_move(s, device) for s in state]
-    return state
-
-
 def _reduce(metric: Metric, earlier: dict[str, Any]) -> None:
     merge_state = getattr(metric, "merge_state", None)
     if merge_state is not None and metric.full_state_update is False and not metric.dist_sync_on_step:
@@ -75,7 +68,7 @@ def merge_in_order(metric: Metric, parts: Sequence[Metric]) -> None:
         names = state_names(metric)
         earlier = {name: getattr(metric, name) for name in names}
         for name in names:
-            setattr(metric, name, _move(getattr(part, name), device))
+            setattr(metric, name, apply_to_collection(getattr(part, name), Tensor, Tensor.to, device))
         set_update_count(metric, update_count(metric) + 1)  # mean states weigh each merged part once
         _reduce(metric, earlier)
     # the module's metric saw as many updates as one device would have made
