@@ -16,7 +16,7 @@ known cause); otherwise the names are compared as they are, so the error shows t
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from lightning_mgpu.checkpoint._prefixes import split_top
@@ -41,6 +41,10 @@ class Mapping:
 
     def apply(self, key: str) -> str:
         return self.add + key[len(self.strip) :]
+
+    def names(self, keys: Iterable[str]) -> set[str]:
+        """The model names the ``keys`` this mapping covers become."""
+        return {self.apply(k) for k in keys if self.covers(k)}
 
     def describe(self) -> str:
         parts = []
@@ -87,7 +91,7 @@ def match_names(
         return Mapping()
     scored = []
     for mapping in _candidates(source, target_set):
-        mapped = {mapping.apply(k) for k in source if mapping.covers(k)}
+        mapped = mapping.names(source)
         scored.append((len(mapped & target_set), mapped == target_set, mapping))
     exact = [m for _, is_exact, m in scored if is_exact]
     if same_shape is not None and len(exact) > 1:

@@ -126,7 +126,7 @@ def load_state_dict(
     else:
         lightning = (src.lightning and not submodule, is_lightning_module(model))
         mapping = _match(source_sd, target, lightning)
-        if src.wrappers is None and not _fits(source_sd, target, mapping):
+        if src.wrappers is None and mapping.names(source_sd) != set(target):
             other = _attributes_reading(src, submodule, target, lightning, removed)
             if other is not None:
                 plain, mapping = other
@@ -159,10 +159,12 @@ def _match(
     def same_shape(source_name: str, target_name: str) -> bool:
         return getattr(source[source_name], "shape", None) == getattr(target[target_name], "shape", None)
 
+    tops = list(split_top(source))
+    hint = f"Pass submodule={tops[0]!r} (or another of {', '.join(tops)}) to choose." if tops else ""
     return match_names(
         list(source),
         list(target),
-        _submodule_hint(source),
+        hint,
         source_lightning=lightning[0],
         target_lightning=lightning[1],
         same_shape=same_shape,
@@ -184,11 +186,7 @@ def _attributes_reading(
         mapping = _match(plain.state_dict, target, lightning)
     except (KeyError, ValueError):
         return None
-    return (plain, mapping) if _fits(plain.state_dict, target, mapping) else None
-
-
-def _fits(source: OrderedDict[str, Any], target: OrderedDict[str, Any], mapping: Mapping) -> bool:
-    return {mapping.apply(k) for k in source if mapping.covers(k)} == set(target)
+    return (plain, mapping) if mapping.names(plain.state_dict) == set(target) else None
 
 
 def _pair_by_name(
@@ -279,13 +277,6 @@ def _shape_mismatch(key: str, value: Any, name: str, expected: Any, report: Load
     return True
 
 
-def _submodule_hint(source: OrderedDict[str, Any]) -> str:
-    tops = list(split_top(source))
-    if not tops:
-        return ""
-    return f"Pass submodule={tops[0]!r} (or another of {', '.join(tops)}) to choose."
-
-
 def _failure(
     model: nn.Module,
     report: LoadReport,
@@ -294,22 +285,7 @@ def _failure(
     by_order: bool,
     several: bool,
 ) -> str:
-    lines = [
-        f"cannot load {report.source} into {type(model).__name__} with strict=True:",
-        *report.problem_lines(),
-    ]
-    lines += [f"hint: {hint}" for hint in _hints(report, source, target, by_order, several)]
-    lines.append(_STRICT_FALSE)
-    return "\n".join(lines)
-
-
-def _hints(
-    report: LoadReport,
-    source: OrderedDict[str, Any],
-    target: OrderedDict[str, Any],
-    by_order: bool,
-    several: bool,
-) -> list[str]:
+    """The strict failure's message: the problems, a hint for each known cause, the way out."""
     hints = []
     for wrapper, who in WRAPPERS.items():
         through = [k for k in report.unexpected if k.startswith(f"{wrapper}.")]
@@ -334,4 +310,6 @@ def _hints(
                 "the names differ but the shapes match one by one in order: "
                 "by_order=True pairs entries by position"
             )
-    return hints
+    lines = [f"cannot load {report.source} into {type(model).__name__} with strict=True:"]
+    lines += [*report.problem_lines(), *(f"hint: {hint}" for hint in hints), _STRICT_FALSE]
+    return "\n".join(lines)
