@@ -196,10 +196,7 @@ def summary(cfg: RunConfig, trainer: L.Trainer, run_dir: Path, seconds: float) -
     if metrics:
         lines.append("metrics:")
         width = max(len(k) for k in metrics)
-        lines += [
-            f"  {k:<{width}}  {v:.4f}"
-            for k, v in sorted(metrics.items(), key=lambda kv: _metric_order(kv[0]))
-        ]
+        lines += [f"  {k:<{width}}  {metrics[k]:.4f}" for k in sorted(metrics, key=_metric_order)]
     lines.append(f"written to {run_dir}/:")
     lines += [f"  {line}" for line in _describe_files(trainer, run_dir)]
     lines += _time_lines(trainer)
