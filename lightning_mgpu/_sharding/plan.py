@@ -64,8 +64,7 @@ class ShardingPlan:
         names = list(self.blocks[:limit])
         if len(self.blocks) > limit:
             names.append(f"{len(self.blocks) - limit} more")
-        names.append("the root")
-        listed = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+        listed = f"{', '.join(names)} and the root" if names else "the root"
         return f"{self.units} unit(s): {listed}"
 
 
@@ -147,13 +146,8 @@ def validate_block_classes(block_classes: object) -> tuple[str | type[nn.Module]
 
 def _matches(module: nn.Module, wanted: Sequence[str | type[nn.Module]]) -> bool:
     cls = type(module)
-    dotted = f"{cls.__module__}.{cls.__qualname__}"
-    for item in wanted:
-        if isinstance(item, type) and isinstance(module, item):
-            return True
-        if isinstance(item, str) and item in (cls.__name__, cls.__qualname__, dotted):
-            return True
-    return False
+    names = (cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}")
+    return any(isinstance(module, item) if isinstance(item, type) else item in names for item in wanted)
 
 
 def _missing_classes_message(module: nn.Module, wanted: Sequence[str | type[nn.Module]]) -> str:
