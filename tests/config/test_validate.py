@@ -191,6 +191,8 @@ def test_optimizer_class_path_typos_are_named_before_anything_runs() -> None:
         "optimizer.kwargs.betaz: torch.optim.AdamW takes no argument betaz; did you mean betas?",
         "optimizer.kwargs.lr: set it as optimizer.lr, the section's own key",
     ]
+    (far,) = problems(["optimizer.kwargs.qqqq=1"])  # nothing close: what the class takes
+    assert far.startswith("optimizer.kwargs.qqqq: torch.optim.AdamW takes no argument qqqq; it takes lr, ")
     assert problems(["optimizer._component_=sgd", "optimizer.nesterov=true"]) == [
         "optimizer.nesterov: an argument of torch.optim.SGD; write it under kwargs: optimizer.kwargs.nesterov"
     ]
@@ -244,6 +246,9 @@ def test_strategy_options_are_checked_against_the_strategy_class_all_at_once() -
         "trainer.max_epoch: unknown key; did you mean trainer.max_epochs?",
         "trainer.strategy.stall_timout: mgpu_ddp takes no option stall_timout; did you mean stall_timeout?",
     ]
+    (far,) = problems([*ddp, "trainer.strategy.qqqq=1"])  # nothing close: what the strategy takes
+    assert far.startswith("trainer.strategy.qqqq: mgpu_ddp takes no option qqqq; it takes ")
+    assert "stall_timeout" in far
     stall, timeout = problems([*ddp, "trainer.strategy.stall_timeout=sixty", "trainer.strategy.timeout=[1]"])
     assert stall == "trainer.strategy.stall_timeout: expected a number or null, got 'sixty'"
     # a timedelta, in a config's words
