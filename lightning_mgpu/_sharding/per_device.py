@@ -12,6 +12,7 @@ meta device count by their shapes, so a model too large to build anywhere is mea
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
@@ -82,11 +83,7 @@ def fewest_devices(fits: Callable[[int], bool]) -> int | None:
     """
     if not fits(_MOST_DEVICES):
         return None
-    low, high = 1, _MOST_DEVICES  # binary search for the first fit
-    while low < high:
-        middle = (low + high) // 2
-        low, high = (low, middle) if fits(middle) else (middle + 1, high)
-    return low
+    return 1 + bisect.bisect_left(range(1, _MOST_DEVICES + 1), True, key=fits)  # the first count that fits
 
 
 def _bytes(module: nn.Module, gather_itemsize: int | None, skip: Collection[int] = ()) -> int:

@@ -244,7 +244,7 @@ def _nothing_fits(est: MemoryEstimate, rows: list[StrategyRow]) -> list[str]:
     if len(refused) < len(rows):
         return [f"  {', '.join(refused)}: not even one sample per device fits in {memory}."]
     need = min(est.peak(row.strategy, per_device_batch=1) for row in rows)
-    model = est.parameter_bytes + est.buffer_bytes + est.gradient_bytes + est.optimizer_state_bytes
+    model = est.model_state_bytes + est.buffer_bytes
     held = "parameters and buffers" if est.inference else "parameters, gradients and optimizer state"
     lines = [
         f"  Nothing fits: one sample per device needs {format_bytes(need)},"
