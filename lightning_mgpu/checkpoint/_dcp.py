@@ -153,7 +153,7 @@ class ShardedFolder:
                 cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
                 value = self._placeholder(_offset(value), cast, tuple(value.shape))
             elif key is not None:
-                value = self.read(value)
+                value = self._assemble(key)
             elif isinstance(value, Stored):
                 value = self._read_object(value.key)
             out[name] = value
@@ -169,13 +169,6 @@ class ShardedFolder:
                 holds = f"{key!r}, chunk at {list(chunk.offsets)}"
                 archives.append(Archive(self.path / record.file, record.offset, record.length, holds))
         return ArchiveCheck(archives)
-
-    def read(self, placeholder: torch.Tensor) -> torch.Tensor:
-        """The full tensor a placeholder stands for, in the placeholder's dtype, on the CPU."""
-        key = self._key(placeholder)
-        if key is None:
-            return placeholder
-        return self._assemble(key).to(placeholder.dtype)
 
     def _assemble(self, key: str, *, reuse: bool = False) -> torch.Tensor:
         """The tensor of entry ``key``, its values read from every chunk.
@@ -262,9 +255,9 @@ class ShardedFolder:
                     objects[name] = self._read_object(value.key)
             self.record_check(state_dict).verify()
             for name, value in state_dict.items():
-                if isinstance(value, torch.Tensor):
-                    value = self.read(value)
-                model.load_state_dict({name: objects.get(name, value)}, strict=False)
+                key = self._key(value)
+                tensor = self._assemble(key) if key is not None else objects.get(name, value)
+                model.load_state_dict({name: tensor}, strict=False)
         finally:
             self.close()
 
