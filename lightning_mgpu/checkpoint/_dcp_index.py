@@ -72,11 +72,6 @@ def read_index(folder: Path, *, trust_pickle: bool = False) -> Index:
         ValueError: the index is truncated, corrupt or crafted, or a file it names is too short or
             not a regular file; the message names the file and the entry.
     """
-    loaded = _unpickle(folder, trust_pickle)
-    return check_index(folder, loaded)
-
-
-def _unpickle(folder: Path, trust_pickle: bool) -> Any:
     index = folder / METADATA
     shards = sorted(p.name for p in folder.glob("*.distcp"))
     if not index.exists():
@@ -101,7 +96,7 @@ def _unpickle(folder: Path, trust_pickle: bool) -> Any:
         ) from None
     try:
         stream = io.BytesIO(data)
-        return pickle.load(stream) if trust_pickle else _MetadataUnpickler(stream).load()
+        loaded = pickle.load(stream) if trust_pickle else _MetadataUnpickler(stream).load()
     except pickle.UnpicklingError as err:
         if "is not part of" in str(err):
             raise ValueError(
@@ -113,3 +108,4 @@ def _unpickle(folder: Path, trust_pickle: bool) -> Any:
         raise ValueError(f"{index} is truncated or corrupt: {err}") from None
     except Exception as err:  # a crafted pickle fails in as many ways as the classes it may call
         raise ValueError(f"{index} is truncated or corrupt: {str(err) or type(err).__name__}") from None
+    return check_index(folder, loaded)
