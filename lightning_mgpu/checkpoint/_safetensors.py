@@ -114,17 +114,16 @@ def write_safetensors(
         blob = save({k: v.contiguous() for k, v in tensors.items()}, metadata=dict(metadata))
         file.write(blob)
         return len(blob)
-    for name, tensor in tensors.items():
-        if tensor.dtype not in _DTYPES:
-            raise ValueError(
-                f"safetensors cannot store {name!r} of dtype {tensor.dtype}; export with format='pt' instead"
-            )
     # largest elements first keeps every tensor aligned, as the safetensors library does
     names = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
     header: dict[str, Any] = {}
     offset = 0
-    for name in names:
+    for name in names:  # the whole header is made before anything is written
         tensor = tensors[name]
+        if tensor.dtype not in _DTYPES:
+            raise ValueError(
+                f"safetensors cannot store {name!r} of dtype {tensor.dtype}; export with format='pt' instead"
+            )
         size = tensor.numel() * tensor.element_size()
         header[name] = {
             "dtype": _DTYPES[tensor.dtype],
