@@ -6,6 +6,7 @@
   ``time_report.py``: its verdict, table and JSON;
 - ``export.py``: ``PlainStateDictExport``;
 - ``predictions.py``: ``PredictionCSV``, the runner's ``predictions.csv``;
-- ``_distributed.py``: the object all-gather the callbacks share;
-- ``_report.py``: the monitors' lines at the start and tables at the end of ``fit``, one block for all.
+- ``_monitor.py``: what both monitors share: their arguments, every rank's rows gathered to rank 0,
+  their lines at the start and tables at the end of ``fit`` logged as one block;
+- ``_distributed.py``: the object all-gather the callbacks share.
 """

@@ -11,13 +11,12 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_mgpu.callbacks import _report
 from lightning_mgpu.callbacks import memory_report as report
-from lightning_mgpu.callbacks._distributed import InFlightGather, all_gather_objects
+from lightning_mgpu.callbacks._distributed import all_gather_objects
+from lightning_mgpu.callbacks._monitor import Monitor, logging_step
 from lightning_mgpu.callbacks.memory_readings import (
     PlannedReading,
     device_label,
@@ -38,7 +37,7 @@ __all__ = ["DeviceMemoryMonitor"]
 log = logging.getLogger(__name__)
 
 
-class DeviceMemoryMonitor(Callback):
+class DeviceMemoryMonitor(Monitor):
     """Logs the memory of every device a run trains on, explains imbalance and out-of-memory failures.
 
     - Under ``mgpu_dp`` it reads every replica's device from the one process; under
@@ -115,17 +114,13 @@ class DeviceMemoryMonitor(Callback):
     ) -> None:
         if every_n_steps is not None and (not isinstance(every_n_steps, int) or every_n_steps < 1):
             raise ValueError(f"every_n_steps must be a positive integer or None, got {every_n_steps!r}")
-        if not isinstance(flush_every_n_steps, int) or flush_every_n_steps < 1:
-            raise ValueError(f"flush_every_n_steps must be a positive integer, got {flush_every_n_steps!r}")
+        super().__init__(flush_every_n_steps, summary_file, print_summary)
         if not imbalance_threshold >= 1.0:
             raise ValueError(
                 f"imbalance_threshold must be at least 1.0 (balanced), got {imbalance_threshold!r}"
             )
         self.every_n_steps = every_n_steps
-        self.flush_every_n_steps = flush_every_n_steps
         self.imbalance_threshold = float(imbalance_threshold)
-        self.summary_file = summary_file
-        self.print_summary = print_summary
         self.summary = Summary()
         self.latest: list[Reading] = []
         self._every = 1
@@ -133,22 +128,19 @@ class DeviceMemoryMonitor(Callback):
         self._firsts: list[list[Reading]] | None = None  # every rank's first readings: what its vectors hold
         self._device_plan: list[PlannedReading] | None = None
         self._meter = ModelStateMeter()
-        self._gather = InFlightGather()  # tagged with the steps of its readings
-        self._buffer: list[tuple[int, list[Reading]]] = []  # (step, readings) not handed over yet
         self._flushed_at = 0
+        self._width = 0  # numbers in the widest rank's row
         self._warned = False
         self._rows: int | None = None
         self._step_at_start = 0
         self._largest_ok: int | None = None
-        self.report_parts = _report.Parts()
-        self._start_line: str | None = None
 
     # ------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
-        _report.expect(self)  # before any monitor's on_train_start: one report with the others
         self._every = self.every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 50)))
         if not trainer.loggers:
             rank_zero_warn(
@@ -164,10 +156,9 @@ class DeviceMemoryMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._batches = 0
         self._device_plan = None
-        self._gather = InFlightGather()
-        self._buffer = []
         self._flushed_at = 0
-        self._firsts = all_gather_objects(trainer, self._read(trainer, reset_peak=False))
+        self._firsts = self._open(trainer, self._read(trainer, reset_peak=False))
+        self._width = max(sum(r.width for r in first) for first in self._firsts)
         # what the OOM guidance shows of the other ranks until the first gather
         self.latest = [r for rank in self._firsts for r in rank]
         self._start_line = (  # given at the first batch, below the strategy's start-up summary
@@ -180,9 +171,7 @@ class DeviceMemoryMonitor(Callback):
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._start_line is not None:
-            _report.give(trainer, self, "start", self._start_line)
-            self._start_line = None
+        self._give_start(trainer)
         # a gather started at the end of the last step ran while this batch was fetched
         self._finish_gather(trainer)
         self._rows = batch_rows(batch)
@@ -204,25 +193,26 @@ class DeviceMemoryMonitor(Callback):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._firsts is None:
-            _report.give_end(trainer, self, None, None)
+            self._give_end(trainer, None, None)
             return
         if self._batches % self._every != 0:  # include the peaks since the last log
             self._collect_and_log(trainer, last=True)
-        elif self._buffer:
-            self._flush(trainer)
-        self._finish_gather(trainer)
+        elif self._kept:
+            self._hand_over(trainer)
+        self._close(trainer)
         self.summary.micro_batches = micro_batch_sizes(trainer)  # a gather, when micro-batching
         rows, sizes = list(self.summary.devices.values()), self.summary.micro_batches
         table = report.table(rows, "Device memory over the fit (peaks):", sizes) if rows else None
-        _report.give_end(trainer, self, table, self.summary.as_json() if rows else None)
+        self._give_end(trainer, table, self.summary.as_json() if rows else None)
 
     # ------------------------------------------------------------------ OOM
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if self._firsts is not None and len(self._firsts) == 1 and self._buffer:
+        if self._group is None and self._kept:
             # the readings up to the failure, for the plot; under DDP a gather could hang now
             with contextlib.suppress(Exception):
-                self._flush(trainer)
+                self._hand_over(trainer)
+        super().on_exception(trainer, pl_module, exception)
         if not is_out_of_memory(exception):
             log.debug("not an out-of-memory error, no guidance: %s", type(exception).__name__)
             return
@@ -286,43 +276,19 @@ class DeviceMemoryMonitor(Callback):
         own logging used for that batch. Every rank counts the same batches, so they all
         reach each gather together.
         """
-        self._buffer.append((_report.logging_step(trainer, last), self._read(trainer, reset_peak=True)))
-        if last or self._batches - self._flushed_at >= self.flush_every_n_steps:
-            self._flush(trainer)
+        readings = self._read(trainer, reset_peak=True)
+        row = [x for r in readings for x in r.vector()]
+        row += [math.nan] * (self._width - len(row))  # every rank's as long as the widest rank's
+        due = last or self._batches - self._flushed_at >= self.flush_every_n_steps
+        if due:
+            self._flushed_at = self._batches
+        self._keep(trainer, logging_step(trainer, last), row, hand_over=due)
 
-    def _flush(self, trainer: Trainer) -> None:
-        """Use the buffered readings: here in one process, after an asynchronous all-gather under DDP."""
-        buffered, self._buffer, self._flushed_at = self._buffer, [], self._batches
-        if self._firsts is None or len(self._firsts) == 1:
-            for step, readings in buffered:
-                self._use(trainer, readings, step)
-            return
-        self._finish_gather(trainer)
-        width = max(sum(r.width for r in first) for first in self._firsts)
-        rows = []
-        for _, readings in buffered:
-            vec = [x for r in readings for x in r.vector()]
-            rows.append(vec + [math.nan] * (width - len(vec)))
-        steps = [step for step, _ in buffered]
-        self._gather.start(rows, steps, device=trainer.strategy.root_device)
-
-    def _finish_gather(self, trainer: Trainer) -> None:
-        """Wait for the gather started last (usually done by now) and use its readings, oldest first."""
-        gathered = self._gather.finish()
-        if gathered is None or self._firsts is None:
-            return
-        tables, steps = gathered
-        for i, step in enumerate(steps):
-            readings = []
-            for firsts, table in zip(self._firsts, tables, strict=True):
-                row, offset = table[i], 0
-                for first in firsts:
-                    readings.append(first.from_vector(row[offset : offset + first.width]))
-                    offset += first.width
-            self._use(trainer, readings, step)
-
-    def _use(self, trainer: Trainer, readings: list[Reading], step: int) -> None:
+    @override
+    def _use(self, trainer: Trainer, step: int, rows: list[list[float]]) -> None:
         """Summarize, check the balance of and log one reading of every device."""
+        ranks = zip(self._firsts or [], rows, strict=True)
+        readings = [reading for firsts, row in ranks for reading in report.from_row(firsts, row)]
         ratio, fullest = report.imbalance(readings)
         self.latest = readings
         self.summary.update(readings, ratio)

@@ -6,6 +6,7 @@ without a device that shows the problem.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -50,6 +51,12 @@ class Reading:
         """This device's reading from its numbers (as ``vector`` gives them)."""
         n = len(FIELDS[self.kind])
         return replace(self, values=dict(zip(FIELDS[self.kind], vec[:n], strict=True)), rows=vec[n])
+
+
+def from_row(firsts: list[Reading], row: list[float]) -> list[Reading]:
+    """A rank's readings from its row of numbers (each reading's ``vector`` in turn), named as ``firsts``."""
+    numbers = iter(row)
+    return [first.from_vector(list(itertools.islice(numbers, first.width))) for first in firsts]
 
 
 def metrics(readings: list[Reading]) -> dict[str, float]:

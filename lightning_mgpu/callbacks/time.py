@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any
 
-import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_mgpu.callbacks import _report
 from lightning_mgpu.callbacks import time_report as report
-from lightning_mgpu.callbacks._distributed import InFlightGather
+from lightning_mgpu.callbacks._monitor import Monitor, logging_step
 from lightning_mgpu.callbacks.memory_readings import plan_readings
 from lightning_mgpu.callbacks.time_clocks import CudaStep, StepTimer, attach_timer
 from lightning_mgpu.callbacks.time_report import RankTime
@@ -22,7 +18,7 @@ from lightning_mgpu.estimate.batch import batch_rows
 __all__ = ["DeviceTimeMonitor"]
 
 
-class DeviceTimeMonitor(Callback):
+class DeviceTimeMonitor(Monitor):
     """Times every rank's data loading, work and waiting for the others, and names the rank that is slow.
 
     Per rank and training batch, three phases, summed:
@@ -93,22 +89,14 @@ class DeviceTimeMonitor(Callback):
         summary_file: str | None = "time_summary.json",
         print_summary: bool = True,
     ) -> None:
-        if not isinstance(flush_every_n_steps, int) or flush_every_n_steps < 1:
-            raise ValueError(f"flush_every_n_steps must be a positive integer, got {flush_every_n_steps!r}")
-        self.flush_every_n_steps = flush_every_n_steps
-        self.summary_file = summary_file
-        self.print_summary = print_summary
+        super().__init__(flush_every_n_steps, summary_file, print_summary)
         self.totals: list[RankTime] = []
         """Every rank's totals so far (rank 0 only; filled at each gather)."""
         self.verdict: report.Verdict | None = None
-        self.report_parts = _report.Parts()
-        self._start_line: str | None = None
         self._timer: StepTimer | None = None
         self._window = RankTime(0, "")  # this rank's sums since the last gather
         self._pending: list[CudaStep] = []
-        self._group: Any = None
         self._labels: list[str] = []  # every rank's device(s), by rank
-        self._gather = InFlightGather()  # tagged with the step of its windows
         self._mark = 0.0
         self._start = 0.0
         self._batches = 0
@@ -116,11 +104,6 @@ class DeviceTimeMonitor(Callback):
         self._cuda = False
 
     # ------------------------------------------------------------------ fit
-    @override
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit":  # before any monitor's on_train_start: one report with the others
-            _report.expect(self)
-
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         root = trainer.strategy.root_device
@@ -131,14 +114,7 @@ class DeviceTimeMonitor(Callback):
         self._device = ",".join(labels) or f"{root.type}:rank{trainer.global_rank}"
         self._cuda = root.type == "cuda"
         self._window, self._pending, self._batches, self.totals = RankTime(0, self._device), [], 0, []
-        self._release_group()  # a fit that ended in an error left its group
-        self._labels, self._gather = [self._device], InFlightGather()
-        if _distributed(trainer):
-            # a group of its own, on the CPU: no copy from a GPU, no synchronisation, and its gathers
-            # in flight never sit between the strategy's collectives; released at the end of fit
-            self._group = dist.new_group(backend="gloo")
-            self._labels = [""] * dist.get_world_size()
-            dist.all_gather_object(self._labels, self._device, group=self._group)
+        self._labels = self._open(trainer, self._device)
         self._timer = attach_timer(trainer, root if self._cuda else None)
         if len(self._labels) == 1:
             waiting = "no other rank to wait for"
@@ -188,9 +164,7 @@ class DeviceTimeMonitor(Callback):
         self._batches += 1
         if self._batches % self.flush_every_n_steps == 0:
             self._flush(trainer)
-        if self._start_line is not None:
-            _report.give(trainer, self, "start", self._start_line)
-            self._start_line = None
+        self._give_start(trainer)
         self._mark = time.perf_counter()
 
     @override
@@ -200,31 +174,21 @@ class DeviceTimeMonitor(Callback):
         # every rank must decide alike: on CUDA the windows hold what events finished late, which varies
         if self._batches % self.flush_every_n_steps != 0 or self._cuda:
             self._flush(trainer, last=True)
-        self._finish_gather(trainer)
-        self._release_group()
+        self._close(trainer)
         if self._timer is not None:
             self._timer.detach()
         if not self.totals:  # rank 0's: the others have none
-            _report.give_end(trainer, self, None, None)
+            self._give_end(trainer, None, None)
             return
         self.verdict = report.verdict(self.totals, "cuda" if self._cuda else "cpu")
         text = report.table(self.totals) + "\n" + self.verdict.line()
-        _report.give_end(trainer, self, text, report.summary_json(self.totals, self.verdict))
+        self._give_end(trainer, text, report.summary_json(self.totals, self.verdict))
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if self._timer is not None:  # no collective here: another rank may be gone
             self._timer.detach()
-        if not self._gather.pending:  # a gather in flight may never end: the group goes with the process
-            self._release_group()
-
-    def _release_group(self) -> None:
-        """Destroy this fit's group (its sockets, a communicator's threads); no collective runs."""
-        if self._group is not None and dist.is_initialized():
-            # ValueError: it went with the default group (destroyed since, and maybe created again)
-            with contextlib.suppress(ValueError):
-                dist.destroy_process_group(self._group)
-        self._group = None
+        super().on_exception(trainer, pl_module, exception)
 
     # ------------------------------------------------------------------ windows
     def _read_cuda(self, block: bool) -> None:
@@ -234,31 +198,17 @@ class DeviceTimeMonitor(Callback):
             self._window.add_step(*step.seconds())
 
     def _flush(self, trainer: Trainer, last: bool = False) -> None:
-        """Hand this window over: used here in one process, after an asynchronous all-gather under DDP.
-
-        The gather of a handful of numbers runs while the next window trains and is read at the next
-        hand-over (or the end of fit), so no rank waits there for a slower one.
-        """
+        """Hand this window over (to rank 0 in an all-gather that runs while the next window trains)."""
         mine, self._window = self._window, RankTime(0, self._device)
-        step = _report.logging_step(trainer, last)
-        if not _distributed(trainer):
-            self._use(trainer, [mine], step)
-            return
-        self._finish_gather(trainer)
-        self._gather.start([mine.vector()], step, group=self._group)
+        self._keep(trainer, logging_step(trainer, last), mine.vector(), hand_over=True)
 
-    def _finish_gather(self, trainer: Trainer) -> None:
-        gathered = self._gather.finish()
-        if gathered is not None:
-            parts, step = gathered
-            labelled = enumerate(zip(self._labels, parts, strict=True))
-            windows = [RankTime.from_vector(rank, label, part[0]) for rank, (label, part) in labelled]
-            self._use(trainer, windows, step)
-
-    def _use(self, trainer: Trainer, windows: list[RankTime], step: int) -> None:
+    @override
+    def _use(self, trainer: Trainer, step: int, rows: list[list[float]]) -> None:
         """Rank 0 adds every rank's window to the totals and logs the window's means."""
         if not trainer.is_global_zero:
             return
+        labelled = enumerate(zip(self._labels, rows, strict=True))
+        windows = [RankTime.from_vector(rank, label, row) for rank, (label, row) in labelled]
         totals = {r.rank: r for r in self.totals}
         values: dict[str, float] = {}
         for window in windows:
@@ -268,7 +218,3 @@ class DeviceTimeMonitor(Callback):
         values["time/samples_per_s"] = report.run_samples_per_s(windows)
         for logger in trainer.loggers:
             logger.log_metrics(values, step=step)
-
-
-def _distributed(trainer: Trainer) -> bool:
-    return trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
