@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mgpu._compat.torch import tree_flatten
 from lightning_mgpu.estimate.batch import tensors
 from lightning_mgpu.estimate.live_bytes import LiveBytes, unique_bytes
 
@@ -85,16 +86,6 @@ def quiet_lightning() -> Iterator[None]:
         yield
 
 
-def _found_in(conf: Any) -> list[torch.optim.Optimizer]:
-    if isinstance(conf, torch.optim.Optimizer):
-        return [conf]
-    items = conf.values() if isinstance(conf, Mapping) else conf if isinstance(conf, (list, tuple)) else []
-    found: list[torch.optim.Optimizer] = []
-    for item in items:
-        found.extend(o for o in _found_in(item) if all(o is not f for f in found))
-    return found
-
-
 def module_optimizers(
     module: nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> list[torch.optim.Optimizer]:
@@ -119,7 +110,9 @@ def module_optimizers(
             f"{type(module).__name__}.configure_optimizers() failed outside a Trainer"
             f" ({type(err).__name__}: {err}); pass optimizer=..."
         ) from err
-    return _found_in(conf)
+    # every optimizer in what it returns (one, a list, a dict with "optimizer", a tuple with schedulers), once
+    found = (o for o in tree_flatten(conf)[0] if isinstance(o, torch.optim.Optimizer))
+    return list(dict.fromkeys(found))
 
 
 def copy_optimizer(opt: torch.optim.Optimizer, leaf_of: Mapping[int, torch.Tensor]) -> torch.optim.Optimizer:
