@@ -53,17 +53,9 @@ class RankTime:
             self.wait_s = (self.wait_s or 0.0) + wait_s
 
     def __add__(self, later: RankTime) -> RankTime:
-        """Both spans' sums; waiting is unknown when either has it unknown."""
-        wait = None if self.wait_s is None or later.wait_s is None else self.wait_s + later.wait_s
-        return RankTime(
-            self.rank,
-            self.device,
-            self.steps + later.steps,
-            self.samples + later.samples,
-            self.data_s + later.data_s,
-            self.work_s + later.work_s,
-            wait,
-        )
+        """Both spans' sums; waiting is unknown when either has it unknown (NaN in the vectors)."""
+        sums = [a + b for a, b in zip(self.vector(), later.vector(), strict=True)]
+        return RankTime.from_vector(self.rank, self.device, sums)
 
     def vector(self) -> list[float]:
         """The numbers ranks exchange; their devices travel once, at the start of a fit."""
