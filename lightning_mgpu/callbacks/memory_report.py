@@ -22,6 +22,18 @@ FIELDS: dict[str, tuple[str, ...]] = {
 }
 # the field compared across devices for ``memory/imbalance`` and drawn by the plot
 PRIMARY = {"cuda": "peak_allocated", "cpu": "peak_rss", "replica": "saved"}
+# the table's columns after the device and its name: heading, field, the kind of device that shows it
+# (None: shown when some device knows the field); "nvml_used" shows NVML's used / total
+_COLUMNS = (
+    ("Peak allocated", "peak_allocated", "cuda"),
+    ("Peak reserved", "peak_reserved", "cuda"),
+    ("Used / Total", "nvml_used", "cuda"),
+    ("RSS", "rss", "cpu"),
+    ("Peak RSS", "peak_rss", "cpu"),
+    ("Saved for backward", "saved", "replica"),
+    # parameters, gradients and optimizer state this rank holds: 1/N of the model's under mgpu_fsdp
+    ("Model state (rank)", "model_state", None),
+)
 # fields whose fit-wide summary keeps the latest value rather than the maximum
 _LATEST = {"total"}
 
@@ -140,25 +152,11 @@ def table(
     ``micro_batches`` (rank -> rows per micro-batch, ``None`` for whole batches) adds the column
     "Micro-batch (rank)", filled on each rank's first device.
     """
-    columns: list[tuple[str, Any]] = [("Device", lambda r: r.device), ("Name", lambda r: r.name)]
     kinds = {r.kind for r in readings}
-    if "cuda" in kinds:
-        columns += [
-            ("Peak allocated", lambda r: format_bytes(r.values.get("peak_allocated", math.nan))),
-            ("Peak reserved", lambda r: format_bytes(r.values.get("peak_reserved", math.nan))),
-            ("Used / Total", _used_total),
-        ]
-    if "cpu" in kinds:
-        columns += [
-            ("RSS", lambda r: format_bytes(r.values.get("rss", math.nan))),
-            ("Peak RSS", lambda r: format_bytes(r.values.get("peak_rss", math.nan))),
-        ]
-    if "replica" in kinds:
-        columns += [("Saved for backward", lambda r: format_bytes(r.values.get("saved", math.nan)))]
-    if any(not math.isnan(r.values.get("model_state", math.nan)) for r in readings):
-        # parameters, gradients and optimizer state this rank holds: 1/N of the model's under mgpu_fsdp
-        columns += [("Model state (rank)", lambda r: format_bytes(r.values.get("model_state", math.nan)))]
-    cells = [[h for h, _ in columns]] + [[str(get(r)) for _, get in columns] for r in readings]
+    known = {key for r in readings for key, value in r.values.items() if not math.isnan(value)}
+    columns = [(h, key) for h, key, kind in _COLUMNS if kind in kinds or (kind is None and key in known)]
+    cells = [["Device", "Name", *(h for h, _ in columns)]]
+    cells += [[r.device, r.name, *(_cell(r, key) for _, key in columns)] for r in readings]
     if micro_batches:  # the rank's setting, not a device's: on its first row
         firsts = _first_of_each_rank(readings, set(micro_batches))
         cells[0].append("Micro-batch (rank)")
@@ -170,11 +168,11 @@ def table(
     return "\n".join([*lines, rule, header, rule.replace("-", "="), *body, rule])
 
 
-def _first_of_each_rank(readings: list[Reading], ranks: set[int] | None = None) -> set[int]:
-    """Indices of each rank's first reading (its process or first device), for ``ranks`` (or every rank)."""
+def _first_of_each_rank(readings: list[Reading], ranks: set[int]) -> set[int]:
+    """Indices of the first reading (its process or first device) of each of ``ranks``."""
     seen: dict[int, int] = {}
     for i, r in enumerate(readings):
-        if ranks is None or r.rank in ranks:
+        if r.rank in ranks:
             seen.setdefault(r.rank, i)
     return set(seen.values())
 
@@ -183,7 +181,9 @@ def _micro_batch_text(size: int | None) -> str:
     return "whole batch" if size is None else f"{size} row{'s' * (size != 1)}"
 
 
-def _used_total(r: Reading) -> str:
+def _cell(r: Reading, key: str) -> str:
+    if key != "nvml_used":
+        return format_bytes(r.values.get(key, math.nan))
     used, total = r.values.get("nvml_used", math.nan), r.values.get("total", math.nan)
     if math.isnan(used) and math.isnan(total):
         return "-"
