@@ -129,16 +129,16 @@ def plot_memory(
             f"no memory/* metrics in {run_dir_or_metrics!s:.200}:"
             " train with DeviceMemoryMonitor and a CSVLogger"
         )
-    panels: dict[str, list[str]] = {}  # field -> the devices drawn with it
+    wanted = (field,) if field else _DEFAULT_FIELDS
+    drawn: dict[str, list[str]] = {}  # field -> the devices drawn with it
     for device in sorted(series):
-        name = field or next((f for f in _DEFAULT_FIELDS if f in series[device]), None)
-        if name is not None and name in series[device]:
-            panels.setdefault(name, []).append(device)
-    if not panels:
+        name = next((f for f in wanted if f in series[device]), None)
+        if name is not None:
+            drawn.setdefault(name, []).append(device)
+    if not drawn:
         present = ", ".join(sorted({f for fields in series.values() for f in fields}))
         raise ValueError(f"no device logged memory/<device>/{field}_MiB; fields present: {present}")
-    order = {name: i for i, name in enumerate(_DEFAULT_FIELDS)}
-    panels = dict(sorted(panels.items(), key=lambda item: order.get(item[0], len(order))))
+    panels = {name: drawn[name] for name in wanted if name in drawn}  # in the order of _DEFAULT_FIELDS
     log.debug("plot panels: %s", "; ".join(f"{name}: {', '.join(d)}" for name, d in panels.items()))
     fig = figure(1.5 + 3.5 * len(panels))
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
