@@ -39,6 +39,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
+import psutil
+
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
@@ -272,7 +274,7 @@ def _remove_orphans(path: Path) -> None:
     with contextlib.suppress(OSError):
         for entry in os.scandir(path.parent):
             match = pattern.fullmatch(entry.name)
-            if match is None or _process_exists(int(match.group(2))):
+            if match is None or psutil.pid_exists(int(match.group(2))):
                 continue
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry.path)
@@ -282,16 +284,6 @@ def _remove_orphans(path: Path) -> None:
                     match.group(1),
                     match.group(2),
                 )
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: it exists, under another user
-        return True
-    return True
 
 
 class _Terminated(BaseException):
