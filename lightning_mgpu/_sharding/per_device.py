@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -86,13 +86,6 @@ def fewest_devices(fits: Callable[[int], bool]) -> int | None:
     return 1 + bisect.bisect_left(range(1, _MOST_DEVICES + 1), True, key=fits)  # the first count that fits
 
 
-def _bytes(module: nn.Module, gather_itemsize: int | None, skip: Collection[int] = ()) -> int:
-    size = sum(
-        p.numel() * (gather_itemsize or p.element_size()) for p in module.parameters() if id(p) not in skip
-    )
-    return int(size)
-
-
 def unit_bytes(module: nn.Module, plan: ShardingPlan, gather_itemsize: int | None = None) -> list[int]:
     """Bytes of each unit's parameters once gathered: the plan's blocks in order, then the root's rest.
 
@@ -102,14 +95,14 @@ def unit_bytes(module: nn.Module, plan: ShardingPlan, gather_itemsize: int | Non
         gather_itemsize: Bytes per number of the gathered parameters (2 under bf16-mixed);
             ``None`` for the parameters' own.
     """
-    in_blocks: set[int] = set()
-    units = []
-    for name in plan.blocks:
-        block = module.get_submodule(name)
-        units.append(_bytes(block, gather_itemsize))
-        in_blocks |= {id(p) for p in block.parameters()}
-    units.append(_bytes(module, gather_itemsize, skip=in_blocks))  # the root holds the rest
-    return units
+
+    def gathered(params: Iterable[nn.Parameter]) -> int:
+        return sum(p.numel() * (gather_itemsize or p.element_size()) for p in params)
+
+    blocks = [module.get_submodule(name) for name in plan.blocks]
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    rest = [p for p in module.parameters() if id(p) not in in_blocks]  # the root holds the rest
+    return [gathered(block.parameters()) for block in blocks] + [gathered(rest)]
 
 
 def parameter_rows(module: nn.Module, dtype: torch.dtype | None = None) -> tuple[tuple[int, int], ...]:
