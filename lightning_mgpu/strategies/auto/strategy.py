@@ -72,12 +72,11 @@ def _resolve_devices(
 ) -> tuple[int, str]:
     if isinstance(accelerator, Accelerator):
         accelerator_cls: type[Accelerator] = type(accelerator)
+        name = _accelerator_name(accelerator_cls)
     else:
-        name = accelerator
+        name = "cuda" if accelerator == "gpu" else accelerator
         if name == "auto":
             name = "cuda" if AcceleratorRegistry.get("cuda").is_available() else "cpu"
-        elif name == "gpu":
-            name = "cuda"
         if name not in AcceleratorRegistry:
             raise ValueError(
                 f"unknown accelerator {accelerator!r};"
@@ -87,12 +86,12 @@ def _resolve_devices(
     if devices == "auto":
         count = accelerator_cls.auto_device_count()
         # Lightning itself uses one GPU for devices="auto" in an interactive session
-        devices = 1 if facts.interactive and _accelerator_name(accelerator_cls) == "cuda" else count
+        devices = 1 if facts.interactive and name == "cuda" else count
     try:
         parsed = accelerator_cls.parse_devices(devices)
     except (TypeError, MisconfigurationException) as err:  # Lightning's words for a value it refuses
         raise ValueError(f"devices={devices!r}: {err}") from err
-    return len(accelerator_cls.get_parallel_devices(parsed)), _accelerator_name(accelerator_cls)
+    return len(accelerator_cls.get_parallel_devices(parsed)), name
 
 
 def choose_strategy(
