@@ -114,17 +114,12 @@ class Summary:
     def update(self, readings: list[Reading], imbalance_now: float) -> None:
         self.logs += 1
         self.max_imbalance = max(self.max_imbalance, imbalance_now)
-        for r in readings:
-            old = self.devices.get(r.device)
-            if old is None:
-                self.devices[r.device] = replace(r, values=dict(r.values))
-                continue
+        for r in readings:  # a device's first reading is kept whole, NaN (unknown) where it knows nothing
+            kept = self.devices.setdefault(r.device, replace(r, values=dict.fromkeys(r.values, math.nan)))
             for key, value in r.values.items():
-                if math.isnan(value):
-                    continue
-                before = old.values.get(key, math.nan)
-                keep_latest = key in _LATEST or math.isnan(before)
-                old.values[key] = value if keep_latest else max(before, value)
+                before = kept.values.get(key, math.nan)
+                if not math.isnan(value):
+                    kept.values[key] = value if key in _LATEST or math.isnan(before) else max(before, value)
 
     def as_json(self) -> dict[str, Any]:
         def clean(v: float) -> int | None:
