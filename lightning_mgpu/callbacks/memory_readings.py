@@ -100,44 +100,37 @@ def plan_readings(trainer: Trainer) -> list[PlannedReading]:
 
 
 def take_readings(
-    trainer: Trainer,
-    plan: list[PlannedReading],
-    rows: int | None,
-    reset_peak: bool,
-    meter: ModelStateMeter | None = None,
+    trainer: Trainer, plan: list[PlannedReading], rows: int | None, reset_peak: bool, meter: ModelStateMeter
 ) -> list[Reading]:
     """Read every planned device now; ``rows`` is the batch this process got in the last step.
 
-    ``meter`` measures the model state (a new one by default: keep one per fit, so that a step whose
-    parameters, gradients and optimizer state kept their sizes is not measured again)."""
+    ``meter`` measures the model state (keep one per fit, so that a step whose parameters, gradients
+    and optimizer state kept their sizes is not measured again)."""
     strategy = trainer.strategy
     chunks = getattr(strategy, "last_chunk_sizes", None) or []
     module = trainer.lightning_module
-    meter = meter or ModelStateMeter()
     state = meter(module, trainer.optimizers).local.total if module is not None else math.nan
     readings = []
     for item in plan:
         if item.index is None:
             device_rows = math.nan
         elif chunks:  # replicas beyond the chunks got no rows (a batch smaller than the device count)
-            device_rows = float(chunks[item.index]) if item.index < len(chunks) else 0.0
+            device_rows = chunks[item.index] if item.index < len(chunks) else 0
         else:
-            device_rows = float(rows) if rows is not None else math.nan
-        if item.kind == "cpu":
-            values = {k: float(v) for k, v in process_memory().items()}
-        elif item.kind == "cuda":
-            values = {k: float(v) for k, v in allocator_memory(item.device, reset_peak=reset_peak).items()}
-            nvml = nvml_memory(item.device)
-            values["nvml_used"] = float(nvml[0]) if nvml else math.nan
-            values["total"] = (
-                float(nvml[1]) if nvml else float(torch.cuda.get_device_properties(item.device).total_memory)
-            )
-        if item.kind != "replica":  # the rank's model state, on its first device (the process's)
-            values["model_state"] = float(state) if item.index in (0, None) else math.nan
-        else:
+            device_rows = rows if rows is not None else math.nan
+        values: dict[str, float]
+        if item.kind == "replica":  # threads of one process: what each saved for backward
             saved = getattr(strategy, "replica_saved_bytes", None) or []
             index = item.index or 0
-            values = {"saved": float(saved[index]) if index < len(saved) else math.nan}
+            values = {"saved": saved[index] if index < len(saved) else math.nan}
+        elif item.kind == "cpu":
+            values = dict(process_memory())
+        else:
+            nvml = nvml_memory(item.device)
+            used, total = nvml or (math.nan, torch.cuda.get_device_properties(item.device).total_memory)
+            values = {**allocator_memory(item.device, reset_peak), "nvml_used": used, "total": total}
+        if item.kind != "replica":  # the rank's model state, on its first device (the process's)
+            values["model_state"] = state if item.index in (0, None) else math.nan
         readings.append(Reading(item.label, item.kind, trainer.global_rank, item.name, values, device_rows))
     return readings
 
