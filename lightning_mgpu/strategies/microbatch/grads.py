@@ -79,11 +79,10 @@ class BatchGradients:
         self._pending: list[Tensor | None] | None = None
         # dropped (Lightning would zero them) or kept aside until the batch succeeded
         self._held = None if zeroing else [p.grad for p in self.params]
-        for p in self.params:
-            p.grad = None
+        self.drop_attempt()  # the micro-batches accumulate into empty fields
 
     def drop_attempt(self) -> None:
-        """Free what a failed attempt accumulated."""
+        """Empty the ``.grad`` fields: free what a failed attempt accumulated."""
         for p in self.params:
             p.grad = None
 

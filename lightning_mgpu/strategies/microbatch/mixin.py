@@ -128,9 +128,8 @@ class MicroBatching(StrategyMixin):
         assert start is None or isinstance(start, int)
         self.micro_batches = MicroBatchSizes(start, auto=auto)
         self.micro_batches_eval = {stage: MicroBatchSizes(start, auto=auto) for stage in EVALUATION_STEPS}
-        self._micro_runners = {"training_step": MicroBatchRunner(self, self.micro_batches)}
-        for stage, sizes in self.micro_batches_eval.items():
-            self._micro_runners[stage] = MicroBatchRunner(self, sizes, stage)
+        every = {"training_step": self.micro_batches, **self.micro_batches_eval}
+        self._micro_runners = {stage: MicroBatchRunner(self, sizes, stage) for stage, sizes in every.items()}
 
     def _check_micro_batching(self, trainer: pl.Trainer) -> None:
         """Refuse manual optimization before the first step, not when a batch happens to be split.
