@@ -160,21 +160,19 @@ def restartable(environ: Mapping[str, str], cluster_environment: Any) -> str | N
 
 def install_safety_net(
     trainer: pl.Trainer, every: int | timedelta | str | None, name: str, cluster_environment: Any
-) -> ResumeCheckpoint | None:
+) -> None:
     """Add the :class:`ResumeCheckpoint` ``every`` asks for to ``trainer`` (once), and say so on rank 0."""
     callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's connector
     if every is None or any(isinstance(cb, ResumeCheckpoint) for cb in callbacks):
-        return None
+        return
     why = "checkpoint_every"
     if every == "auto":
         restarter = restartable(os.environ, cluster_environment)
         if restarter is None or not trainer.checkpoint_callbacks:
             log.debug("no safety net: restarter %s, checkpoints %s", restarter, trainer.checkpoint_callbacks)
-            return None
+            return
         every, why = DEFAULT_PERIOD, f"the run can be restarted ({restarter})"
     folder = Path(trainer.default_root_dir) / "resume"
-    callback = ResumeCheckpoint(folder, every)  # type: ignore[arg-type]  # "auto" and None are gone
-    callbacks.append(callback)
+    callbacks.append(ResumeCheckpoint(folder, every))  # type: ignore[arg-type]  # "auto" and None are gone
     period = f"{every} steps" if isinstance(every, int) else f"{every.total_seconds() / 60:g} minutes"  # type: ignore[union-attr]
     rank_zero_info(f"{name}: {why}: a resumable checkpoint every {period} in {folder}")
-    return callback
