@@ -63,16 +63,24 @@ def view_key(tensor: torch.Tensor) -> tuple[Any, ...]:
     return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
 
 
-def dedupe(state_dict: Mapping[str, torch.Tensor]) -> tuple[OrderedDict[str, torch.Tensor], dict[str, str]]:
+def dedupe(state_dict: Mapping[str, Any]) -> tuple[OrderedDict[str, torch.Tensor], dict[str, str]]:
     """Keep the first name of every group of identical tensor views; map the others to it.
 
     Views that only overlap (a slice of another tensor) are kept apart: each is written with its
     own bytes, which loads back to the same values.
+
+    Raises:
+        ValueError: a value is not a tensor (a module's ``_extra_state``), which safetensors cannot store.
     """
     kept: OrderedDict[str, torch.Tensor] = OrderedDict()
     aliases: dict[str, str] = {}
     seen: dict[tuple[Any, ...], str] = {}
     for name, tensor in state_dict.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(
+                f"safetensors stores only tensors, but {name!r} holds a {type(tensor).__name__}; "
+                "export with format='pt' instead"
+            )
         if tensor.numel() == 0:
             kept[name] = tensor
             continue

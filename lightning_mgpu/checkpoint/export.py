@@ -213,7 +213,7 @@ def export_state_dict(
     try:
         with atomic_write(path) as file:
             if fmt == "safetensors":
-                kept, aliases = dedupe(_tensors_only(state_dict))
+                kept, aliases = dedupe(state_dict)
                 metadata = {"format": "pt", ORDER_KEY: json.dumps(list(state_dict)), **aliases}
                 if removed:
                     metadata[PREFIXES_KEY] = ",".join(removed)
@@ -286,14 +286,3 @@ def _cast(state_dict: OrderedDict[str, Any], dtype: torch.dtype) -> OrderedDict[
                 value = cast_views[key] = cast_views[key] if key in cast_views else value.to(dtype)
         out[name] = value
     return out
-
-
-def _tensors_only(state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
-    extra = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
-    if extra:
-        kind = type(state_dict[extra[0]]).__name__
-        raise ValueError(
-            f"safetensors stores only tensors, but {extra[0]!r} holds a {kind}; "
-            "export with format='pt' instead"
-        )
-    return state_dict
