@@ -157,11 +157,11 @@ def _from_file(path: Path, map_location: Any, trust_pickle: bool, key: str | Non
     obj = loaded.obj
     if isinstance(obj, nn.Module):  # torch.save(model): only readable with trust_pickle
         obj = obj.state_dict()
-    src = _from_mapping(obj, str(path), key) if isinstance(obj, Mapping) else None
-    if src is None:
+    if not isinstance(obj, Mapping):
         raise ValueError(
             f"{path} is not a checkpoint: it holds a {type(obj).__name__}, not a dict of tensors"
         )
+    src = _from_mapping(obj, str(path), key)
     src.path, src.format, src.metadata, src.mapped = path, loaded.format, loaded.metadata, loaded.mapped
     src.check = loaded.check
     src.ordered = loaded.format != "safetensors" or ORDER_KEY in loaded.metadata
