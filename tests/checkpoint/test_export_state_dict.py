@@ -222,3 +222,14 @@ def test_writeback_hint_is_harmless_where_unsupported() -> None:
         start_writeback(file)
     with os.fdopen(read, "rb") as file:
         assert file.read() == b"data"
+
+
+def test_a_value_safetensors_cannot_store_is_refused_and_pt_takes_it(tmp_path: Path) -> None:
+    state = {"w": torch.ones(2), "norm._extra_state": {"scale": 1}}
+    with pytest.raises(
+        ValueError, match=r"only tensors, but 'norm._extra_state' holds a dict; export with format='pt'"
+    ):
+        export_state_dict(state, tmp_path / "w.safetensors")
+    assert not (tmp_path / "w.safetensors").exists()
+    export_state_dict(state, tmp_path / "w.pt")
+    assert torch.load(tmp_path / "w.pt", weights_only=True)["norm._extra_state"] == {"scale": 1}
