@@ -71,13 +71,6 @@ def _reduction(reduce_fx: Any) -> str:
     return "mean"  # torch.mean; Lightning rejects other reductions with its own message when logged
 
 
-def _combine_logged(values: list[Tensor], weights: Sequence[float], reduce_fx: Any) -> Tensor:
-    kind = _reduction(reduce_fx)
-    if kind in _FOLDS:
-        return functools.reduce(_FOLDS[kind], values)
-    return weighted_mean(values, weights, values[0].device)
-
-
 def replay_logs(
     module: LightningModule,
     captures: Sequence[LogCapture],
@@ -115,14 +108,16 @@ def replay_logs(
         values = [
             v.to(device) if isinstance(v, Tensor) else torch.tensor(v, device=device) for _, (v, _) in entries
         ]
-        reduce_fx = options.get("reduce_fx", "mean")
-        means = _reduction(reduce_fx) == "mean" and all(name in c.micro_means for c in captures)
+        kind = _reduction(options.get("reduce_fx", "mean"))
+        means = kind == "mean" and all(name in c.micro_means for c in captures)
         if means and shares is not None:
             combined = functools.reduce(
                 torch.add, (v * s.to(device, v.dtype) for v, s in zip(values, shares, strict=True))
             )
+        elif kind in _FOLDS:
+            combined = functools.reduce(_FOLDS[kind], values)
         else:
-            combined = _combine_logged(values, weights, reduce_fx)
+            combined = weighted_mean(values, weights, device)
         if means:
             note_micro_mean(combined)
         module.log(name, combined, **options)
