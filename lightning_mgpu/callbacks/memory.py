@@ -128,7 +128,6 @@ class DeviceMemoryMonitor(Monitor):
         self._firsts: list[list[Reading]] | None = None  # every rank's first readings: what its vectors hold
         self._device_plan: list[PlannedReading] | None = None
         self._meter = ModelStateMeter()
-        self._flushed_at = 0
         self._width = 0  # numbers in the widest rank's row
         self._warned = False
         self._rows: int | None = None
@@ -156,7 +155,6 @@ class DeviceMemoryMonitor(Monitor):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._batches = 0
         self._device_plan = None
-        self._flushed_at = 0
         self._firsts = self._open(trainer, self._read(trainer, reset_peak=False))
         self._width = max(sum(r.width for r in first) for first in self._firsts)
         # what the OOM guidance shows of the other ranks until the first gather
@@ -279,9 +277,8 @@ class DeviceMemoryMonitor(Monitor):
         readings = self._read(trainer, reset_peak=True)
         row = [x for r in readings for x in r.vector()]
         row += [math.nan] * (self._width - len(row))  # every rank's as long as the widest rank's
-        due = last or self._batches - self._flushed_at >= self.flush_every_n_steps
-        if due:
-            self._flushed_at = self._batches
+        # the kept readings, this one included, span this many batches since the last hand-over
+        due = last or (len(self._kept) + 1) * self._every >= self.flush_every_n_steps
         self._keep(trainer, logging_step(trainer, last), row, hand_over=due)
 
     @override
