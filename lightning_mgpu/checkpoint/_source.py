@@ -269,13 +269,14 @@ class PlainWeights:
         state_dict: The weights as a plain model holds them.
         removed: The prefixes removed, in the keys' spelling (``["module.", "model."]``).
         kept: When a LightningModule holds its weights in several attributes and no submodule was
-            asked for: those attributes, kept in the names (what a report offers to pick).
+            asked for: those attributes, kept in the names (what a report offers to pick), and
+            how many entries each holds.
         ignored: The source's names outside the submodule picked.
     """
 
     state_dict: OrderedDict[str, Any]
     removed: list[str]
-    kept: list[str] = field(default_factory=list)
+    kept: dict[str, int] = field(default_factory=dict)
     ignored: list[str] = field(default_factory=list)
 
 
@@ -291,10 +292,10 @@ def plain_state_dict(
     - by default a LightningModule (or a Lightning checkpoint) that holds one submodule loses its
       attribute prefix; one whose weights lie in several attributes (``embed``, ``blocks``,
       ``head``) keeps them all, named as the module names them: nothing is lost, and
-      :attr:`PlainWeights.kept` lists them (never the names inside the one attribute removed).
+      :attr:`PlainWeights.kept` counts them (never the names inside the one attribute removed).
     """
     state_dict, removed = strip_wrappers(src.state_dict, src.wrappers, kinds, lightning=src.lightning)
-    kept: list[str] = []
+    kept: dict[str, int] = {}
     if submodule is None and src.lightning and state_dict:
         tops = split_top(state_dict)
         only = next(iter(tops)) if len(tops) == 1 else None
@@ -305,7 +306,7 @@ def plain_state_dict(
             submodule = only
         else:
             logger.debug("kept every entry: the LightningModule's weights lie in %s", ", ".join(tops))
-            kept = list(tops) if len(tops) > 1 else []
+            kept = tops if len(tops) > 1 else {}
     ignored: list[str] = []
     if submodule:
         prefix = submodule.rstrip(".") + "."

@@ -14,7 +14,7 @@ import torch
 from lightning_mgpu._atomic import WritebackWriter, atomic_write, cannot_write, local_path
 from lightning_mgpu.checkpoint._dcp import ShardedFolder
 from lightning_mgpu.checkpoint._mapped import ReadError
-from lightning_mgpu.checkpoint._prefixes import add_prefix, explain, split_top
+from lightning_mgpu.checkpoint._prefixes import add_prefix, explain
 from lightning_mgpu.checkpoint._report import human_size
 from lightning_mgpu.checkpoint._safetensors import (
     ORDER_KEY,
@@ -197,7 +197,6 @@ def export_state_dict(
     src = resolve(source, trust_pickle=trust_pickle, key=key)
     plain = plain_state_dict(src, submodule)
     state_dict, removed = plain.state_dict, plain.removed
-    kept_attributes = {top: count for top, count in split_top(state_dict).items() if top in plain.kept}
     if isinstance(src.mapped, ShardedFolder):  # placeholders: the writer reads them one by one
         src.check = src.mapped.record_check(state_dict)
         state_dict = src.mapped.prepare(state_dict, to_dtype, stream=fmt == "safetensors")
@@ -233,7 +232,7 @@ def export_state_dict(
     finally:
         if src.mapped is not None:
             src.mapped.close()
-    return ExportReport(path, fmt, len(state_dict), values, size, removed, prefix, aliases, kept_attributes)
+    return ExportReport(path, fmt, len(state_dict), values, size, removed, prefix, aliases, plain.kept)
 
 
 def exported_state_dict(
