@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
 __all__ = ["EnvironmentFacts"]
 
@@ -21,8 +22,6 @@ def _interactive() -> bool:
 
 
 def _launcher() -> str | None:
-    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
-
     if TorchElasticEnvironment.detect():
         return "torchrun"
     if SLURMEnvironment.detect():
