@@ -102,6 +102,7 @@ class MemoryEstimate:
         return self.batch_size
 
     def _slope_and_fixed(self, strategy: str, devices: int | None = None) -> list[tuple[float, float]]:
+        _check_strategy(strategy)  # also where no default batch is read: a given batch, the largest batch
         fb, step = self.forward_backward, self.optimizer_step
         if strategy == "mgpu_fsdp":
             # the model state shrinks to the shards; forward and backward gather one unit at a time

@@ -229,6 +229,10 @@ def test_errors_name_the_problem_and_the_fix() -> None:
         estimate_memory(Classifier(), batch, devices=0)
     with pytest.raises(ValueError, match="unknown strategy 'ddp'"):
         estimate_memory(Classifier(), batch).peak("ddp")
+    with pytest.raises(ValueError, match="unknown strategy 'ddp'"):
+        estimate_memory(Classifier(), batch).peak("ddp", per_device_batch=2)
+    with pytest.raises(ValueError, match="unknown strategy 'ddp'"):
+        estimate_memory(Classifier(), batch, device_memory="1GiB").largest_per_device_batch("ddp")
     with pytest.raises(ValueError, match="no device memory"):
         estimate_memory(Classifier(), batch).largest_per_device_batch()
 
