@@ -146,26 +146,23 @@ class _Checker:
         self.md, self.storage_info = metadata, storage_info_type()
         self._names: set[str] = set()  # file names found plain
 
+    def corrupt(self, problem: str) -> ValueError:
+        return ValueError(f"{self.index_path} is corrupt: {problem}; {AGAIN}")
+
     def fail(self, key: Any, problem: str) -> ValueError:
-        return ValueError(f"{self.index_path} is corrupt: entry {shown(key)} {problem}; {AGAIN}")
+        return self.corrupt(f"entry {shown(key)} {problem}")
 
     def index(self) -> Index:
         loaded = self.loaded
         if not isinstance(loaded, self.md.Metadata):
-            what = type(loaded).__name__
-            raise ValueError(
-                f"{self.index_path} is corrupt: it holds a {what}, not a checkpoint index; {AGAIN}"
-            )
+            raise self.corrupt(f"it holds a {type(loaded).__name__}, not a checkpoint index")
         parts: dict[str, Any] = {
             name: getattr(loaded, name, None) or ({} if name == "planner_data" else None)
             for name in ("state_dict_metadata", "storage_data", "planner_data")
         }
         for name, value in parts.items():
             if not isinstance(value, dict):
-                raise ValueError(
-                    f"{self.index_path} is corrupt: its {name} is a {type(value).__name__}, not a dict; "
-                    + AGAIN
-                )
+                raise self.corrupt(f"its {name} is a {type(value).__name__}, not a dict")
         saved, storage, planner = parts["state_dict_metadata"], parts["storage_data"], parts["planner_data"]
         records = self._records(storage)
         self._files(records)
@@ -254,9 +251,9 @@ class _Checker:
             reach, holder = 0, ""
             for start, end, key in ranges:
                 if start < reach and start < end:
-                    raise ValueError(
-                        f"{self.index_path} is corrupt: entries {holder!r} and {key!r} both place data at "
-                        f"byte {start:,} of {name}, so one would be read from the other's bytes; {AGAIN}"
+                    raise self.corrupt(
+                        f"entries {holder!r} and {key!r} both place data at byte {start:,} of {name}, "
+                        "so one would be read from the other's bytes"
                     )
                 if end > reach:
                     reach, holder = end, key
