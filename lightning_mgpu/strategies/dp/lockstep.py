@@ -184,13 +184,11 @@ class _SharedOptimizer(_Shared):
 
     @contextmanager
     def toggle_model(self, sync_grad: bool = True) -> Generator[None, None, None]:
-        module = self._module
-        once = functools.partial(self._lockstep.run, self._index)
-        once("toggle_optimizer", None, lambda _: module.toggle_optimizer(self._inner))
+        self._once("toggle_optimizer", functools.partial(self._module.toggle_optimizer, self._inner))
         try:
             yield
         finally:
-            once("untoggle_optimizer", None, lambda _: module.untoggle_optimizer(self._inner))
+            self._once("untoggle_optimizer", functools.partial(self._module.untoggle_optimizer, self._inner))
 
 
 class _SharedScheduler(_Shared):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
@@ -79,24 +81,24 @@ class Regressor(L.LightningModule):
 class ManualRegressor(Regressor):
     """Two optimizers driven by hand: toggling, clipping, a second forward after a step, a scheduler."""
 
-    def __init__(self, diverge: bool = False) -> None:
+    def __init__(self, diverge: bool = False, toggle_model: bool = False) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.diverge = diverge
+        self.toggle_model = toggle_model  # LightningOptimizer.toggle_model instead of toggle_optimizer
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
         opt_first, opt_last = self.optimizers()
         first, last = self.net[0], self.net[2]
-        self.toggle_optimizer(opt_first)
-        loss = F.mse_loss(self.net(x), y)
-        opt_first.zero_grad()
-        self.manual_backward(loss)
-        if self.diverge and len(x) == 3:
-            self.manual_backward(loss)  # only the replica with the larger chunk does this
-        self.clip_gradients(opt_first, gradient_clip_val=0.1, gradient_clip_algorithm="norm")
-        opt_first.step()
-        self.untoggle_optimizer(opt_first)
+        with opt_first.toggle_model() if self.toggle_model else self._toggled(opt_first):
+            loss = F.mse_loss(self.net(x), y)
+            opt_first.zero_grad()
+            self.manual_backward(loss)
+            if self.diverge and len(x) == 3:
+                self.manual_backward(loss)  # only the replica with the larger chunk does this
+            self.clip_gradients(opt_first, gradient_clip_val=0.1, gradient_clip_algorithm="norm")
+            opt_first.step()
         # a second forward after the first update must see the new weights
         loss_last = F.mse_loss(last(torch.tanh(first(x))), y)
         opt_last.zero_grad()
@@ -104,6 +106,12 @@ class ManualRegressor(Regressor):
         opt_last.step()
         self.lr_schedulers().step()
         self.log("loss_last", loss_last)
+
+    @contextlib.contextmanager
+    def _toggled(self, optimizer: Any) -> Iterator[None]:
+        self.toggle_optimizer(optimizer)
+        yield
+        self.untoggle_optimizer(optimizer)
 
     def configure_optimizers(self) -> Any:
         opt_first = torch.optim.SGD(self.net[0].parameters(), lr=0.1)

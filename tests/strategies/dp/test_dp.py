@@ -176,11 +176,12 @@ def test_checkpoint_has_single_device_keys_and_resumes_on_one_device(tmp_path: P
     assert max_difference(again, steady) < ATOL
 
 
-def test_manual_optimization_equals_single_device() -> None:
+@pytest.mark.parametrize("toggle_model", [False, True], ids=["toggle_optimizer", "toggle_model"])
+def test_manual_optimization_equals_single_device(toggle_model: bool) -> None:
     data = regression_data(rows=15)
-    single = ManualRegressor()
+    single = ManualRegressor(toggle_model=toggle_model)
     reference = fit(single, "auto", 1, loader(data, 5), max_steps=3 * 2)  # global_step counts both optimizers
-    model = ManualRegressor()
+    model = ManualRegressor(toggle_model=toggle_model)
     trainer = fit(model, "mgpu_dp", 2, loader(data, 5), max_steps=3 * 2)
     assert trainer.strategy.last_chunk_sizes == [3, 2]
     assert max_difference(model, single) < ATOL
