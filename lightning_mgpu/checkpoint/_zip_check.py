@@ -148,12 +148,6 @@ class _Damage:
     start: int | None = None  # where that record's bytes start in the file, when asked for
 
 
-_ADVICE = (
-    "do not match the CRC-32 {what} recorded when it was written, so the values are not the ones saved; "
-    "copy {what} again from where it was written, or use another checkpoint"
-)
-
-
 class ArchiveCheck:
     """Compares every record of torch archives with its CRC-32, in a thread: :meth:`start` it, then
     :meth:`verify` (which starts it if need be).
@@ -233,12 +227,12 @@ class ArchiveCheck:
     def _message(self, damaged: list[_Damage], tensors: Mapping[str, Any]) -> str:
         first = damaged[0].archive
         where = "the file" if first.length is None else "the folder"
+        again = f"copy {where} again from where it was written, or use another checkpoint"
         if not damaged[0].crc:
             span = "" if first.length is None else f" at bytes {first.start:,}-{first.start + first.length:,}"
             return (
                 f"{first.path} is corrupt: {first.holds}{span} is no readable torch archive"
-                f" ({damaged[0].why}); copy {where} again from where it was written, or use another"
-                " checkpoint"
+                f" ({damaged[0].why}); {again}"
             )
         held: dict[int | None, list[str]] = {}  # a record's start -> the tensors whose storage it holds
         for key, value in tensors.items():
@@ -251,5 +245,7 @@ class ArchiveCheck:
             shown = "tensor " + ", ".join(names[:5]) + ", ..." * (len(names) > 5)
             parts.append(f"{shown if names else damage.archive.holds} ({damage.why})")
         more = f"; and {len(damaged) - len(parts)} more" if len(damaged) > len(parts) else ""
-        advice = _ADVICE.format(what=where)
-        return f"{first.path} is corrupt: the stored bytes of {'; '.join(parts)}{more} {advice}"
+        return (
+            f"{first.path} is corrupt: the stored bytes of {'; '.join(parts)}{more} do not match the CRC-32 "
+            f"{where} recorded when it was written, so the values are not the ones saved; {again}"
+        )
