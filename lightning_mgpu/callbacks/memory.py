@@ -44,7 +44,8 @@ class DeviceMemoryMonitor(Monitor):
       ``mgpu_ddp`` (or any DDP) every rank reads its own device and the readings are
       all-gathered, so rank 0's loggers hold all devices.
     - Readings are taken every ``every_n_steps`` and handed to the loggers in batches every
-      ``flush_every_n_steps`` (under DDP: one all-gather per batch), each under the step it
+      ``flush_every_n_steps`` (under DDP: one all-gather per batch, on a gloo group of the
+      monitor's own for the fit, so no copy to or from a GPU), each under the step it
       was taken at; the rest of a batch is handed over at the end of fit, or, in a single
       process, when it fails.
     - ``memory/imbalance`` is the largest device's peak divided by the mean; above

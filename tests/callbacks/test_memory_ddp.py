@@ -5,6 +5,7 @@ an imbalance is warned and summarised, and an out-of-memory on one rank is expla
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,11 @@ def test_ddp_readings_gathered_in_windows_keep_their_steps(tmp_path: Path) -> No
     for row in memory:
         assert float(row["memory/cpu:rank0/rss_MiB"]) > 100
         assert float(row["memory/cpu:rank1/rss_MiB"]) > 100
+    # the monitor's gather group is destroyed at the end of each fit: the second holds no more sockets
+    counts = re.findall(r"OPEN_FILES (\d) (\d+)", result.stdout)
+    for rank in "01":
+        first, second = [n for r, n in counts if r == rank]
+        assert first == second, counts
 
 
 def test_ddp_out_of_memory_on_one_rank_explains_and_both_ranks_end(tmp_path: Path) -> None:

@@ -3,12 +3,14 @@
 Usage: ``python memory_ddp.py LOG_DIR MODE``, 8 batches of 4 rows per rank, a CSVLogger in LOG_DIR.
 MODE is ``hoard`` (rank 0 keeps 400 MiB more than rank 1, logged every 2 steps; prints ``LOG_DIR <the
 trainer's log_dir>``), ``windows`` (logged every step, gathered every 3, each rank logging its own
-``rank_batch``) or ``oom`` (rank 1 raises ``MemoryError`` at batch 3; each rank writes ``rank <r> ended``
+``rank_batch``; then a second fit, logged in LOG_DIR-again, each rank printing ``OPEN_FILES <rank> <n>``
+after each fit) or ``oom`` (rank 1 raises ``MemoryError`` at batch 3; each rank writes ``rank <r> ended``
 to stderr as it leaves).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import lightning as L
@@ -41,12 +43,12 @@ class OutOfMemory(Regression):
         return super().training_step(batch, batch_idx)
 
 
-def trainer(every: int, flush: int = 25) -> L.Trainer:
+def trainer(every: int, flush: int = 25, logs: str = log_dir) -> L.Trainer:
     return quiet_trainer(
         devices=2,
         strategy="mgpu_ddp",
         max_epochs=1,
-        logger=CSVLogger(log_dir),
+        logger=CSVLogger(logs),
         callbacks=[DeviceMemoryMonitor(every_n_steps=every, flush_every_n_steps=flush)],
         log_every_n_steps=every,
     )
@@ -58,8 +60,11 @@ if mode == "hoard":
     t.fit(Hoarder(), data)
     print("LOG_DIR", t.log_dir)
 elif mode == "windows":
-    # 8 logs: gathers after batches 3 and 6, the rest at the end
-    trainer(every=1, flush=3).fit(Logging(), data)
+    # 8 logs: gathers after batches 3 and 6, the rest at the end; a second fit shows what the first left
+    for logs in (log_dir, log_dir + "-again"):
+        t = trainer(every=1, flush=3, logs=logs)
+        t.fit(Logging(), data)
+        print(f"OPEN_FILES {t.global_rank} {len(os.listdir('/proc/self/fd'))}", flush=True)
 else:
     t = trainer(every=1)
     try:
