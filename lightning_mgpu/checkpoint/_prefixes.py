@@ -142,7 +142,8 @@ def plain_names(
     below[""] = len(keys)
 
     def reason(part: str, prefix: str, plain: str, after_wrapper: bool, whole: bool) -> str | None:
-        """Why ``part`` (at ``prefix``), the only child where it sits, is a wrapper; None if it is not."""
+        """Why ``part`` (at ``prefix``) is a wrapper; None if it is not. Judged by the names, only a part
+        that is the only child where it sits can be one."""
         if known is not None:
             return "a wrapper module holds it" if prefix in known else None
         if part not in kinds:
@@ -178,7 +179,8 @@ def plain_names(
             prefix = f"{raw}{part}."
             only = below[prefix] == below[raw]  # every key below ``raw`` goes through ``part``
             if prefix not in wrapper:
-                why = reason(part, prefix, plain, after_wrapper, whole) if only else None
+                # a wrapper found by type is one even where it keeps tensors of its own beside its child
+                why = reason(part, prefix, plain, after_wrapper, whole) if only or known is not None else None
                 if why is not None:
                     logger.debug(
                         "removed wrapper prefix %r: every key below %r goes through it, %s",

@@ -96,6 +96,23 @@ def test_a_module_loses_exactly_its_wrappers(tmp_path: Path) -> None:
     assert_same(model.state_dict(), target.module.state_dict())
 
 
+def test_a_wrapper_with_tensors_of_its_own_still_loses_its_prefix(tmp_path: Path) -> None:
+    class CountingDataParallel(nn.DataParallel):
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__(module)
+            self.register_buffer("calls", torch.zeros(()))
+
+    model = ResNet(seed=1)
+    report = export_state_dict(CountingDataParallel(model), tmp_path / "w.safetensors")
+    assert report.removed_prefixes == ["module."]
+    saved = safetensors.torch.load_file(tmp_path / "w.safetensors")
+    assert set(saved) == set(model.state_dict()) | {"calls"}
+    target = CountingDataParallel(ResNet(seed=2))
+    report = load_state_dict(target, model, strict=False)  # the plain model has no "calls"
+    assert (report.added_prefixes, report.missing) == (["module."], ["calls"])
+    assert_same(model.state_dict(), target.module.state_dict())
+
+
 def test_lightning_wrapper_classes_are_wrappers() -> None:
     from lightning.pytorch.plugins.precision.double import LightningDoublePrecisionModule
 
