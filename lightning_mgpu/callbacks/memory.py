@@ -154,6 +154,8 @@ class DeviceMemoryMonitor(Monitor):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # a second fit with this monitor reports its own peaks, imbalance and largest batch, not the first's
+        self.summary, self._warned, self._largest_ok = Summary(), False, None
         self._batches = 0
         self._device_plan = None
         self._firsts = self._open(trainer, self._read(trainer, reset_peak=False))

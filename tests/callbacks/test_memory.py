@@ -94,6 +94,22 @@ def test_single_process_interval_final_log_and_summary_file(
     assert "Device memory over the fit" not in caplog.text
 
 
+def test_a_second_fit_reports_its_own_readings(tmp_path: Path) -> None:
+    monitor = DeviceMemoryMonitor(every_n_steps=1, print_summary=False)
+    fit(tmp_path / "first", monitor, DataLoader(dataset(12), batch_size=4), Small())
+    assert summary_logs(tmp_path / "first") == 3
+    batches = [list(range(0, 2)), list(range(2, 6)), list(range(6, 14))]  # 2, 4, then 8 rows
+    with pytest.raises(MemoryError):  # two readings, then the failure
+        fit(
+            tmp_path / "failed",
+            monitor,
+            DataLoader(dataset(16), batch_sampler=batches),
+            Small(fail_at_rows=8),
+        )
+    fit(tmp_path / "second", monitor, DataLoader(dataset(8), batch_size=4), Small())
+    assert summary_logs(tmp_path / "second") == 2  # its two steps, none of the earlier fits'
+
+
 def test_gradient_accumulation_logs_once_per_optimizer_step(tmp_path: Path) -> None:
     monitor = DeviceMemoryMonitor(every_n_steps=1)
     loader = DataLoader(dataset(28), batch_size=4)  # 7 batches: 3 steps of 2 and a last one alone
