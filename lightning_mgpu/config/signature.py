@@ -48,7 +48,7 @@ _WORDS = {
 @functools.cache
 def keywords(cls: type) -> dict[str, inspect.Parameter]:
     """Each keyword ``cls(...)`` takes, its annotation resolved (kept as a string where it names an import
-    made for type checkers only, such as ``Accelerator``: no config value is one).
+    made for type checkers only, such as ``Accelerator``, or cannot be evaluated: no config value is one).
 
     Example::
 
@@ -203,5 +203,5 @@ def _resolve(annotation: Any, module: dict[str, Any]) -> Any:
         return annotation
     try:
         return typing.get_type_hints(types.SimpleNamespace(__annotations__={"a": annotation}), module)["a"]
-    except (NameError, TypeError):  # a name imported for type checkers only (Accelerator)
+    except Exception:  # a name imported for type checkers only (Accelerator), or one no import made
         return annotation  # no config value is one

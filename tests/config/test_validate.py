@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from lightning_mgpu.config import ConfigError, load_config
@@ -175,6 +177,22 @@ def test_lightning_1x_strategy_names_point_to_the_mgpu_strategies() -> None:
     assert "use mgpu_ddp (one process per device)" in ddp2
     still_in_2x = load_config("linear", ["trainer.strategy=ddp_spawn"])
     assert still_in_2x.trainer.strategy == "ddp_spawn"
+
+
+class LooseAnnotations(torch.optim.SGD):
+    """A third-party optimizer whose annotation (a string here) names what no import made."""
+
+    def __init__(self, params: object, lr: float = 0.1, extra: os.nothere.Thing | None = None) -> None:
+        super().__init__(params, lr=lr)
+
+
+def test_an_optimizer_whose_annotations_cannot_be_evaluated_is_checked_by_its_names() -> None:
+    name = f"{__name__}.LooseAnnotations"
+    assert problems([f"optimizer._component_={name}", "optimizer.kwargs.extr=1"]) == [
+        f"optimizer.kwargs.extr: {name} takes no argument extr; did you mean extra?"
+    ]
+    cfg = load_config("digits", [f"optimizer._component_={name}", "optimizer.kwargs.extra=null"])
+    assert cfg.optimizer.kwargs == {"extra": None}
 
 
 def test_optimizer_class_path_typos_are_named_before_anything_runs() -> None:
