@@ -171,8 +171,9 @@ def measure_steps(
 
     The estimate is for one device, with no memory given, at the sample's batch size. With ``inference``
     the steps are forward passes (eval mode, no gradients): a LightningModule runs its
-    ``predict_step(batch, 0)``, any other module ``module(batch)``; gradients, optimizer state and saved
-    activations are zero, ``forward_backward`` holds the forward's peak.
+    ``predict_step(batch, 0)``, any other module ``module(batch)``; gradients and optimizer state are zero,
+    and so are saved activations unless the step turns gradients on itself (a saliency map), and
+    ``forward_backward`` holds the forward's peak.
     """
     notes: list[str] = []
     step = _resolve_step(module, step_fn, inference)
