@@ -117,6 +117,7 @@ def test_a_fit_cut_mid_epoch_resumes_at_the_next_batch_in_the_same_order(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.processes  # the DataLoader's workers, which tests/processes.py cannot see
 @pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent-workers"])
 @pytest.mark.parametrize("cut_at", [3, 6], ids=["mid-epoch", "epoch-end"])
 def test_a_loader_with_workers_resumes_mid_epoch_and_at_an_epoch_end_exactly(
