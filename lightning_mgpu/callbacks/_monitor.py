@@ -2,9 +2,11 @@
 
 - the arguments both take (``flush_every_n_steps``, ``summary_file``, ``print_summary``);
 - every rank's rows of numbers, kept until they are handed to rank 0 (``_hand_over``): at once in one
-  process; under several processes through one asynchronous all-gather on a gloo group of the
-  monitor's own, opened with the fit, and read at the next hand-over (or the end of ``fit``), so no
-  rank waits there for a slower one;
+  process; under several processes through one asynchronous all-gather on the run's process group
+  (on its device: a GPU under NCCL), read at the next hand-over (or the end of ``fit``), so no rank
+  waits there for a slower one. No group of the monitors' own: on torch 2.6, dropping a gloo group
+  at the end of a fit hung now and then in its C++ destructor, with the GIL held, until the
+  run's watchdog stopped it;
 - one report: each monitor has a line for the start of ``fit`` (what it watches) and a section for its
   end (its table). Each expects its parts in ``setup``, before any monitor's ``on_train_start``, then
   gives each (its text, or ``None``); the last monitor of the Trainer to give its part logs every part
@@ -15,7 +17,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from typing import Any, Literal
@@ -56,7 +57,7 @@ class Monitor(Callback):
         self.print_summary = print_summary
         self._parts: dict[Moment, object] = {}  # what it gave to the report: pending, its text or nothing
         self._start_line: str | None = None
-        self._group: Any = None
+        self._rows_on: torch.device | None = None  # where rows travel; None in one process
         self._kept: list[tuple[int, list[float]]] = []  # (step, row) not handed over yet
         self._inflight: tuple[Any, list[torch.Tensor], list[int]] | None = None
 
@@ -67,8 +68,8 @@ class Monitor(Callback):
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if self._inflight is None:  # a gather in flight may never end: the group goes with the process
-            self._release_group()
+        if self._inflight is None:  # a gather in flight may never end: it goes with the process
+            self._rows_on = None
 
     # ------------------------------------------------------------------ rows of every rank
     def _use(self, trainer: Trainer, step: int, rows: list[list[float]]) -> None:
@@ -77,13 +78,9 @@ class Monitor(Callback):
 
     def _open(self, trainer: Trainer, mine: Any) -> list[Any]:
         """Start a fit's hand-overs; every rank's ``mine``, by rank (``[mine]`` in one process)."""
-        self._release_group()  # a fit that ended in an error left its group
         self._inflight, self._kept = None, []
-        if is_distributed(trainer):
-            # a group of its own, on the CPU: no copy from a GPU, no synchronisation, and its gathers
-            # in flight never sit between the strategy's collectives; released at the end of fit
-            self._group = dist.new_group(backend="gloo")
-        return all_gather_objects(trainer, mine, group=self._group)
+        self._rows_on = trainer.strategy.root_device if is_distributed(trainer) else None
+        return all_gather_objects(trainer, mine)
 
     def _keep(self, trainer: Trainer, step: int, row: list[float], hand_over: bool) -> None:
         """Keep this rank's ``row`` read at ``step`` (as long as every rank's), handed over with the rest now
@@ -99,15 +96,15 @@ class Monitor(Callback):
         training goes on, finished at the next hand-over or by ``_close``.
         """
         kept, self._kept = self._kept, []
-        if self._group is None:
+        if self._rows_on is None:
             for step, row in kept:
                 self._use(trainer, step, [row])
             return
         self._finish_gather(trainer)
         steps = [step for step, _ in kept]
-        mine = torch.tensor([row for _, row in kept], dtype=torch.float64)
-        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group))]
-        self._inflight = (dist.all_gather(parts, mine, group=self._group, async_op=True), parts, steps)
+        mine = torch.tensor([row for _, row in kept], dtype=torch.float64, device=self._rows_on)
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        self._inflight = (dist.all_gather(parts, mine, async_op=True), parts, steps)
 
     def _finish_gather(self, trainer: Trainer) -> None:
         """Wait for the gather in flight (usually done by now) and use its rows, oldest first."""
@@ -121,17 +118,8 @@ class Monitor(Callback):
             self._use(trainer, step, [table[i] for table in tables])
 
     def _close(self, trainer: Trainer) -> None:
-        """Use the gather in flight and release the fit's group."""
+        """Use the gather in flight: the fit's last rows."""
         self._finish_gather(trainer)
-        self._release_group()
-
-    def _release_group(self) -> None:
-        """Destroy this fit's group (its sockets, a communicator's threads); no collective runs."""
-        if self._group is not None and dist.is_initialized():
-            # ValueError: it went with the default group (destroyed since, and maybe created again)
-            with contextlib.suppress(ValueError):
-                dist.destroy_process_group(self._group)
-        self._group = None
 
     # ------------------------------------------------------------------ the report
     def _give(self, trainer: Trainer, moment: Moment, text: str | None) -> None:

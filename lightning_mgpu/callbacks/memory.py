@@ -44,9 +44,8 @@ class DeviceMemoryMonitor(Monitor):
       ``mgpu_ddp`` (or any DDP) every rank reads its own device and the readings are
       all-gathered, so rank 0's loggers hold all devices.
     - Readings are taken every ``every_n_steps`` and handed to the loggers in batches every
-      ``flush_every_n_steps`` (under DDP: one all-gather per batch, on a gloo group of the
-      monitor's own for the fit, so no copy to or from a GPU), each under the step it
-      was taken at; the rest of a batch is handed over at the end of fit, or, in a single
+      ``flush_every_n_steps`` (under DDP: one asynchronous all-gather per batch), each under the
+      step it was taken at; the rest of a batch is handed over at the end of fit, or, in a single
       process, when it fails.
     - ``memory/imbalance`` is the largest device's peak divided by the mean; above
       ``imbalance_threshold`` it warns once, naming the likely cause in this run.
@@ -209,7 +208,7 @@ class DeviceMemoryMonitor(Monitor):
     # ------------------------------------------------------------------ OOM
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if self._group is None and self._kept:
+        if self._rows_on is None and self._kept:
             # the readings up to the failure, for the plot; under DDP a gather could hang now
             with contextlib.suppress(Exception):
                 self._hand_over(trainer)

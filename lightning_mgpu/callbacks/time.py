@@ -52,8 +52,7 @@ class DeviceTimeMonitor(Monitor):
     ``DeviceMemoryMonitor`` shows each replica's memory. ``samples`` is the whole batch.
 
     Every ``flush_every_n_steps`` batches one asynchronous all-gather of each rank's sums for the
-    window (five numbers, on a gloo group of the monitor's own, created at the start of ``fit`` and
-    destroyed at its end) brings them to rank 0 while the next window trains; rank 0's loggers
+    window (five numbers) brings them to rank 0 while the next window trains; rank 0's loggers
     then get the window's means at its last step. At the end of ``fit`` rank 0 logs
     (``rank_zero_info``, on stderr unless logging is configured otherwise) a table (rank, device,
     steps/s, data %, work %, waiting %, samples/s) and one verdict line: balanced, or the slowest
