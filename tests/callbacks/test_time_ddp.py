@@ -61,7 +61,9 @@ def check_straggler(run: dict[str, Any], slept: str, phase: str) -> None:
     assert run["summary"]["verdict"]["rank"] == 1
     assert run["summary"]["verdict"]["phase"] == phase
     within_10_percent(rank1[f"{slept}_s"], seconds)
-    within_10_percent(rank0["wait_s"], seconds)  # in the all-reduce, for rank 1
+    # in the collectives, for rank 1: at least its sleep, at most that and the work rank 1 did meanwhile
+    # (its work slows with the machine's load, and rank 0 waits for that too)
+    assert 0.9 * seconds <= rank0["wait_s"] <= seconds + rank1["work_s"], (rank0["wait_s"], seconds, rank1)
     check_totals(run, steps=32, samples=128)
 
 
