@@ -86,7 +86,7 @@ def test_ddp_data_and_work_stragglers_named_balanced_run_not(tmp_path: Path) -> 
     assert "loses the time in data loading. Try: give the DataLoader more workers" in output
     assert "Time: balanced, no rank holds the others back" in output
 
-    # the monitor's group is destroyed after each fit: the third fit holds no more sockets than the first
+    # the monitor opens nothing per fit: the third fit holds no more sockets than the first
     for rank in (0, 1):
         assert len({runs[mode]["outside"][rank]["open_files"] for mode in ("data", "work", "even")}) == 1
 
