@@ -61,9 +61,11 @@ def check_straggler(run: dict[str, Any], slept: str, phase: str) -> None:
     assert run["summary"]["verdict"]["rank"] == 1
     assert run["summary"]["verdict"]["phase"] == phase
     within_10_percent(rank1[f"{slept}_s"], seconds)
-    # in the collectives, for rank 1: at least its sleep, at most that and the work rank 1 did meanwhile
-    # (its work slows with the machine's load, and rank 0 waits for that too)
-    assert 0.9 * seconds <= rank0["wait_s"] <= seconds + rank1["work_s"], (rank0["wait_s"], seconds, rank1)
+    # in the collectives, for rank 1: at least its sleep. At most everything rank 1 did meanwhile: its sleep,
+    # its work (which slows with the machine's load) and its own time in the collectives, where the two
+    # ranks wait together while the transfer itself runs
+    most = seconds + rank1["work_s"] + rank1["wait_s"]
+    assert 0.9 * seconds <= rank0["wait_s"] <= most, (rank0["wait_s"], seconds, dict(rank1))
     check_totals(run, steps=32, samples=128)
 
 
