@@ -34,7 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["attempt_token", "current_token", "init_process_group", "store_client", "uses_agent_store"]
+__all__ = ["attempt_token", "current_token", "init_process_group", "store_client"]
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +53,6 @@ def store_client(timeout: timedelta) -> dist.TCPStore:
     return dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
     )
-
-
-def uses_agent_store() -> bool:
-    """Whether this process is a torchrun worker whose process group lives in torchrun's own store."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
 
 
 def attempt_token(store: dist.Store, rank: int, world_size: int, timeout: float) -> str:
@@ -120,18 +115,20 @@ def _wait(deadline: float, timeout: float, what: str) -> None:
 
 def init_process_group(
     backend: str, rank: int, world_size: int, timeout: timedelta, device: torch.device
-) -> str | None:
+) -> None:
     """Under torchrun's shared store, create the default process group under a fresh token.
 
-    - does nothing and returns ``None`` outside torchrun's shared store (Lightning's launcher,
-      SLURM: each attempt there has a store of its own) or once a process group exists;
-    - otherwise agrees on the token with :func:`attempt_token`, creates the group over
-      ``PrefixStore(token, store)`` with the arguments Lightning would pass, and returns the token,
-      which other users of the store (the watchdog) put in their keys too.
+    - does nothing outside torchrun's shared store (Lightning's launcher, SLURM: each attempt there
+      has a store of its own) or once a process group exists;
+    - otherwise agrees on the token with :func:`attempt_token` and creates the group over
+      ``PrefixStore(token, store)`` with the arguments Lightning would pass; other users of the
+      store (the watchdog) put the token (:func:`current_token`) in their keys too.
     """
     global _TOKEN
-    if not uses_agent_store() or not dist.is_available() or dist.is_initialized():
-        return None
+    # a torchrun worker whose process group lives in torchrun's own store
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    if not agent_store or not dist.is_available() or dist.is_initialized():
+        return
     client = store_client(timeout)
     token = attempt_token(client, rank, world_size, timeout.total_seconds())
     store = dist.PrefixStore(f"{_KEYS}{token}/", client)
@@ -141,4 +138,3 @@ def init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
     )
     log.debug("rank %d: process group created under torchrun's store, attempt token %s", rank, token)
-    return token

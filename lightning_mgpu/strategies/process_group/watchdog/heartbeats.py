@@ -18,8 +18,9 @@ beats carry.
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,11 +131,15 @@ class Heartbeats:
             with contextlib.suppress(Exception):
                 self.store.set(f"settled/{self.rank}", "1")
 
-    def unsettled(self, ranks: Iterable[int]) -> list[int]:
-        """Those of ``ranks`` that joined the run and have not settled yet (none once the store is gone)."""
+    def unsettled(self, verdict: Verdict | None, children: Mapping[int, subprocess.Popen]) -> list[int]:
+        """The other ranks that may still need rank 0 to learn why the run ends: joined the run, not settled,
+        not gone by the ``verdict`` (dead, or failed by itself and ending through its own exception), and not
+        a child process that has ended; none once the store is gone."""
+        gone = {self.rank, *verdict.dead, verdict.origin} if verdict is not None else {self.rank}
+        gone.update(r for r, proc in children.items() if proc.poll() is not None)
         try:
             self.read_infos()
-            return [r for r in ranks if r in self.infos and not self.store.check([f"settled/{r}"])]
+            return [r for r in sorted(self.infos) if r not in gone and not self.store.check([f"settled/{r}"])]
         except Exception:
             return []
 

@@ -23,6 +23,8 @@ import traceback
 from dataclasses import dataclass
 from types import FrameType
 
+import psutil
+
 __all__ = [
     "DeadManSwitch",
     "PidStatus",
@@ -88,16 +90,8 @@ def pid_status(pid: int, started: str | None = None) -> PidStatus:
     new one that reused the pid, so the one we knew is gone.
     """
     fields = stat_fields(f"/proc/{pid}/stat")
-    if fields is None:
-        if sys.platform != "linux":
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return PidStatus(alive=False)
-            except PermissionError:
-                pass
-            return PidStatus(alive=True)
-        return PidStatus(alive=False)
+    if fields is None:  # ended, or not Linux
+        return PidStatus(alive=sys.platform != "linux" and psutil.pid_exists(pid))
     if started is not None and len(fields) > 19 and fields[19] != started:
         return PidStatus(alive=False)
     if fields[0] not in ("Z", "X"):

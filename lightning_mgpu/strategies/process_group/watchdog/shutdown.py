@@ -6,7 +6,7 @@
   it) and the child processes a moment to end, kills the children still running and ends the
   process with ``os._exit``;
 - ``wait_until_settled``: rank 0 leaves, a bounded while, only once every other live rank has read
-  why the run ends (``unsettled_peers``);
+  why the run ends (``Heartbeats.unsettled``);
 - ``wait_for_children``: at exit of the launching process after a clean run, waits for the
   ranks it started and ends with an error if one of them failed;
 - ``kill_children``: stops the child processes still running;
@@ -37,7 +37,6 @@ __all__ = [
     "ExitSummary",
     "kill_children",
     "stop_process",
-    "unsettled_peers",
     "wait_for_children",
     "wait_until_settled",
 ]
@@ -90,17 +89,6 @@ def stop_process(
     os._exit(exit_code)
 
 
-def unsettled_peers(
-    run: Heartbeats, verdict: Verdict | None, children: Mapping[int, subprocess.Popen]
-) -> list[int]:
-    """The other ranks that may still need rank 0 to learn why the run ends: not settled, not gone
-    by the ``verdict`` (dead, or failed by itself and ending through its own exception), and not a
-    child process that has ended."""
-    gone = {*verdict.dead, verdict.origin} if verdict is not None else set()
-    ended = {r for r, proc in children.items() if proc.poll() is not None}
-    return run.unsettled(sorted(set(range(run.world_size)) - {run.rank, *gone} - ended))
-
-
 def wait_until_settled(
     run: Heartbeats, verdict: Verdict | None, children: Mapping[int, subprocess.Popen], limit: float
 ) -> list[int]:
@@ -111,10 +99,8 @@ def wait_until_settled(
     the run, could then only report a lost store, or a SIGTERM.
     """
     deadline = time.monotonic() + limit
-    waiting = unsettled_peers(run, verdict, children)
-    while waiting and time.monotonic() < deadline:
+    while (waiting := run.unsettled(verdict, children)) and time.monotonic() < deadline:
         time.sleep(0.02)
-        waiting = unsettled_peers(run, verdict, children)
     if waiting:
         log.debug("rank %d: ranks %s did not read why the run ends within %g s", run.rank, waiting, limit)
     return waiting

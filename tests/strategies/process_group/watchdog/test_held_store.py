@@ -15,7 +15,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from lightning_mgpu.strategies.process_group.watchdog.heartbeats import Heartbeats
-from lightning_mgpu.strategies.process_group.watchdog.shutdown import unsettled_peers, wait_until_settled
+from lightning_mgpu.strategies.process_group.watchdog.shutdown import wait_until_settled
 from lightning_mgpu.strategies.process_group.watchdog.verdicts import RankInfo, Verdict
 from tests.helpers import run_file
 
@@ -30,22 +30,22 @@ def test_the_holder_waits_only_for_live_ranks_that_did_not_settle() -> None:
     store = dist.HashStore()
     holder, late, child, _ = (joined(store, rank) for rank in range(4))  # rank 3 is named dead below
     verdict = Verdict("rank 3 (pid 1003 on node-a) was killed by signal 9 (SIGKILL)", dead=(3,))
-    assert unsettled_peers(holder, None, {}) == [1, 2, 3]
-    assert unsettled_peers(holder, verdict, {}) == [1, 2]
+    assert holder.unsettled(None, {}) == [1, 2, 3]
+    assert holder.unsettled(verdict, {}) == [1, 2]
     ended = subprocess.Popen(["true"])  # rank 2, a launched child, has ended: it reads nothing any more
     ended.wait()
-    assert unsettled_peers(holder, verdict, {2: ended}) == [1]
+    assert holder.unsettled(verdict, {2: ended}) == [1]
     assert wait_until_settled(holder, verdict, {2: ended}, limit=0.1) == [1]  # bounded: rank 1 never settled
     threading.Timer(0.2, late.settle).start()
     assert wait_until_settled(holder, verdict, {2: ended}, limit=120.0) == []  # returns once rank 1 settled
     child.settle()
-    assert unsettled_peers(holder, None, {}) == [3]
+    assert holder.unsettled(None, {}) == [3]
 
 
 def test_a_rank_that_never_joined_the_exchange_is_not_waited_for() -> None:
     store = dist.HashStore()
     holder = joined(store, 0, world_size=2)  # rank 1 could not reach the store: it wrote no info
-    assert unsettled_peers(holder, None, {}) == []
+    assert holder.unsettled(None, {}) == []
 
 
 def test_a_late_rank_names_rank_0s_error_not_a_lost_store(tmp_path: Path) -> None:
