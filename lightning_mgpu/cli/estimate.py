@@ -86,7 +86,7 @@ def _device_count(accelerator: str, devices: Any) -> int:
 def report(est: Any, recipe: str, batch_size: int, devices: int, task: str = "fit") -> str:
     """The estimate in the config's terms: ``batch_size`` is the global batch of every strategy."""
     from lightning_mgpu.devices import format_bytes
-    from lightning_mgpu.estimate.report import format_estimate
+    from lightning_mgpu.estimate.memory_estimate import format_estimate
 
     memory = f", {format_bytes(est.device_memory)} per device" if est.device_memory else ""
     what = (

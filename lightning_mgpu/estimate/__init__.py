@@ -2,8 +2,8 @@
 
 - ``predict.py``: ``estimate_memory`` (public), and ``model_state_estimate``, the same before any batch
   (``mgpu_auto``'s numbers);
-- ``memory_estimate.py``: the ``MemoryEstimate`` it returns, each strategy's peak from it (public);
-- ``report.py``: the estimate's one table, for ``str(estimate)`` and ``lightning-mgpu estimate``;
+- ``memory_estimate.py``: the ``MemoryEstimate`` it returns, each strategy's peak from it (public),
+  and its one table, for ``str(estimate)`` and ``lightning-mgpu estimate``;
 - ``batch.py``: a batch's rows (Lightning's ``extract_batch_size``), its tensors, a resized copy;
 - ``steps.py``: one warm-up and two measured training steps on copies of the module, or two
   measured forward passes under ``torch.no_grad()`` for inference;
