@@ -2,10 +2,10 @@
 
 - ``strategy.py``: ``MGPUDataParallelStrategy``, registered as ``mgpu_dp``;
 - ``replicas.py``: building the replicas and routing each step's calls into them;
-- ``threads.py``: ``ReplicaThreads``, running the replicas' step calls at the same time;
 - ``lockstep.py``: manual optimization, the replicas' threads meeting at each optimizer call;
 - ``step.py``: ``ReplicaStep``, one step over the replicas: the batch cut, each replica's own metric
-  copies (``split.merge_metrics.PartMetrics``) and logs, the results made one.
+  copies (``split.merge_metrics.PartMetrics``) and logs, the replicas run at once in threads, the
+  results made one.
 
 Cutting the batch, replaying ``self.log`` and merging metrics are shared with micro-batching in ``split/``.
 

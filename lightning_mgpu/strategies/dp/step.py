@@ -2,15 +2,28 @@
 
 ``ReplicaStep.run`` serves ``training_step``, ``validation_step``, ``test_step`` and ``predict_step``
 alike: it replicates the module on each device, gives each replica its chunk, its own copies of the
-module's metrics and a ``self.log`` that records, runs them at once (``ReplicaThreads``), then
-merges the metrics, replays the logs once and combines the outputs on the first device.
+module's metrics and a ``self.log`` that records, runs them at once, then merges the metrics, replays
+the logs once and combines the outputs on the first device.
+
+The replicas' step calls run at the same time:
+
+- on CUDA devices torch's ``parallel_apply`` runs one thread per replica, each on its device's stream;
+- on CPU (and other devices) a pool of ``devices - 1`` threads, kept from step to step, runs every
+  replica but the first, which runs in the calling thread. The replicas share the cores: with OpenMP
+  each runs its ops with ``torch.get_num_threads() // replicas`` intra-op threads instead of
+  oversubscribing.
+
+Either way, a replica's exception is recorded by its ``ReplicaCall`` and the one that matters
+(the first that is not another replica stopping because of it) is raised once all have finished.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +31,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.nn.parallel import parallel_apply
 
 from lightning_mgpu._words import counted
 from lightning_mgpu.losses import replica_step_context
@@ -29,7 +43,6 @@ from lightning_mgpu.strategies.dp.replicas import (
     refresh_parameters,
     replicate,
 )
-from lightning_mgpu.strategies.dp.threads import ReplicaThreads
 from lightning_mgpu.strategies.split.batch import combine_outputs, scatter_batch, split_rows, split_sizes
 from lightning_mgpu.strategies.split.logs import LogCapture, replay_logs
 from lightning_mgpu.strategies.split.merge_metrics import PartMetrics
@@ -37,6 +50,9 @@ from lightning_mgpu.strategies.split.merge_metrics import PartMetrics
 __all__ = ["ReplicaResult", "ReplicaStep"]
 
 log = logging.getLogger(__name__)
+
+# other backends warn when the thread count changes after parallel work started
+_OPENMP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
 @dataclass(frozen=True)
@@ -52,11 +68,11 @@ class ReplicaResult:
 
 
 class ReplicaStep:
-    """Runs steps over replicas; keeps the replicas' metric copies and threads from step to step."""
+    """Runs steps over replicas; keeps the replicas' metric copies and CPU threads from step to step."""
 
     def __init__(self) -> None:
         self._metrics = PartMetrics()
-        self._threads: ReplicaThreads | None = None
+        self._pool: ThreadPoolExecutor | None = None
         self._warned_uneven = False
         self._checked_compiled = False
 
@@ -135,16 +151,61 @@ class ReplicaStep:
             context = replica_step_context(step_context, index, sizes, lockstep.run)
             calls.append(ReplicaCall(replica, method, context, track_memory, on_exit))
 
-        if self._threads is None:
-            self._threads = ReplicaThreads(len(all_devices))
-        outputs = self._threads.run(
-            calls, [(chunk, *args[1:]) for chunk in chunks], kwargs, devices, lockstep
-        )
+        inputs = [(chunk, *args[1:]) for chunk in chunks]
+        outputs = self._run_at_once(calls, inputs, kwargs, devices, len(all_devices), lockstep)
 
         originals = self._metrics.merge()
         replay_logs(module, captures, sizes, devices[0], originals)
         saved = [call.saved_bytes for call in calls] if track_memory else []
         return ReplicaResult(combine_outputs(outputs, sizes, devices[0]), sizes, saved)
+
+    def _run_at_once(
+        self,
+        calls: list[ReplicaCall],
+        inputs: list[tuple[Any, ...]],
+        kwargs: dict[str, Any],
+        devices: Sequence[torch.device],
+        pool_size: int,
+        lockstep: Lockstep,
+    ) -> list[Any]:
+        """Each ``calls[i](*inputs[i], **kwargs)`` on ``devices[i]``, at once; results in replica order.
+
+        Raises:
+            BaseException: the first replica's own error (see ``Lockstep.raise_first``).
+        """
+        if devices[0].type == "cuda":
+            try:
+                return parallel_apply(calls, inputs, [kwargs] * len(calls), list(devices))  # type: ignore[arg-type]
+            except Exception:
+                lockstep.raise_first()
+                raise
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=max(1, pool_size - 1), thread_name_prefix="mgpu_dp")
+        # with OpenMP a thread takes the process-wide setting when it first runs a parallel op
+        threads = torch.get_num_threads()
+        if _OPENMP:
+            log.debug(
+                "%d CPU replicas share %d intra-op threads: %d each",
+                len(calls),
+                threads,
+                threads // len(calls),
+            )
+            torch.set_num_threads(max(1, threads // len(calls)))
+        try:
+            futures = [
+                self._pool.submit(call, *inp, **kwargs)
+                for call, inp in zip(calls[1:], inputs[1:], strict=True)
+            ]
+            # a replica's exception is recorded in `lockstep`: wait for all, then raise the one that matters
+            first = None
+            with contextlib.suppress(Exception):
+                first = calls[0](*inputs[0], **kwargs)
+            wait(futures)
+        finally:
+            if _OPENMP:
+                torch.set_num_threads(threads)
+        lockstep.raise_first()
+        return [first, *(future.result() for future in futures)]
 
     @staticmethod
     def _warn_compiled(module: torch.nn.Module) -> None:
@@ -159,7 +220,7 @@ class ReplicaStep:
 
     def close(self) -> None:
         """Stop the replicas' threads and drop the metric copies (the run ended)."""
-        if self._threads is not None:
-            self._threads.close()
-            self._threads = None
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         self._metrics.clear()
