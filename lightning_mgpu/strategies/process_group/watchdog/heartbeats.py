@@ -71,11 +71,9 @@ class Heartbeats:
     """Whether this rank wrote its ``settled/<rank>`` key."""
 
     def __post_init__(self) -> None:
-        now = time.monotonic()
-        if self.rank == 0:
-            self.judge = Judge(list(range(1, self.world_size)), now, self.dead_after, self.stall_timeout)
-        else:
-            self.judge = Judge([0], now, self.dead_after, None)
+        lead = self.rank == 0
+        watch = list(range(1, self.world_size)) if lead else [0]
+        self.judge = Judge(watch, time.monotonic(), self.dead_after, self.stall_timeout if lead else None)
 
     def introduce(self, info: RankInfo) -> None:
         self.store.set(f"info/{self.rank}", info.to_json())
