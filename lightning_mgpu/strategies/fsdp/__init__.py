@@ -12,10 +12,9 @@
 - ``need.py``: that need with the model's optimizer state and the Trainer precision's dtypes, weighed by
   ``mgpu_auto``, and ``check_fits``, the refusal on GPUs before sharding when it exceeds a device;
 - ``saving.py``: sharded checkpoints saved again over the run's own (``last.ckpt``) without torch's warning;
-- ``sync_points.py``: FSDP's collectives announced, so micro-batching's ``"auto"`` survives an
-  out-of-memory on one rank;
-- ``buffers.py``: FSDP's own collectives, watched: an out-of-memory in their buffers is named, and
+- ``collectives.py``: FSDP's own collectives, watched: an out-of-memory in their buffers is named, and
   recovered under ``"auto"``; one inside a collective stops every rank (``CollectiveOutOfMemoryError``);
+  ``SyncPoints`` announces each one, so micro-batching's ``"auto"`` survives an out-of-memory on one rank;
 - ``lightning_mgpu.estimate.model_state``: bytes of parameters, gradients and optimizer state held by this
   rank and by the whole model.
 """

@@ -31,7 +31,7 @@ from lightning_mgpu._compat.lightning import (
 from lightning_mgpu._sharding.plan import ShardingPlan, plan_sharding, validate_block_classes
 from lightning_mgpu.devices import format_bytes
 from lightning_mgpu.estimate.model_state import measure_model_state
-from lightning_mgpu.strategies.fsdp.buffers import Watched, watch_buffers
+from lightning_mgpu.strategies.fsdp.collectives import SyncPoints, Watched, watch_buffers
 from lightning_mgpu.strategies.fsdp.gloo_average import average_gradients_exactly
 from lightning_mgpu.strategies.fsdp.mesh import shared_mesh
 from lightning_mgpu.strategies.fsdp.need import check_model_fits
@@ -45,7 +45,6 @@ from lightning_mgpu.strategies.fsdp.sharding import (
     is_sharded,
     mixed_precision_policy,
 )
-from lightning_mgpu.strategies.fsdp.sync_points import SyncPoints
 from lightning_mgpu.strategies.microbatch.mixin import STEP_CONTEXTS, MicroBatching
 from lightning_mgpu.strategies.process_group.services import STALL_TIMEOUT, ProcessGroupServices
 
@@ -120,7 +119,7 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ModelParallelStrateg
             Gradients are reduce-scattered after each micro-batch's backward (they stay sharded:
             no whole copy builds up). Under ``"auto"`` each rank announces each of FSDP's collectives
             before it enters it (one small all-reduce nothing waits for, until a step of that kind ran
-            clean) (``fsdp/sync_points.py``, ``fsdp/buffers.py``), so an out-of-memory on one rank, in
+            clean) (``fsdp/collectives.py``), so an out-of-memory on one rank, in
             forward, backward or FSDP's own buffers, leaves no rank waiting. One inside a collective
             itself stops every rank within seconds (``CollectiveOutOfMemoryError``).
 
@@ -231,7 +230,7 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ModelParallelStrateg
         self._shard_model(trainer)
         # gloo on torch 2.7/2.8 sums where FSDP asks for an average (pytorch/pytorch#162338)
         average_gradients_exactly(self.model, self.device_mesh["data_parallel"].get_group())
-        # FSDP's own buffers say which one ran out (fsdp/buffers.py); DeviceTimeMonitor reads the time in them
+        # FSDP's own buffers say which one ran out (fsdp/collectives.py); DeviceTimeMonitor reads their time
         self._watched = watch_buffers(self.model)
         materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
