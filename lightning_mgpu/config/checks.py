@@ -1,17 +1,19 @@
 """Small checks the config sections share: each returns a list of messages, never raises.
 
 - ``one_of``: a value from a fixed set of names;
-- ``at_least`` / ``minimums``: lower bounds of numbers, one field or several.
+- ``at_least`` / ``minimums``: lower bounds of numbers, one field or several;
+- ``did_you_mean``: the suggestion of every message that names a near miss (a key, a recipe, a class).
 
 This module does not import torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import difflib
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["at_least", "minimums", "one_of"]
+__all__ = ["at_least", "did_you_mean", "minimums", "one_of"]
 
 
 def one_of(name: str, value: str, allowed: Sequence[str]) -> list[str]:
@@ -46,3 +48,14 @@ def minimums(section: Any, **lows: float) -> list[str]:
         minimums(cfg.data, num_samples=2, image_size=8)
     """
     return [p for name, low in lows.items() for p in at_least(name, getattr(section, name), low)]
+
+
+def did_you_mean(word: str, choices: Iterable[str], template: str = "did you mean {}? ") -> str:
+    """``template`` filled in with the choice closest to ``word``, or ``""`` when none is close.
+
+    Example::
+
+        did_you_mean("digts", ["digits", "mnist"])  # 'did you mean digits? '
+    """
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return template.format(close[0]) if close else ""

@@ -16,14 +16,13 @@ Importing this module does not import torch; checking or building the class does
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import logging
 from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from lightning_mgpu.config.checks import at_least, one_of
+from lightning_mgpu.config.checks import at_least, did_you_mean, one_of
 from lightning_mgpu.config.signature import keywords, not_taken
 
 if TYPE_CHECKING:
@@ -92,8 +91,7 @@ def _optimizer_class(component: str) -> type[torch.optim.Optimizer]:
     path = _SHORT_NAMES.get(component, component)
     module_name, _, attr = path.rpartition(".")
     if not module_name:
-        close = difflib.get_close_matches(component, list(_SHORT_NAMES), n=1)
-        hint = f"did you mean {close[0]}? Otherwise " if close else ""
+        hint = did_you_mean(component, _SHORT_NAMES, "did you mean {}? Otherwise ")
         raise ValueError(
             f"{component!r} is not an optimizer; {hint}give a short name ({', '.join(_SHORT_NAMES)})"
             " or a class path such as torch.optim.AdamW"
@@ -105,8 +103,7 @@ def _optimizer_class(component: str) -> type[torch.optim.Optimizer]:
     cls = getattr(module, attr, None)
     if cls is None:
         classes = [n for n, v in vars(module).items() if isinstance(v, type) and not n.startswith("_")]
-        close = difflib.get_close_matches(attr, classes, n=1)
-        hint = f"; did you mean {module_name}.{close[0]}?" if close else ""
+        hint = did_you_mean(attr, classes, f"; did you mean {module_name}.{{}}?")
         raise ValueError(f"{path!r}: {module_name} has no {attr}{hint}")
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ValueError(f"{path!r} is not a torch.optim.Optimizer class, got {cls!r}")

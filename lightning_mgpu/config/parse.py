@@ -13,7 +13,6 @@ This module does not import torch.
 
 from __future__ import annotations
 
-import difflib
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import cast
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lightning_mgpu.config.checks import did_you_mean
 from lightning_mgpu.config.strategy import align_strategy, name_only, name_override
 
 __all__ = ["find_config", "load", "parse_overrides", "shipped_configs"]
@@ -58,10 +58,9 @@ def find_config(name_or_path: str) -> Path:
     if name_or_path in shipped:
         log.debug("config %r: no such file, the shipped %s", name_or_path, shipped[name_or_path])
         return shipped[name_or_path]
-    hint = difflib.get_close_matches(name_or_path, list(shipped), n=1)
-    did_you_mean = f"did you mean {hint[0]}? " if hint else ""
+    hint = did_you_mean(name_or_path, shipped)
     raise FileNotFoundError(
-        f"no config file {name_or_path!r} and no shipped config of that name; {did_you_mean}"
+        f"no config file {name_or_path!r} and no shipped config of that name; {hint}"
         f"shipped configs: {', '.join(shipped)}"
     )
 

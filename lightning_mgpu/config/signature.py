@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import difflib
 import functools
 import inspect
 import sys
@@ -28,6 +27,8 @@ import types
 import typing
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+from lightning_mgpu.config.checks import did_you_mean
 
 __all__ = ["checked", "convert", "describe", "field_type", "fields", "keywords", "not_taken", "wrong_type"]
 
@@ -123,8 +124,7 @@ def not_taken(path: str, owner: str, noun: str, takes: Sequence[str]) -> str:
         # 'kwargs.betaz: torch.optim.AdamW takes no argument betaz; did you mean betas?'
     """
     key = path.rpartition(".")[2]
-    close = difflib.get_close_matches(key, takes, n=1)
-    hint = f"did you mean {close[0]}?" if close else f"it takes {', '.join(takes) or 'nothing'}"
+    hint = did_you_mean(key, takes, "did you mean {}?") or f"it takes {', '.join(takes) or 'nothing'}"
     return f"{path}: {owner} takes no {noun} {key}; {hint}"
 
 

@@ -27,7 +27,6 @@ Importing this module does not import torch; checking or building a strategy doe
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import logging
 import typing
@@ -35,6 +34,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_mgpu.config.checks import did_you_mean
 from lightning_mgpu.config.signature import checked, convert, keywords, not_taken, wrong_type
 
 if typing.TYPE_CHECKING:
@@ -179,10 +179,8 @@ def _name_problem(name: str) -> str | None:
             f"trainer.strategy: {name!r} is a Lightning 1.x strategy that Lightning 2 removed;"
             f" use {_LIGHTNING_1X_STRATEGIES[name]}"
         )
-    close = difflib.get_close_matches(name, names, n=1)
-    hint = f"did you mean {close[0]}? " if close else ""
     mgpu = ", ".join(n for n in names if n.startswith("mgpu_"))
-    return f"trainer.strategy: {name!r} is not a registered strategy; {hint}e.g. {mgpu}"
+    return f"trainer.strategy: {name!r} is not a registered strategy; {did_you_mean(name, names)}e.g. {mgpu}"
 
 
 def _options(cls: type) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from lightning_mgpu.config.callbacks import RUN_SETS, callbacks_schema
+from lightning_mgpu.config.checks import did_you_mean
 from lightning_mgpu.config.optimizer import misplaced_arguments
 from lightning_mgpu.config.schema import RunConfig
 from lightning_mgpu.config.signature import describe
@@ -134,8 +135,7 @@ def _schema_or_problem(recipe: Any, problems: list[str]) -> tuple[type[RunConfig
     if recipe is None:
         problems.append(f"recipe: missing; set it to one of {', '.join(RECIPES)}")
     elif recipe not in RECIPES:
-        hint = difflib.get_close_matches(str(recipe), list(RECIPES), n=1)
-        suggestion = f"did you mean {hint[0]}? " if hint else ""
+        suggestion = did_you_mean(str(recipe), RECIPES)
         problems.append(
             f"recipe: {recipe!r} is not a recipe; {suggestion}known recipes: {', '.join(RECIPES)}"
         )
