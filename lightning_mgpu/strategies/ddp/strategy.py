@@ -21,7 +21,6 @@ from lightning_mgpu.strategies.process_group.errors import add_to_message
 from lightning_mgpu.strategies.process_group.services import STALL_TIMEOUT, ProcessGroupServices
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
     from lightning.pytorch.accelerators import Accelerator
 
 
@@ -162,11 +161,6 @@ class MGPUDDPStrategy(MicroBatching, ProcessGroupServices, DDPStrategy):
             requeue_on_failure=requeue_on_failure,
         )
         self._init_micro_batching(micro_batch_size)
-
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        self._check_micro_batching(trainer)
-        super().setup(trainer)  # DDPStrategy's
 
     # ---------------------------------------------------------- failures
     # DDP raises its unused-parameter error in the forward of the next step, or under manual

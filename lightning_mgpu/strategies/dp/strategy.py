@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -16,9 +16,6 @@ from typing_extensions import override
 from lightning_mgpu._compat.lightning import StrategyRegistry, strategy_parts
 from lightning_mgpu.strategies.dp.step import ReplicaStep
 from lightning_mgpu.strategies.microbatch.mixin import STEP_CONTEXTS, MicroBatching
-
-if TYPE_CHECKING:
-    import lightning.pytorch as pl
 
 log = logging.getLogger(__name__)
 
@@ -243,11 +240,6 @@ class MGPUDataParallelStrategy(MicroBatching, ParallelStrategy):
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
-
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        self._check_micro_batching(trainer)
-        super().setup(trainer)
 
     # each step runs over the replicas; micro-batching, when set, runs it once per micro-batch
     @override

@@ -94,7 +94,7 @@ class MicroBatching(StrategyMixin):
     once after the last micro-batch instead of during backward, and buffers are not broadcast
     from rank 0 at each forward; ``on_before_backward`` and ``on_after_backward`` run once per
     batch, after the micro-batches' backward passes. Manual optimization is refused when fit starts
-    (the host's ``setup`` calls ``_check_micro_batching``).
+    (the mixin's ``setup``, before the host's own).
 
     The host strategy is the runner's ``MicroBatchHost`` (``microbatch/host.py``): beside what every
     ``ParallelStrategy`` has, it names itself (``strategy_name``) and provides ``note_progress``.
@@ -131,10 +131,15 @@ class MicroBatching(StrategyMixin):
         every = {"training_step": self.micro_batches, **self.micro_batches_eval}
         self._micro_runners = {stage: MicroBatchRunner(self, sizes, stage) for stage, sizes in every.items()}
 
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._check_micro_batching(trainer)
+        super().setup(trainer)
+
     def _check_micro_batching(self, trainer: pl.Trainer) -> None:
         """Refuse manual optimization before the first step, not when a batch happens to be split.
 
-        The host's ``setup`` calls it first.
+        ``setup`` calls it first (a host whose ``setup`` replaces its base's calls it itself).
         """
         module = self.lightning_module
         manual = module is not None and not module.automatic_optimization
