@@ -16,15 +16,20 @@ Lightning's ``ModelParallelStrategy`` and FSDP strategies save a sharded checkpo
   tensor, written, and dropped, so memory holds about one tensor, whatever the model's size. torch's
   own ``dcp_to_torch_save`` loads the whole folder, optimizer state included, first.
 - No process group and no GPU: chunks are read to the CPU, never unpickled beyond ``weights_only``.
-- Nothing the folder holds is trusted: the index is checked before anything is read or allocated
+- Nothing the folder holds is trusted: the index is read into memory (a length it claims can only
+  come up short), unpickled with only the classes torch writes there (:func:`read_index`; torch's own
+  reader runs a bare ``pickle.load``) and checked before anything is read or allocated
   (``_dcp_plan``), each chunk's archive before its values are read (``_dcp_chunk``), and every archive
   an export or a load reads against its CRC-32 (``_zip_check``); an error names the file and the entry.
 """
 
 from __future__ import annotations
 
+import functools
+import io
 import logging
 import math
+import pathlib
 import pickle
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -36,10 +41,8 @@ import torch
 from torch import nn
 
 from lightning_mgpu.checkpoint._dcp_chunk import Layout, chunk_layout, read_chunk, signals_held
-from lightning_mgpu.checkpoint._dcp_index import read_index
-from lightning_mgpu.checkpoint._dcp_plan import Chunk, Record, regular_file
-from lightning_mgpu.checkpoint._io import read_file
-from lightning_mgpu.checkpoint._mapped import ReadError
+from lightning_mgpu.checkpoint._dcp_plan import METADATA, Chunk, Index, Record, check_index, regular_file
+from lightning_mgpu.checkpoint._io import ReadError, read_file
 from lightning_mgpu.checkpoint._report import reason
 from lightning_mgpu.checkpoint._zip_check import Archive, ArchiveCheck, Window
 
@@ -52,6 +55,95 @@ _LIGHTNING_META = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAM
 # placeholders sit in one meta "storage", each at its own offset, so no two look like tied weights;
 # each slot fits its values at the widest element size, so a cast keeps the slot (and its identity)
 _SLOT = 16
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles ``.metadata`` and nothing else: only the classes torch writes there are found.
+
+    torch reads this file with a bare ``pickle.load`` (``FileSystemReader.read_metadata``), which
+    would run any code a crafted file names, and torch's weights-only unpickler cannot read it (it
+    is pickled with protocol 4, whose framing that unpickler refuses). So this is pickle's own
+    "restricting globals" recipe: torch's metadata records, ``torch.Size``, dtypes and layouts, and
+    the paths ``StorageMeta`` records; any other name is refused before it is imported.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        # Python 3.13 pickles the path classes as pathlib._local's; the same classes are in pathlib anywhere
+        if module in ("pathlib", "pathlib._local") and name in _PATHS:
+            return getattr(pathlib, name)
+        if (module, name) in _allowed_globals():
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a torch.distributed.checkpoint index")
+
+
+# the paths StorageMeta records
+_PATHS = frozenset({"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"})
+
+
+@functools.cache
+def _allowed_globals() -> frozenset[tuple[str, str]]:
+    from torch.distributed.checkpoint import metadata
+
+    records = [(metadata.__name__, name) for name in (*metadata.__all__, "_MEM_FORMAT_ENCODING")]
+    dtypes = [("torch", name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)]
+    return frozenset(
+        {
+            *records,
+            *dtypes,
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+            ("torch", "Size"),
+            ("torch.serialization", "_get_layout"),
+            ("collections", "OrderedDict"),
+        }
+    )
+
+
+def read_index(folder: Path, *, trust_pickle: bool = False) -> Index:
+    """Read and check ``folder/.metadata`` and the files it names, without running or trusting it.
+
+    Raises:
+        FileNotFoundError: ``.metadata`` or a shard file is missing; the message names it.
+        IsADirectoryError: the folder holds neither ``.metadata`` nor a shard file.
+        ValueError: the index is truncated, corrupt or crafted, or a file it names is too short or
+            not a regular file; the message names the file and the entry.
+    """
+    index = folder / METADATA
+    shards = sorted(p.name for p in folder.glob("*.distcp"))
+    if not index.exists():
+        if not shards:
+            raise IsADirectoryError(
+                f"{folder} is a folder, not a checkpoint: it holds no {METADATA} and no .distcp "
+                "shard files, so torch.distributed.checkpoint did not write it; pass a checkpoint file, "
+                "or the folder a sharded save wrote"
+            )
+        raise FileNotFoundError(
+            f"{folder} is an incomplete torch.distributed.checkpoint folder: {METADATA} is "
+            f"missing (it is written last, after the shards {', '.join(shards[:4])}"
+            f"{', ...' * (len(shards) > 4)}), so the save did not finish; use another checkpoint"
+        )
+    regular_file(index)
+    try:
+        data = index.read_bytes()  # from memory: a length the file claims can only come up short
+    except MemoryError:
+        raise ValueError(
+            f"{index} is {index.stat().st_size:,} bytes, more than this machine can hold: it is no index "
+            "torch wrote for a checkpoint this machine could export"
+        ) from None
+    try:
+        stream = io.BytesIO(data)
+        loaded = pickle.load(stream) if trust_pickle else _MetadataUnpickler(stream).load()
+    except pickle.UnpicklingError as err:
+        if "is not part of" in str(err):
+            raise ValueError(
+                f"{index} refers to {str(err).split(' is not')[0]}, which a torch.distributed.checkpoint "
+                "index never holds; unpickling it could run code from the file, so it was refused. "
+                "If you trust where the folder came from, pass trust_pickle=True "
+                "(command line: --trust-pickle)."
+            ) from None
+        raise ValueError(f"{index} is truncated or corrupt: {err}") from None
+    except Exception as err:  # a crafted pickle fails in as many ways as the classes it may call
+        raise ValueError(f"{index} is truncated or corrupt: {str(err) or type(err).__name__}") from None
+    return check_index(folder, loaded)
 
 
 @dataclass(frozen=True)

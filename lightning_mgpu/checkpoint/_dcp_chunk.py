@@ -40,7 +40,7 @@ from typing import Any, BinaryIO, cast
 import torch
 
 from lightning_mgpu.checkpoint._dcp_plan import METADATA, Chunk
-from lightning_mgpu.checkpoint._mapped import ReadError
+from lightning_mgpu.checkpoint._io import ReadError
 from lightning_mgpu.checkpoint._report import reason
 from lightning_mgpu.checkpoint._zip_check import StoredRecord, Window, stored_records
 

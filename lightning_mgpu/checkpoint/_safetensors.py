@@ -11,7 +11,7 @@ The writer streams one tensor at a time, without building the whole file in memo
 memory-mapped from a checkpoint are copied file-to-file by the kernel, others straight from their
 memory. It is hand-written because the library's ``save_file`` reads every tensor into this
 process, where this writer has the kernel copy a tensor memory-mapped from a checkpoint file-to-file
-(``_mapped.MappedFile``): an export's peak RSS is 0.22x a 1 GiB file, the target being <= 0.3x
+(``_io.MappedFile``): an export's peak RSS is 0.22x a 1 GiB file, the target being <= 0.3x
 (``benchmarks/export.py``).
 
 Reading is the library's ``safe_open``; where it refuses a header for a ``__metadata__`` value that is
@@ -179,7 +179,7 @@ def read_safetensors(
     """Read a safetensors file, restoring aliases of tied weights and the recorded key order.
 
     The library memory-maps the file: a tensor's pages are read only when it is used, and an
-    export copies them file-to-file (``_mapped.MappedFile``) without faulting them in.
+    export copies them file-to-file (``_io.MappedFile``) without faulting them in.
 
     Returns:
         ``(state_dict, metadata)``.

@@ -27,8 +27,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu.checkpoint._dcp import FORMAT, ShardedFolder
-from lightning_mgpu.checkpoint._io import read_file
-from lightning_mgpu.checkpoint._mapped import MappedFile
+from lightning_mgpu.checkpoint._io import MappedFile, read_file
 from lightning_mgpu.checkpoint._prefixes import (
     WRAPPERS,
     find_wrappers,

@@ -13,7 +13,7 @@ import torch
 
 from lightning_mgpu._atomic import WritebackWriter, atomic_write, cannot_write, local_path
 from lightning_mgpu.checkpoint._dcp import ShardedFolder
-from lightning_mgpu.checkpoint._mapped import ReadError
+from lightning_mgpu.checkpoint._io import ReadError
 from lightning_mgpu.checkpoint._prefixes import add_prefix, explain
 from lightning_mgpu.checkpoint._report import human_size
 from lightning_mgpu.checkpoint._safetensors import (
