@@ -46,27 +46,20 @@ class _StepCall(nn.Module):
         return self._step(self.module, batch)
 
 
-def _forward_step(module: nn.Module, batch: Any) -> Any:
-    """The step of a plain ``nn.Module``: ``module(batch)``."""
-    return module(batch)
-
-
-def _lightning_step(hook: str, module: nn.Module, batch: Any) -> Any:
-    return getattr(module, hook)(batch, 0)
-
-
 def _resolve_step(module: nn.Module, step_fn: Callable[[nn.Module, Any], Any] | None, inference: bool) -> Any:
+    """``step_fn``, else the LightningModule's ``training_step(batch, 0)`` (``predict_step`` for
+    ``inference``), else a plain ``nn.Module``'s ``module(batch)``."""
     if step_fn is not None:
         return step_fn
     hook = "predict_step" if inference else "training_step"
     if not hasattr(module, hook):
-        return _forward_step
+        return lambda module, batch: module(batch)
     if not inference and getattr(module, "automatic_optimization", True) is False:
         raise ValueError(
             f"{type(module).__name__} uses manual optimization, so its training_step does not return a"
             " loss: pass step_fn=lambda module, batch: <loss> to estimate_memory"
         )
-    return functools.partial(_lightning_step, hook)
+    return lambda module, batch: getattr(module, hook)(batch, 0)
 
 
 def _resolve_optimizers(
