@@ -46,7 +46,7 @@ class Monitor(Callback):
 
     A subclass opens each fit with ``_open`` (every rank's description of what it reads), keeps rows
     (``_keep``) and hands them over (``_hand_over``), gets every rank's rows of each step in ``_use``
-    (on every rank, in the same order) and ends the fit with ``_close``.
+    (on every rank, in the same order) and ends the fit with ``_finish_gather``.
     """
 
     def __init__(self, flush_every_n_steps: int, summary_file: str | None, print_summary: bool) -> None:
@@ -93,7 +93,7 @@ class Monitor(Callback):
         """This rank's kept rows to ``_use``, with every other rank's.
 
         In one process at once; under several processes they travel in an all-gather that runs while
-        training goes on, finished at the next hand-over or by ``_close``.
+        training goes on, finished at the next hand-over or by ``_finish_gather``.
         """
         kept, self._kept = self._kept, []
         if self._rows_on is None:
@@ -107,7 +107,8 @@ class Monitor(Callback):
         self._inflight = (dist.all_gather(parts, mine, async_op=True), parts, steps)
 
     def _finish_gather(self, trainer: Trainer) -> None:
-        """Wait for the gather in flight (usually done by now) and use its rows, oldest first."""
+        """Wait for the gather in flight (usually done by now) and use its rows, oldest first: at the
+        next hand-over, and at the end of a fit for its last rows."""
         if self._inflight is None:
             return
         work, parts, steps = self._inflight
@@ -116,10 +117,6 @@ class Monitor(Callback):
         tables = [part.tolist() for part in parts]
         for i, step in enumerate(steps):
             self._use(trainer, step, [table[i] for table in tables])
-
-    def _close(self, trainer: Trainer) -> None:
-        """Use the gather in flight: the fit's last rows."""
-        self._finish_gather(trainer)
 
     # ------------------------------------------------------------------ the report
     def _give(self, trainer: Trainer, moment: Moment, text: str | None) -> None:

@@ -158,7 +158,7 @@ class DeviceMemoryMonitor(Monitor):
         self._batches = 0
         self._device_plan = None
         self._firsts = self._open(trainer, self._read(trainer, reset_peak=False))
-        self._width = max(sum(r.width for r in first) for first in self._firsts)
+        self._width = max(sum(len(r.vector()) for r in first) for first in self._firsts)
         # what the OOM guidance shows of the other ranks until the first gather
         self.latest = [r for rank in self._firsts for r in rank]
         self._start_line = (  # given at the first batch, below the strategy's start-up summary
@@ -184,7 +184,9 @@ class DeviceMemoryMonitor(Monitor):
         per_device = self._per_device_batch(trainer)
         if per_device is not None:
             self._largest_ok = max(self._largest_ok or 0, per_device)
-        if trainer.global_step == self._step_at_start and _accumulating(trainer, pl_module):
+        # gradients accumulated over several batches before an optimizer step
+        accumulating = pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1
+        if trainer.global_step == self._step_at_start and accumulating:
             return  # Lightning logs once per optimizer step, and so does the monitor
         self._batches += 1
         if self._batches % self._every == 0:
@@ -199,7 +201,7 @@ class DeviceMemoryMonitor(Monitor):
             self._collect_and_log(trainer, last=True)
         elif self._kept:
             self._hand_over(trainer)
-        self._close(trainer)
+        self._finish_gather(trainer)
         self.summary.micro_batches = micro_batch_sizes(trainer)  # a gather, when micro-batching
         rows, sizes = list(self.summary.devices.values()), self.summary.micro_batches
         table = report.table(rows, "Device memory over the fit (peaks):", sizes) if rows else None
@@ -336,8 +338,3 @@ class DeviceMemoryMonitor(Monitor):
                 if ranks:
                     facts.contexts[device_label(trainer, torch.device("cuda", info.index))] = ranks
         return facts
-
-
-def _accumulating(trainer: Trainer, pl_module: LightningModule) -> bool:
-    """Whether gradients are being accumulated over several batches before an optimizer step."""
-    return pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1

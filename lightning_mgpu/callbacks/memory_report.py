@@ -6,7 +6,6 @@ without a device that shows the problem.
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -50,25 +49,19 @@ class Reading:
     rows: float = math.nan
     """Batch rows this device processed in the last step."""
 
-    @property
-    def width(self) -> int:
-        """Numbers in the reading's vector: its fields, then its rows."""
-        return len(FIELDS[self.kind]) + 1
-
     def vector(self) -> list[float]:
-        """The numbers ranks exchange: each device's name and kind travel once, at the start of a fit."""
+        """The numbers ranks exchange, its fields then its rows: each device's name and kind travel once,
+        at the start of a fit."""
         return [self.values.get(f, math.nan) for f in FIELDS[self.kind]] + [self.rows]
-
-    def from_vector(self, vec: list[float]) -> Reading:
-        """This device's reading from its numbers (as ``vector`` gives them)."""
-        n = len(FIELDS[self.kind])
-        return replace(self, values=dict(zip(FIELDS[self.kind], vec[:n], strict=True)), rows=vec[n])
 
 
 def from_row(firsts: list[Reading], row: list[float]) -> list[Reading]:
     """A rank's readings from its row of numbers (each reading's ``vector`` in turn), named as ``firsts``."""
-    numbers = iter(row)
-    return [first.from_vector(list(itertools.islice(numbers, first.width))) for first in firsts]
+    numbers = iter(row)  # keywords are read in order: each reading's fields, then its rows
+    return [
+        replace(first, values={f: next(numbers) for f in FIELDS[first.kind]}, rows=next(numbers))
+        for first in firsts
+    ]
 
 
 def metrics(readings: list[Reading]) -> dict[str, float]:

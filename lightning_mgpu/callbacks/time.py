@@ -173,7 +173,7 @@ class DeviceTimeMonitor(Monitor):
         # every rank must decide alike: on CUDA the windows hold what events finished late, which varies
         if self._batches % self.flush_every_n_steps != 0 or self._cuda:
             self._flush(trainer, last=True)
-        self._close(trainer)
+        self._finish_gather(trainer)
         if self._timer is not None:
             self._timer.detach()
         if not self.totals:  # rank 0's: the others have none
@@ -208,12 +208,9 @@ class DeviceTimeMonitor(Monitor):
             return
         labelled = enumerate(zip(self._labels, rows, strict=True))
         windows = [RankTime.from_vector(rank, label, row) for rank, (label, row) in labelled]
-        totals = {r.rank: r for r in self.totals}
-        values: dict[str, float] = {}
-        for window in windows:
-            totals[window.rank] = totals[window.rank] + window if window.rank in totals else window
-            values.update(window.metrics(f"time/rank{window.rank}"))
-        self.totals = [totals[r] for r in sorted(totals)]
+        # every rank's window, by rank, as the totals are
+        self.totals = [t + w for t, w in zip(self.totals, windows, strict=True)] if self.totals else windows
+        values = {k: v for w in windows for k, v in w.metrics(f"time/rank{w.rank}").items()}
         values["time/samples_per_s"] = report.run_samples_per_s(windows)
         for logger in trainer.loggers:
             logger.log_metrics(values, step=step)

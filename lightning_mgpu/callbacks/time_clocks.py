@@ -44,7 +44,10 @@ class StepTimer(Protocol):
 
 def attach_timer(trainer: Trainer, cuda: torch.device | None) -> StepTimer | None:
     """The timer of the strategy's collectives: DDP's all-reduce, FSDP's on CPU; ``None`` elsewhere."""
-    return AllReduceTimer.attach(trainer, cuda) or ShardedCollectiveTimer.attach(trainer, cuda)
+    timer = AllReduceTimer.attach(trainer, cuda)
+    if timer is None and cuda is None and getattr(trainer.strategy, "collective_seconds", None) is not None:
+        return ShardedCollectiveTimer(trainer.strategy)
+    return timer
 
 
 class AllReduceTimer:
@@ -113,18 +116,12 @@ class ShardedCollectiveTimer:
     asynchronously unless a unit's ``unshard_async_op`` is set), so the time inside them is time the
     rank waits for the others, plus the transfer, as the DDP timer's. On CUDA they run on streams of
     their own beside the computation, and the share of it the computation waits for is not seen
-    from the host without a profiler: no timer there (``attach`` gives ``None``).
+    from the host without a profiler: no timer there (``attach_timer`` gives ``None``).
     """
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
         self._at_start = 0.0
-
-    @classmethod
-    def attach(cls, trainer: Trainer, cuda: torch.device | None) -> "ShardedCollectiveTimer | None":
-        if cuda is not None or getattr(trainer.strategy, "collective_seconds", None) is None:
-            return None
-        return cls(trainer.strategy)
 
     def detach(self) -> None:
         """Nothing was registered: the strategy counts the time anyway."""
