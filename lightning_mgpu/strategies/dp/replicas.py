@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import saved_tensors_hooks
 from torchmetrics import Metric
 
 from lightning_mgpu._compat.torch import (
@@ -167,16 +168,15 @@ class ReplicaCall:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         counter = SavedBytes() if self._track else None
+        counting = nullcontext() if counter is None else saved_tensors_hooks(counter.pack, counter.unpack)
         error: BaseException | None = None
         try:
-            with ExitStack() as stack:
-                stack.enter_context(torch.inference_mode(self._inference))
-                stack.enter_context(torch.set_grad_enabled(self._grad))
-                stack.enter_context(self.step_context())
-                if counter is not None:
-                    stack.enter_context(
-                        torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack)
-                    )
+            with (
+                torch.inference_mode(self._inference),
+                torch.set_grad_enabled(self._grad),
+                self.step_context(),
+                counting,
+            ):
                 return getattr(self.replica, self.method)(*args, **kwargs)
         except BaseException as err:
             error = err
