@@ -38,6 +38,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import OmegaConf
 
+from lightning_mgpu._words import counted
 from lightning_mgpu.callbacks.predictions import PredictionCSV
 from lightning_mgpu.config.callbacks import build_callbacks
 from lightning_mgpu.config.instantiate import build_data, build_module, build_trainer
@@ -183,15 +184,12 @@ def _draw_plots(cfg: RunConfig, run_dir: Path) -> list[str]:
 def summary(cfg: RunConfig, trainer: L.Trainer, run_dir: Path, seconds: float) -> str:
     """The closing report: what ran, the metric values, the files written and each device's peak memory."""
     strategy = getattr(trainer.strategy, "strategy_name", None) or type(trainer.strategy).__name__
-    device = trainer.strategy.root_device.type
-    n = trainer.num_devices
-    where = f"{n} {device} device{'s' if n > 1 else ''}" + (
-        f" x {trainer.num_nodes} nodes" if trainer.num_nodes > 1 else ""
-    )
+    where = counted(trainer.num_devices, f"{trainer.strategy.root_device.type} device")
+    where += f" x {trainer.num_nodes} nodes" if trainer.num_nodes > 1 else ""
     lines = [f"{cfg.recipe}: {cfg.task} done in {seconds:.1f} s with {strategy} on {where}"]
     if cfg.task == "fit":
-        epochs, steps = trainer.current_epoch, trainer.global_step
-        lines[0] += f", {epochs} epoch{'s' * (epochs != 1)}, {steps} optimizer step{'s' * (steps != 1)}"
+        steps = counted(trainer.global_step, "optimizer step")
+        lines[0] += f", {counted(trainer.current_epoch, 'epoch')}, {steps}"
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     if metrics:
         lines.append("metrics:")
