@@ -161,18 +161,18 @@ def _merge(
             else:
                 _merge(node[key], cast(type, section), value, f"{path}.", valid, problems)
             continue
-        value = _coerce(hints[key], value)
         try:
-            if type(value) is bool and str in (hints[key], *typing.get_args(hints[key])):
-                raise ValidationError("omegaconf would store true as 'True'")
-            node[key] = value
+            node[key] = _coerce(hints[key], value)
         except OmegaConfBaseException:
             problems.append(f"{path}: expected {describe(hints[key])}, got {value!r}")
 
 
 def _coerce(hint: Any, value: Any) -> Any:
-    """The conversions YAML makes necessary: ``1`` for a float field, ``16`` for a string field."""
+    """The conversions YAML makes necessary: ``1`` for a float field, ``16`` for a string field; ``true``
+    for a string field is refused (omegaconf would store it as ``'True'``)."""
     types = (hint, *typing.get_args(hint))
+    if str in types and type(value) is bool:
+        raise ValidationError(f"a string, got {value!r}")
     if float in types and type(value) is int:
         return float(value)
     if str in types and type(value) in (int, float):
