@@ -67,20 +67,16 @@ class LoadedFile:
 def read_file(
     path: str | os.PathLike[str], *, map_location: Any = "cpu", trust_pickle: bool = False
 ) -> LoadedFile:
-    """Read a checkpoint file without running code from it.
+    """Read a checkpoint file without running code from it (a sharded folder is ``_dcp``'s to read).
 
     Raises:
         FileNotFoundError: no such file.
-        IsADirectoryError: the path is a folder.
         ValueError: not a checkpoint, truncated or corrupt, or it holds Python objects that only
             ``trust_pickle=True`` would unpickle.
     """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no such file: {path}")
-    if path.is_dir():
-        # sharded folders are read by _dcp, one tensor at a time, before a path gets here
-        raise IsADirectoryError(f"{path} is a folder, not a checkpoint file")
     if path.stat().st_size == 0:
         raise ValueError(f"{path} is empty: it is truncated or was never written")
     with open(path, "rb") as f:

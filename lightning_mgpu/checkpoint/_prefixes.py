@@ -223,8 +223,6 @@ def strip_wrappers(
         # unchanged: a wrapper does not sit under a numbered entry
     """
     names, removed = plain_names(state_dict, wrappers, kinds, lightning=lightning)
-    if not removed:
-        return OrderedDict(state_dict), []
     # a wrapper is the only child where it sits, so the plain names stay unique
     return OrderedDict((names[k], v) for k, v in state_dict.items()), removed
 
