@@ -7,6 +7,7 @@ without a device that shows the problem.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -74,24 +75,17 @@ def metrics(readings: list[Reading]) -> dict[str, float]:
     return out
 
 
-def compared(readings: list[Reading]) -> list[Reading]:
-    """The readings that ``memory/imbalance`` compares: CUDA devices, else DP replicas, else CPU ranks."""
+def imbalance(readings: list[Reading]) -> tuple[float, Reading | None]:
+    """Maximum over devices of the primary value divided by the mean, and the fullest device.
+
+    Compared are the CUDA devices, else the DP replicas, else the CPU ranks."""
     for kind in ("cuda", "replica", "cpu"):
         chosen = [r for r in readings if r.kind == kind and not math.isnan(r.values[PRIMARY[kind]])]
         if chosen:
-            return chosen
-    return []
-
-
-def imbalance(readings: list[Reading]) -> tuple[float, Reading | None]:
-    """Maximum over devices of the primary value divided by the mean, and the fullest device."""
-    chosen = compared(readings)
-    if not chosen:
-        return 1.0, None
-    values = [r.values[PRIMARY[r.kind]] for r in chosen]
-    mean = sum(values) / len(values)
-    fullest = chosen[values.index(max(values))]
-    return (max(values) / mean if mean > 0 else 1.0), fullest
+            values = [r.values[PRIMARY[kind]] for r in chosen]
+            fullest, mean = chosen[values.index(max(values))], statistics.fmean(values)
+            return (max(values) / mean if mean > 0 else 1.0), fullest
+    return 1.0, None
 
 
 @dataclass
