@@ -43,7 +43,7 @@ from lightning_mgpu._sharding.plan import BlockClasses, plan_sharding
 from lightning_mgpu.devices import cuda_devices, parse_bytes
 from lightning_mgpu.estimate.memory_estimate import STRATEGIES, MemoryEstimate
 from lightning_mgpu.estimate.optimizer_state import OptimizerState, meta_like
-from lightning_mgpu.estimate.steps import measure_steps
+from lightning_mgpu.estimate.steps import measure_steps, torch_dtypes
 from lightning_mgpu.precision import PRECISIONS, precision_names
 
 __all__ = ["STRATEGIES", "MemoryEstimate", "device_memory_of", "estimate_memory", "model_state_estimate"]
@@ -138,9 +138,7 @@ def estimate_memory(
     memory = device_memory_of(device_memory, "cuda")
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    dtypes = PRECISIONS[precision_name]
-    param_dtype = getattr(torch, dtypes.parameters) if dtypes.parameters else None
-    autocast_dtype = getattr(torch, dtypes.autocast) if dtypes.autocast else None
+    param_dtype, autocast_dtype = torch_dtypes(precision_name)
 
     notes: list[str] = []
     places = ["meta", "cpu"] if measure_on == "auto" else [measure_on]
@@ -161,8 +159,6 @@ def estimate_memory(
                 optimizer=optimizer,
                 step_fn=step_fn,
                 precision=precision_name,
-                param_dtype=param_dtype,
-                autocast_dtype=autocast_dtype,
                 inference=inference,
             )
             break
@@ -212,8 +208,7 @@ def model_state_estimate(
         block_classes: As for ``estimate_memory``.
     """
     name = precision if precision in PRECISIONS else "32-true"
-    converted = PRECISIONS[name].parameters
-    param_dtype = getattr(torch, converted) if converted else None
+    param_dtype, _ = torch_dtypes(name)
 
     rows, units = _sharding(module, param_dtype, name, block_classes)
     parameters, gradients = parameter_and_gradient_bytes(module, rows)

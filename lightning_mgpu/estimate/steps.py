@@ -30,8 +30,9 @@ from lightning_mgpu.estimate.optimizer_state import (
     quiet_lightning,
     state_bytes,
 )
+from lightning_mgpu.precision import PRECISIONS
 
-__all__ = ["measure_steps"]
+__all__ = ["measure_steps", "torch_dtypes"]
 
 
 class _StepCall(nn.Module):
@@ -148,6 +149,14 @@ def _fixed_and_slope(b1: int, v1: float, b2: int, v2: float) -> tuple[float, flo
     return v1 - slope * b1, slope
 
 
+def torch_dtypes(precision: str) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """The dtype ``precision`` keeps floating-point parameters in, and the one it autocasts to; ``None``:
+    their own dtype, no autocast."""
+    dtypes = PRECISIONS[precision]
+    parameters = getattr(torch, dtypes.parameters) if dtypes.parameters else None
+    return parameters, getattr(torch, dtypes.autocast) if dtypes.autocast else None
+
+
 def measure_steps(
     module: nn.Module,
     sample_batch: Any,
@@ -156,8 +165,6 @@ def measure_steps(
     optimizer: torch.optim.Optimizer | None,
     step_fn: Callable[[nn.Module, Any], Any] | None,
     precision: str,
-    param_dtype: torch.dtype | None,
-    autocast_dtype: torch.dtype | None,
     inference: bool = False,
 ) -> MemoryEstimate:
     """Measure steps at the sample's batch size and at half (or double) of it (training: after a warm-up).
@@ -166,8 +173,9 @@ def measure_steps(
     the steps are forward passes (eval mode, no gradients): a LightningModule runs its
     ``predict_step(batch, 0)``, any other module ``module(batch)``; gradients and optimizer state are zero,
     and so are saved activations unless the step turns gradients on itself (a saliency map), and
-    ``forward_backward`` holds the forward's peak.
+    ``forward_backward`` holds the forward's peak. ``precision`` is a name of ``PRECISIONS``.
     """
+    param_dtype, autocast_dtype = torch_dtypes(precision)
     notes: list[str] = []
     step = _resolve_step(module, step_fn, inference)
     b1, b2 = _sample_sizes(sample_batch)
