@@ -19,6 +19,7 @@ import functools
 import threading
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -131,14 +132,14 @@ class Lockstep:
             raise (real or aborted)[0]
 
 
+@dataclass
 class _Shared:
     """An optimizer or scheduler inside a replica: its shared actions (``once``) happen once for all."""
 
-    def __init__(self, inner: Any, lockstep: Lockstep, index: int, label: str) -> None:
-        self._inner = inner
-        self._lockstep = lockstep
-        self._index = index
-        self._label = label
+    _inner: Any
+    _lockstep: Lockstep
+    _index: int
+    _label: str
 
     def _once(self, action: str, run: Callable[[], Any]) -> None:
         self._lockstep.run(self._index, f"{self._label}.{action}", None, lambda _: run())
@@ -147,26 +148,19 @@ class _Shared:
         return getattr(self._inner, name)
 
 
+@dataclass
 class _SharedOptimizer(_Shared):
     """What ``self.optimizers()`` returns inside a replica: ``step``/``zero_grad`` happen once for all."""
 
-    def __init__(
-        self,
-        optimizer: Any,
-        lockstep: Lockstep,
-        index: int,
-        label: str,
-        module: LightningModule,
-        after_step: Callable[[], None],
-    ) -> None:
-        if isinstance(getattr(optimizer, "optimizer", optimizer), torch.optim.LBFGS):
+    _module: LightningModule
+    _after_step: Callable[[], None]
+
+    def __post_init__(self) -> None:
+        if isinstance(getattr(self._inner, "optimizer", self._inner), torch.optim.LBFGS):
             raise ValueError(
                 "mgpu_dp cannot run LBFGS with manual optimization: it re-evaluates the closure inside"
                 " step(). Use automatic optimization (the default) for LBFGS."
             )
-        super().__init__(optimizer, lockstep, index, label)
-        self._module = module
-        self._after_step = after_step
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         # single-evaluation optimizers call the closure once before stepping: do it in the replica

@@ -196,6 +196,24 @@ def test_manual_optimization_replicas_that_diverge_fail_clearly() -> None:
         fit(ManualRegressor(diverge=True), "mgpu_dp", 2, loader(regression_data(rows=5), 5), max_steps=2)
 
 
+class _ManualLBFGS(ManualRegressor):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.LBFGS(self.parameters())
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        self.optimizers()
+
+
+def test_manual_optimization_with_lbfgs_is_refused_with_the_fix() -> None:
+    model = _ManualLBFGS()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(
+        ValueError, match=r"cannot run LBFGS with manual optimization.*Use automatic optimization"
+    ):
+        fit(model, "mgpu_dp", 2, loader(regression_data(rows=4), 4), max_steps=1)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # no step taken
+
+
 def test_accumulation_clipping_and_scheduler_equal_single_device() -> None:
     data = regression_data(rows=20)
     options = {"max_steps": 2, "accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
