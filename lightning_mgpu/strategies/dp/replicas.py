@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -138,8 +139,9 @@ def prepare_replica(replica: nn.Module, device: torch.device, hooks: dict[str, C
     replica.__dict__.update(hooks)
 
 
+@dataclass(eq=False)
 class ReplicaCall:
-    """Calls ``method`` of one replica with the caller's thread-local modes.
+    """Calls ``method`` of one replica with the thread-local modes of the thread that made it.
 
     Args:
         replica: the replica (or the module itself when one replica runs).
@@ -149,25 +151,17 @@ class ReplicaCall:
         on_exit: called with the exception (or ``None``) when the step ends.
     """
 
-    def __init__(
-        self,
-        replica: nn.Module,
-        method: str,
-        step_context: Callable[[], AbstractContextManager[Any]],
-        track_memory: bool = False,
-        on_exit: Callable[[BaseException | None], None] | None = None,
-    ) -> None:
-        self.replica = replica
-        self.method = method
-        self.step_context = step_context
-        self.saved_bytes = 0
-        self._track = track_memory
-        self._on_exit = on_exit
-        self._grad = torch.is_grad_enabled()
-        self._inference = torch.is_inference_mode_enabled()
+    replica: nn.Module
+    method: str
+    step_context: Callable[[], AbstractContextManager[Any]]
+    track_memory: bool = False
+    on_exit: Callable[[BaseException | None], None] | None = None
+    saved_bytes: int = field(default=0, init=False)
+    _grad: bool = field(default_factory=torch.is_grad_enabled, init=False)
+    _inference: bool = field(default_factory=torch.is_inference_mode_enabled, init=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        counter = SavedBytes() if self._track else None
+        counter = SavedBytes() if self.track_memory else None
         counting = nullcontext() if counter is None else saved_tensors_hooks(counter.pack, counter.unpack)
         error: BaseException | None = None
         try:
@@ -184,8 +178,8 @@ class ReplicaCall:
         finally:
             if counter is not None:
                 self.saved_bytes = counter.total
-            if self._on_exit is not None:
-                self._on_exit(error)
+            if self.on_exit is not None:
+                self.on_exit(error)
 
 
 @torch.no_grad()
