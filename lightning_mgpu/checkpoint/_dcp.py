@@ -281,9 +281,7 @@ class ShardedFolder:
                 self._buffer = torch.empty(nbytes, dtype=torch.uint8)
             tensor = self._buffer[:nbytes].view(entry.dtype).view(entry.shape)
         for chunk, layout in chunks:
-            part = tensor
-            for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
-                part = part.narrow(dim, offset, size)
+            part = tensor[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))]
             read_chunk(self._file(chunk.record), self.path / chunk.record.file, layout, into=part)
         return tensor
 

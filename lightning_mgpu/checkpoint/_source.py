@@ -238,17 +238,8 @@ def _chosen_entry(obj: Mapping[str, Any], where: str, key: str) -> Source:
 
 def count_values(state_dict: Mapping[str, Any]) -> int:
     """Number of values in the tensors, tied weights counted once."""
-    seen: set[tuple[Any, ...]] = set()
-    total = 0
-    for tensor in state_dict.values():
-        if not isinstance(tensor, torch.Tensor):
-            continue
-        view = view_key(tensor)
-        if tensor.numel() and view in seen:
-            continue
-        seen.add(view)
-        total += tensor.numel()
-    return total
+    views = {view_key(t): t.numel() for t in state_dict.values() if isinstance(t, torch.Tensor)}
+    return sum(views.values())
 
 
 def describe_tops(state_dict: Mapping[str, Any]) -> str:
