@@ -1,8 +1,8 @@
 """The decision of ``mgpu_auto``: which multi-device strategy works where the code runs, and why.
 
 ``decide`` is the pure decision of ``mgpu_auto`` and ``choose_strategy``: plain facts in (devices, nodes,
-``EnvironmentFacts``, the model's ``ModelMemory``), a ``StrategyChoice`` with its reason out. The rules, in
-this order:
+``EnvironmentFacts``, the model's ``ModelMemory``), a ``StrategyChoice`` with its reason out;
+``EnvironmentFacts.detect()`` reads the facts from this process. The rules, in this order:
 
 - several nodes, or a process started by torchrun, SLURM or a launcher that set
   ``LOCAL_RANK``: ``mgpu_ddp``, the processes already exist or must be started per node;
@@ -32,11 +32,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
 from lightning_mgpu._words import counted
-from lightning_mgpu.strategies.auto.facts import EnvironmentFacts
 from lightning_mgpu.strategies.auto.model_memory import (
     ModelMemory,
     fitting_reason,
@@ -46,6 +50,7 @@ from lightning_mgpu.strategies.auto.model_memory import (
 
 __all__ = [
     "PROCESS_GROUP_OPTIONS",
+    "EnvironmentFacts",
     "TAKES",
     "StrategyChoice",
     "decide",
@@ -67,6 +72,67 @@ TAKES: dict[str, tuple[str, ...]] = {
 }
 """The options ``mgpu_auto`` passes on, by the choice that takes them; one device and ``mgpu_dp`` run in
 one process, without a process group, and take none of them."""
+
+
+def _interactive() -> bool:
+    if hasattr(sys, "ps1") or sys.flags.interactive:
+        return True
+    ipython = sys.modules.get("IPython")
+    return ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
+
+
+def _launcher() -> str | None:
+    if TorchElasticEnvironment.detect():
+        return "torchrun"
+    if SLURMEnvironment.detect():
+        return "SLURM"
+    if "LOCAL_RANK" in os.environ:
+        return "a launcher (LOCAL_RANK is set)"
+    return None
+
+
+@dataclass(frozen=True)
+class EnvironmentFacts:
+    """What ``choose_strategy`` reads from the environment. ``detect()`` reads them; tests may set any.
+
+    Example::
+
+        facts = EnvironmentFacts.detect(interactive=True, cuda_initialized=True)
+        choose_strategy(devices=2, facts=facts).strategy  # 'mgpu_dp'
+    """
+
+    interactive: bool
+    """A notebook, IPython or ``python -i`` session."""
+    cuda_initialized: bool
+    """``torch.cuda.is_initialized()``: fork-based DDP is impossible afterwards."""
+    launcher: str | None
+    """The tool that started this process as one of several ranks (torchrun, SLURM), if any."""
+    fork_available: bool
+    """Whether the ``fork`` start method exists on this platform."""
+    nccl_available: bool
+    """Whether this torch build has NCCL."""
+    distributed_available: bool
+    """Whether this torch build has ``torch.distributed``."""
+
+    @classmethod
+    def detect(cls, **overrides: Any) -> EnvironmentFacts:
+        """Read every fact from this process, then apply ``overrides`` (fact name -> value)."""
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(
+                f"unknown environment facts {sorted(unknown)};"
+                f" known: {[f.name for f in dataclasses.fields(cls)]}"
+            )
+        distributed = torch.distributed.is_available()
+        facts = cls(
+            interactive=_interactive(),
+            cuda_initialized=torch.cuda.is_initialized(),
+            launcher=_launcher(),
+            fork_available="fork" in torch.multiprocessing.get_all_start_methods(),
+            nccl_available=distributed and torch.distributed.is_nccl_available(),
+            distributed_available=distributed,
+        )
+        return dataclasses.replace(facts, **overrides)
 
 
 @dataclass(frozen=True)

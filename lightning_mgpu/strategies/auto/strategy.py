@@ -40,13 +40,13 @@ from lightning_mgpu.devices import format_bytes, parse_bytes
 from lightning_mgpu.estimate.predict import device_memory_of
 from lightning_mgpu.strategies.auto.become import PendingChoice, PendingDDPStrategy, become
 from lightning_mgpu.strategies.auto.decide import (
+    EnvironmentFacts,
     StrategyChoice,
     decide,
     left_out,
     with_micro_batching,
     with_options,
 )
-from lightning_mgpu.strategies.auto.facts import EnvironmentFacts
 from lightning_mgpu.strategies.auto.model_memory import model_memory
 from lightning_mgpu.strategies.microbatch.mixin import check_micro_batch_size
 from lightning_mgpu.strategies.process_group.services import STALL_TIMEOUT

@@ -24,8 +24,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_mgpu.strategies.auto import MGPUAutoStrategy
 from lightning_mgpu.strategies.auto.become import PendingDDPStrategy, become
-from lightning_mgpu.strategies.auto.decide import StrategyChoice
-from lightning_mgpu.strategies.auto.facts import EnvironmentFacts
+from lightning_mgpu.strategies.auto.decide import EnvironmentFacts, StrategyChoice
 from lightning_mgpu.strategies.ddp.strategy import MGPUDDPStrategy
 from lightning_mgpu.strategies.dp.strategy import MGPUDataParallelStrategy
 from lightning_mgpu.strategies.fsdp.strategy import MGPUFSDPStrategy

@@ -16,7 +16,7 @@ from lightning_mgpu import estimate_memory
 from lightning_mgpu.devices import parse_bytes
 from lightning_mgpu.estimate.memory_estimate import STRATEGIES
 from lightning_mgpu.strategies.auto import choose_strategy
-from lightning_mgpu.strategies.auto.facts import EnvironmentFacts
+from lightning_mgpu.strategies.auto.decide import EnvironmentFacts
 from lightning_mgpu.strategies.auto.model_memory import model_memory
 from tests.estimate.test_sharded import big_model  # 4 blocks of 4 MiB and a 2 MiB head, on meta
 from tests.strategies.auto._gpt import TinyGPT2, token_batch

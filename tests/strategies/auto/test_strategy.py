@@ -15,8 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 import lightning_mgpu
 from lightning_mgpu.strategies.auto import MGPUAutoStrategy, StrategyChoice, choose_strategy
-from lightning_mgpu.strategies.auto.decide import decide, left_out, with_options
-from lightning_mgpu.strategies.auto.facts import EnvironmentFacts
+from lightning_mgpu.strategies.auto.decide import EnvironmentFacts, decide, left_out, with_options
 from lightning_mgpu.strategies.ddp.strategy import MGPUDDPStrategy
 from lightning_mgpu.strategies.dp.strategy import MGPUDataParallelStrategy
 from tests.helpers import run_file
