@@ -42,24 +42,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dataclasses import asdict
-
     from lightning_mgpu.config import load_config
-    from lightning_mgpu.config.instantiate import build_data
+    from lightning_mgpu.config.instantiate import build_data, build_module
     from lightning_mgpu.estimate.predict import estimate_memory
-    from lightning_mgpu.recipes import load_recipe
 
     config, overrides = split_overrides(args)
     if args.devices is not None and args.devices < 1:
         raise ValueError(f"--devices must be at least 1, got {args.devices}")
     cfg = load_config(config, overrides)
     devices = args.devices or _device_count(cfg.trainer.accelerator, cfg.trainer.devices)
-    module = load_recipe(cfg.recipe).module(**asdict(cfg.model), optimizer=asdict(cfg.optimizer))
+    module = build_module(cfg, with_weights=False)
     sample = build_data(cfg).example_batch(min(_SAMPLE, cfg.data.batch_size))  # type: ignore[attr-defined]
     common = dict(devices=devices, device_memory=args.gpu_memory, batch_size=cfg.data.batch_size)
     # fit: the config's optimizer, without a Trainer's schedule; validate and predict: an inference pass
     step = (
-        dict(optimizer=module.make_optimizer())
+        dict(optimizer=module.make_optimizer())  # type: ignore[operator]
         if cfg.task == "fit"
         else dict(inference=True, step_fn=_forward)
     )

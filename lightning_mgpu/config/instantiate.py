@@ -90,8 +90,9 @@ def _check_indices(accelerator: str, devices: list[int]) -> None:
     )
 
 
-def build_module(cfg: RunConfig) -> L.LightningModule:
-    """The recipe's LightningModule with the ``model`` section and the ``optimizer`` section.
+def build_module(cfg: RunConfig, with_weights: bool = True) -> L.LightningModule:
+    """The recipe's LightningModule with the ``model`` section and the ``optimizer`` section, and the
+    config's ``weights`` loaded unless ``with_weights=False`` (the memory estimate needs only the shapes).
 
     Example::
 
@@ -102,7 +103,7 @@ def build_module(cfg: RunConfig) -> L.LightningModule:
     module: L.LightningModule = load_recipe(cfg.recipe).module(
         **asdict(cfg.model), optimizer=asdict(cfg.optimizer)
     )
-    if cfg.weights is not None:
+    if with_weights and cfg.weights is not None:
         load_weights(cast(torch.nn.Module, module.net), cfg.weights)
     return module
 
