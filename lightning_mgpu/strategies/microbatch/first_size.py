@@ -57,12 +57,10 @@ def _kind(strategy: MicroBatchHost) -> tuple[str, int]:
     """The estimate's strategy and the devices it counts: ``mgpu_dp``'s replicas, ``mgpu_fsdp``'s ranks."""
     name = strategy.strategy_name
     if name == "mgpu_dp":
-        return "mgpu_dp", len(getattr(strategy, "parallel_devices", None) or [None])
+        return name, len(getattr(strategy, "parallel_devices", None) or [None])
     if name == "mgpu_fsdp":
-        return "mgpu_fsdp", int(getattr(strategy, "world_size", 1))
-    if name == "mgpu_ddp":
-        return "mgpu_ddp", 1
-    return "single", 1
+        return name, int(getattr(strategy, "world_size", 1))
+    return name if name == "mgpu_ddp" else "single", 1
 
 
 def estimated_start(
