@@ -92,8 +92,7 @@ class Watchdog:
         self._exit_owner: str | None = None  # "main" or "watchdog", once a failed run ends
         self._exit_summary = shutdown.ExitSummary(claim=lambda: self._claim_exit("main"))
         self._dead_man = processes.DeadManSwitch()
-        self._rank0_done = False
-        self._done_peers: list[int] = []
+        self._done_peers: list[int] = []  # the other ranks that said they finished the run
         self._ended_cleanly = False
 
     # ----------------------------------------------------------------- set-up
@@ -110,7 +109,7 @@ class Watchdog:
     def start(self, rank: int, local_rank: int) -> None:
         """Start watching as ``rank``; call from the main thread before the process group exists."""
         self.rank = rank
-        self._rank0_done, self._done_peers = False, []  # an earlier run's
+        self._done_peers = []  # an earlier run's
         if self._verdict is not None and self._verdict.origin == rank:
             self._verdict = None  # an earlier run's own error, which the user caught
             self._verdict_event.clear()
@@ -135,7 +134,7 @@ class Watchdog:
         atexit.unregister(self._bound_exit)
         atexit.register(self._bound_exit)
         self._idleness.reset(time.monotonic())
-        self._rank0_done, self._ended_cleanly, self._done_peers = False, False, []
+        self._ended_cleanly, self._done_peers = False, []
         with self._lock:
             self._run = self._last_run = run
         self._beat(run, time.monotonic())
@@ -249,7 +248,7 @@ class Watchdog:
             self._decide(self._local.check_children() or self._check_parent())
         if run is not None:
             self._exchange(run, now)
-        elif self._rank0_done and self.rank != 0 and self._verdict is None:
+        elif 0 in self._done_peers and self._verdict is None:
             self._decide(self._left_behind_rank0(now))
         suspect = self._suspect
         if self._verdict is None and suspect is not None and now - suspect.since >= DEAD_AFTER:
@@ -273,7 +272,7 @@ class Watchdog:
                 self._run = None  # rank 0 held the store: touching it now only prints socket errors
         if ended.returncode:
             return Verdict(ended.message, dead=(ended.rank,))
-        if not (ended.rank == 0 and self._rank0_done):
+        if not (ended.rank == 0 and 0 in self._done_peers):
             # ended cleanly: a failed rank 0 may still publish why, so wait before judging
             self._suspect = Suspect(time.monotonic(), f"{ended.message} before the run ended", (ended.rank,))
             log.debug("rank %d: suspect: %s", self.rank, self._suspect.message)
@@ -304,11 +303,9 @@ class Watchdog:
     def _judge(self, run: Heartbeats, now: float) -> Verdict | None:
         # the other ranks read their own beat too, to see themselves left behind by rank 0
         beats = run.read_beats(range(run.world_size) if self.rank == 0 else [0, self.rank])
-        if 0 in beats:
-            self._rank0_done = beats[0].done
-            if self._rank0_done and self.rank != 0:
-                run.settle()  # told why rank 0 leaves: it may now take its store with it
         self._done_peers = [r for r, b in beats.items() if b.done and r != self.rank]
+        if 0 in self._done_peers:
+            run.settle()  # told why rank 0 leaves: it may now take its store with it
         return run.judge.look(beats, now, run.infos, self._local.child_finished)
 
     def _left_behind_rank0(self, now: float) -> Verdict | None:
@@ -323,7 +320,7 @@ class Watchdog:
             if self._run is run:
                 self._run = None
         self._decide(self._check_parent())  # a dead launcher explains a lost store best
-        if self._verdict is not None or self._suspect is not None or self._rank0_done:
+        if self._verdict is not None or self._suspect is not None or 0 in self._done_peers:
             return
         addr = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         message = (
