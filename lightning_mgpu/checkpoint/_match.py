@@ -16,8 +16,9 @@ known cause); otherwise the names are compared as they are, so the error shows t
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_mgpu.checkpoint._prefixes import split_top
 
@@ -55,7 +56,7 @@ class Mapping:
         return " and ".join(parts) or "as named"
 
 
-def _candidates(source: Sequence[str], target: Collection[str]) -> list[Mapping]:
+def _candidates(source: Collection[str], target: Collection[str]) -> list[Mapping]:
     def prefixes(keys: Collection[str]) -> list[str]:
         return [f"{top}." for top in split_top(keys) if any(k.startswith(f"{top}.") for k in keys)]
 
@@ -66,25 +67,17 @@ def _candidates(source: Sequence[str], target: Collection[str]) -> list[Mapping]
     return out
 
 
-def match_names(
-    source: Sequence[str],
-    target: Collection[str],
-    submodule_hint: str,
-    *,
-    source_lightning: bool = False,
-    target_lightning: bool = False,
-    same_shape: Callable[[str, str], bool] | None = None,
-) -> Mapping:
-    """The mapping that best fits ``source`` names onto ``target`` names.
+def match_names(source: dict[str, Any], target: dict[str, Any], lightning: tuple[bool, bool]) -> Mapping:
+    """The mapping that best fits the ``source`` state_dict's names onto the ``target``'s.
 
-    ``source_lightning`` / ``target_lightning`` say which side may carry a LightningModule's
-    attribute prefix, which allows a partial fit that removes / adds it. ``same_shape(source
-    name, target name)`` lets an exact fit require equal shapes.
+    ``lightning`` says which side, source then target, may carry a LightningModule's attribute
+    prefix, which allows a partial fit that removes / adds it. Of several exact fits, only those
+    whose shapes are all equal count.
 
     Raises:
         ValueError: two mappings fit exactly, shapes included (say, ``student.`` and ``teacher.``
             of the same architecture); the message lists them and how to pick one: a
-            ``submodule=`` per way that takes one, else ``submodule_hint``.
+            ``submodule=`` per way that takes one, else one of the source's top-level names.
     """
     target_set = set(target)
     if target_set <= set(source):  # never ``2.weight`` into ``0.weight`` when ``0.weight`` is there
@@ -94,8 +87,10 @@ def match_names(
         mapped = mapping.names(source)
         scored.append((len(mapped & target_set), mapped == target_set, mapping))
     exact = [m for _, is_exact, m in scored if is_exact]
-    if same_shape is not None and len(exact) > 1:
-        shaped = [m for m in exact if all(same_shape(k, m.apply(k)) for k in source if m.covers(k))]
+    if len(exact) > 1:
+        shaped = [
+            m for m in exact if all(_same_shape(source[k], target[m.apply(k)]) for k in source if m.covers(k))
+        ]
         logger.debug(
             "name fits %s; with equal shapes: %s",
             [m.describe() for m in exact],
@@ -110,13 +105,17 @@ def match_names(
     if len(exact) > 1:
         ways = "; ".join(m.describe() for m in exact)
         picks = [m.strip.rstrip(".") for m in exact if m.strip]
+        tops = list(split_top(source))
+        hint = f"Pass submodule={tops[0]!r} (or another of {', '.join(tops)}) to choose." if tops else ""
         if len(picks) == len(exact):
-            submodule_hint = "Pass " + " or ".join(f"submodule={p!r}" for p in picks) + " to choose."
-        raise ValueError(f"the weights fit the model in several ways: {ways}. {submodule_hint}")
+            hint = "Pass " + " or ".join(f"submodule={p!r}" for p in picks) + " to choose."
+        raise ValueError(f"the weights fit the model in several ways: {ways}. {hint}")
     allowed = [
-        (score, m)
-        for score, _, m in scored
-        if (not m.strip or source_lightning) and (not m.add or target_lightning)
+        (score, m) for score, _, m in scored if (not m.strip or lightning[0]) and (not m.add or lightning[1])
     ]
     best = max(score for score, _ in allowed)
     return next(m for score, m in allowed if score == best)
+
+
+def _same_shape(source: Any, target: Any) -> bool:
+    return getattr(source, "shape", None) == getattr(target, "shape", None)

@@ -125,7 +125,7 @@ def load_state_dict(
         pairs = _pair_by_order(src, source_sd, target, report)
     else:
         lightning = (src.lightning and not submodule, is_lightning_module(model))
-        mapping = _match(source_sd, target, lightning)
+        mapping = match_names(source_sd, target, lightning)
         if src.wrappers is None and mapping.names(source_sd) != set(target):
             other = _attributes_reading(src, submodule, target, lightning, removed)
             if other is not None:
@@ -153,24 +153,6 @@ def load_state_dict(
     return report
 
 
-def _match(
-    source: OrderedDict[str, Any], target: OrderedDict[str, Any], lightning: tuple[bool, bool]
-) -> Mapping:
-    def same_shape(source_name: str, target_name: str) -> bool:
-        return getattr(source[source_name], "shape", None) == getattr(target[target_name], "shape", None)
-
-    tops = list(split_top(source))
-    hint = f"Pass submodule={tops[0]!r} (or another of {', '.join(tops)}) to choose." if tops else ""
-    return match_names(
-        list(source),
-        list(target),
-        hint,
-        source_lightning=lightning[0],
-        target_lightning=lightning[1],
-        same_shape=same_shape,
-    )
-
-
 def _attributes_reading(
     src: Source,
     submodule: str | None,
@@ -183,7 +165,7 @@ def _attributes_reading(
         plain = plain_state_dict(src, submodule or "", ["_orig_mod"])
         if plain.removed == removed:
             return None
-        mapping = _match(plain.state_dict, target, lightning)
+        mapping = match_names(plain.state_dict, target, lightning)
     except (KeyError, ValueError):
         return None
     return (plain, mapping) if mapping.names(plain.state_dict) == set(target) else None
