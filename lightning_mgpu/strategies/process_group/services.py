@@ -212,7 +212,7 @@ class ProcessGroupServices(StrategyMixin):
         watchdog().attach(store, self.world_size, self._rank_info(), self._progress_count, self.stall_timeout)
 
     def _rank_info(self) -> RankInfo:
-        return rank_info(self.root_device, self.global_rank, self.node_rank, self.local_rank)
+        return rank_info(self.root_device, self.global_rank, self.node_rank)
 
     def _keep_user_shuffle(self, trainer: pl.Trainer) -> None:
         """Let the training sampler shuffle only when the user's ``DataLoader`` did.

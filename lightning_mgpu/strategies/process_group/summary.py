@@ -26,7 +26,7 @@ from lightning_mgpu.strategies.process_group.watchdog.verdicts import RankInfo
 __all__ = ["format_summary", "launcher_name", "rank_info"]
 
 
-def rank_info(device: torch.device, rank: int, node_rank: int, local_rank: int) -> RankInfo:
+def rank_info(device: torch.device, rank: int, node_rank: int) -> RankInfo:
     """Where this process runs, as the summary and the watchdog's messages name it."""
     if device.type == "cuda":
         index = device.index or 0
@@ -44,7 +44,6 @@ def rank_info(device: torch.device, rank: int, node_rank: int, local_rank: int) 
         parent_pid=os.getppid(),
         host=socket.gethostname(),
         node_rank=node_rank,
-        local_rank=local_rank,
         device=str(device),
         device_name=name,
     )

@@ -50,7 +50,7 @@ def test_a_model_parallel_host_checks_its_backend_before_any_process_starts() ->
 
 
 def test_extra_summary_lines_close_the_summary() -> None:
-    info = RankInfo(0, 10, 1, "node-a", 0, 0, "cpu", "CPU")
+    info = RankInfo(0, 10, 1, "node-a", 0, "cpu", "CPU")
     text = format_summary(
         name="sharded_for_test",
         infos={0: info},

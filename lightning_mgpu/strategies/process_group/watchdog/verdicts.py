@@ -102,7 +102,6 @@ class RankInfo(_JsonRecord):
     parent_pid: int
     host: str
     node_rank: int
-    local_rank: int
     device: str
     device_name: str
 

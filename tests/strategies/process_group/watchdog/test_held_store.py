@@ -22,7 +22,7 @@ from tests.helpers import run_file
 
 def joined(store: dist.Store, rank: int, world_size: int = 4) -> Heartbeats:
     run = Heartbeats(store, rank, world_size, progress=lambda: 0, stall_timeout=None, dead_after=10.0)
-    run.introduce(RankInfo(rank, 1000 + rank, 1, "node-a", 0, rank, f"cuda:{rank}", "GPU"))
+    run.introduce(RankInfo(rank, 1000 + rank, 1, "node-a", 0, f"cuda:{rank}", "GPU"))
     return run
 
 

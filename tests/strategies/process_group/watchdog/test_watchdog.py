@@ -21,7 +21,7 @@ from lightning_mgpu.strategies.process_group.watchdog.shutdown import ExitSummar
 from lightning_mgpu.strategies.process_group.watchdog.signals import SignalPipe
 from lightning_mgpu.strategies.process_group.watchdog.verdicts import Beat, Judge, RankInfo, Suspect, Verdict
 
-INFOS = {r: RankInfo(r, 1000 + r, 1, "node-a", 0, r, f"cuda:{r}", "GPU") for r in range(3)}
+INFOS = {r: RankInfo(r, 1000 + r, 1, "node-a", 0, f"cuda:{r}", "GPU") for r in range(3)}
 
 
 def beat(seq: int, progress: int, idle: float, waiting: bool = False, done: bool = False) -> Beat:
