@@ -202,10 +202,6 @@ class _Cutter:
         )
 
 
-def _hook(module: Any) -> Callable[[Any, list[int]], Sequence[Any]] | None:
-    return getattr(module, SPLIT_HOOK, None) if module is not None else None
-
-
 def check_cuttable(batch: Any, rows: int, feature: str, module: Any = None) -> None:
     """Refuse now a batch ``scatter_batch`` could not cut: a sequence without one item per row.
 
@@ -215,7 +211,7 @@ def check_cuttable(batch: Any, rows: int, feature: str, module: Any = None) -> N
     Raises:
         ValueError: naming the entry (``batch[2]``) and the hook that would cut it.
     """
-    if rows > 1 and _hook(module) is None:
+    if rows > 1 and getattr(module, SPLIT_HOOK, None) is None:
         _Cutter(rows, [rows], lambda t: [t], feature).parts(batch, "batch")
 
 
@@ -241,7 +237,7 @@ def scatter_batch(
             number of parts.
     """
     devices = list(devices)[: len(sizes)]
-    hook = _hook(module)
+    hook = getattr(module, SPLIT_HOOK, None)  # None for module=None too
     if hook is None:
         cutter = _Cutter(sum(sizes), sizes, lambda t: _split_tensor(t, sizes, devices), feature)
         return cutter.parts(batch, "batch")
