@@ -93,13 +93,13 @@ class LocalChecks:
         message = f"rank {parent.rank} (pid {parent.pid}, which launched this rank) {what}"
         return ParentEnded(parent.rank, message, status.returncode)
 
-    def check_same_host(self, run: Heartbeats, own_rank: int) -> Verdict | None:
+    def check_same_host(self, run: Heartbeats) -> Verdict | None:
         """A verdict naming a rank on this machine, watched by nobody else, whose process is gone."""
-        me = run.infos.get(own_rank)
+        me = run.infos.get(run.rank)
         if me is None:
             return None
         for rank, info in run.infos.items():
-            if rank == own_rank or info.host != me.host or rank in self.children:
+            if rank == run.rank or info.host != me.host or rank in self.children:
                 continue
             if self.parent is not None and rank == self.parent.rank:
                 continue

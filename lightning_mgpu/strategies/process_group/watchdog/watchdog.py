@@ -294,7 +294,7 @@ class Watchdog:
                 self._decide(run.abort(), publish=False)
             run.read_infos()
             if self._verdict is None:
-                self._decide(self._local.check_same_host(run, self.rank))
+                self._decide(self._local.check_same_host(run))
             if self._verdict is None:
                 self._decide(self._judge(run, now))
         except Exception:
