@@ -133,12 +133,11 @@ def newest_complete(
 
     ``since_ns``: leave out the checkpoints last written before it (``st_mtime_ns``), an earlier run's.
     """
-    earlier: list[Path] = []
+    older: tuple[str, ...] = ()
     if since_ns is not None:
         written = {path: _written(path) for path in candidates}
-        earlier = [path for path, when in written.items() if when is not None and when < since_ns]
+        older = tuple(str(path) for path, when in written.items() if when is not None and when < since_ns)
         candidates = [path for path, when in written.items() if when is not None and when >= since_ns]
-    older = tuple(str(p) for p in earlier)
     skipped: list[Skipped] = []
     seen: set[Path] = set()
     for path in candidates:
