@@ -108,8 +108,8 @@ def _options(memory: StepMemory) -> list[str]:
     b = format_bytes
     options = []
     if not memory.sharded:
-        shards = (memory.parameters + memory.gradients + memory.state) // max(memory.world, 2)
         world = max(memory.world, 2)
+        shards = (memory.parameters + memory.gradients + memory.state) // world
         options.append(
             f"strategy='mgpu_fsdp' (or mgpu_auto, which picks it from the numbers): over {world} processes"
             f" each holds about {b(shards)} of parameters, gradients and optimizer state instead of"
