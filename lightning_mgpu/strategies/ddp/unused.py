@@ -66,6 +66,7 @@ def unused_parameters_message(
     were missed by the previous backward pass, which may be an earlier one of the same step.
     """
     names = unused_parameter_names(text, model)
+    cls = "MGPUDDPStrategy" if strategy_name.startswith("mgpu_ddp") else "DDPStrategy"
     listed = ", ".join(names) if names else "(DDP did not say which; TORCH_DISTRIBUTED_DEBUG=INFO names them)"
     if manual_optimization:
         when = (
@@ -81,11 +82,7 @@ def unused_parameters_message(
         f" in the loss of every {each} unless DDP is told to look for unused ones. Fix it one of two ways:\n"
         f"  1. let DDP find them (costs an extra pass over the autograd graph per step):"
         f' Trainer(strategy="{strategy_name}_find_unused_parameters_true")'
-        f" or {type_name(strategy_name)}(find_unused_parameters=True);\n"
+        f" or {cls}(find_unused_parameters=True);\n"
         f"  2. change the model: use these parameters in {loss},"
         " or remove them, or freeze them with param.requires_grad_(False) before fit."
     )
-
-
-def type_name(strategy_name: str) -> str:
-    return "MGPUDDPStrategy" if strategy_name.startswith("mgpu_ddp") else "DDPStrategy"
