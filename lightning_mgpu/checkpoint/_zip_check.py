@@ -210,6 +210,8 @@ class ArchiveCheck:
         return damaged
 
     def _archive(self, file: BinaryIO, archive: Archive, size: int) -> list[_Damage]:
+        if size == 0:
+            return [_Damage(archive, "the file is empty", crc=False)]
         length = size - archive.start if archive.length is None else archive.length
         try:
             whole = archive.length is None  # a file of its own: read by zipfile directly, buffered
