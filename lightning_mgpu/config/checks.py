@@ -1,8 +1,9 @@
-"""Small checks the config sections share: each returns a list of messages, never raises.
+"""Small checks the config sections share: the checks return a list of messages and never raise.
 
 - ``one_of``: a value from a fixed set of names;
 - ``at_least`` / ``minimums``: lower bounds of numbers, one field or several;
-- ``did_you_mean``: the suggestion of every message that names a near miss (a key, a recipe, a class).
+- ``did_you_mean``: returns the suggestion (a string) of every message that names a near miss (a key,
+  a recipe, a class).
 
 This module does not import torch.
 """
