@@ -132,7 +132,7 @@ class Lockstep:
             raise (real or aborted)[0]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class _Shared:
     """An optimizer or scheduler inside a replica: its shared actions (``once``) happen once for all."""
 
@@ -148,7 +148,7 @@ class _Shared:
         return getattr(self._inner, name)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class _SharedOptimizer(_Shared):
     """What ``self.optimizers()`` returns inside a replica: ``step``/``zero_grad`` happen once for all."""
 

@@ -247,7 +247,7 @@ class MGPUFSDPStrategy(MicroBatching, ProcessGroupServices, ModelParallelStrateg
         """Host seconds this rank spent inside FSDP's all-gathers and reduce-scatters since ``setup``.
 
         ``None`` before ``setup``, or when some unit's collectives could not be watched
-        (``buffers.watch_buffers``): a sum that misses some would read as less waiting than there was.
+        (``collectives.watch_buffers``): a sum that misses some would read as less waiting than there was.
         """
         if self._watched is None or self._watched.unwatched or not self._watched.collectives:
             return None

@@ -196,6 +196,29 @@ def test_manual_optimization_replicas_that_diverge_fail_clearly() -> None:
         fit(ManualRegressor(diverge=True), "mgpu_dp", 2, loader(regression_data(rows=5), 5), max_steps=2)
 
 
+class _ManualShown(ManualRegressor):
+    """Keys a dict by its optimizers and scheduler and keeps their reprs, as user code may."""
+
+    shown: list[dict[Any, str]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        held = [*self.optimizers(), self.lr_schedulers()]
+        self.shown.append({held_one: repr(held_one) for held_one in held})
+        super().training_step(batch, batch_idx)
+
+
+def test_manual_optimization_handles_hash_by_identity_and_print_short() -> None:
+    fit(_ManualShown(), "mgpu_dp", 2, loader(regression_data(rows=5), 5), max_steps=2)
+    assert len(_ManualShown.shown) == 2  # one batch, one dict per replica
+    for shown in _ManualShown.shown:
+        assert len(shown) == 3  # two optimizers and a scheduler: three keys
+        for text in shown.values():
+            # what a user sees printing one: its kind, not the replica's module and optimizer dumped whole
+            assert text.startswith("<"), text
+            assert "Linear" not in text, text
+            assert len(text) < 200, text
+
+
 class _ManualLBFGS(ManualRegressor):
     def configure_optimizers(self) -> Any:
         return torch.optim.LBFGS(self.parameters())
