@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import multiprocessing.process
 import os
+import signal
 import subprocess
 import warnings
 from collections.abc import Iterator
@@ -51,6 +52,11 @@ def _noting(kind: str, original: Any) -> Any:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Started in the background (nohup, a CI job, `cmd &`), this process and every command the tests start
+    # would inherit SIGINT ignored, and Ctrl-C tests would see their command run through. A terminal gives
+    # Python's KeyboardInterrupt: so do the tests, whatever started them.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     popen = subprocess.Popen
     popen.__init__ = _noting("subprocess.Popen", popen.__init__)  # type: ignore[method-assign]
     process = multiprocessing.process.BaseProcess
