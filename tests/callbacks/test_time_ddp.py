@@ -1,5 +1,6 @@
 """DeviceTimeMonitor in real processes: a rank slowed in its Dataset or its training_step is named with
-that phase, a balanced run names none, and the table's seconds match the sleeps measured outside it.
+that phase, a balanced run names none, each phase holds the sleeps made in it, and the table's seconds
+match what clocks outside the monitor measured over the same stretches.
 """
 
 from __future__ import annotations
@@ -43,7 +44,13 @@ def devices_of(strategy: str, devices: int) -> int:
 
 
 def within_10_percent(measured: float, outside: float) -> None:
+    """The same stretch of time, measured by the monitor and by a clock outside it."""
     assert measured == pytest.approx(outside, rel=0.10)
+
+
+def holds_the_sleep(measured: float, slept: float) -> None:
+    """A phase holds the sleep made in it, and the computation beside it, which a loaded machine slows."""
+    assert measured >= 0.99 * slept, (measured, slept)
 
 
 def check_totals(run: dict[str, Any], steps: int, samples: int) -> None:
@@ -60,7 +67,7 @@ def check_straggler(run: dict[str, Any], slept: str, phase: str) -> None:
     seconds = run["outside"][1][slept]
     assert run["summary"]["verdict"]["rank"] == 1
     assert run["summary"]["verdict"]["phase"] == phase
-    within_10_percent(rank1[f"{slept}_s"], seconds)
+    holds_the_sleep(rank1[f"{slept}_s"], seconds)
     # in the collectives, for rank 1: at least its sleep. At most everything rank 1 did meanwhile: its sleep,
     # its work (which slows with the machine's load) and its own time in the collectives, where the two
     # ranks wait together while the transfer itself runs
@@ -78,7 +85,9 @@ def test_ddp_data_and_work_stragglers_named_balanced_run_not(tmp_path: Path) -> 
     even = runs["even"]
     assert even["summary"]["verdict"]["rank"] is None
     for row in even["summary"]["ranks"]:
-        within_10_percent(row["work_s"], even["outside"][row["rank"]]["work"])
+        outside = even["outside"][row["rank"]]
+        holds_the_sleep(row["work_s"], outside["work"])
+        within_10_percent(row["work_s"] + row["wait_s"], outside["steps_s"])
         assert row["wait_share"] < 0.2
     check_totals(even, steps=32, samples=128)
 
@@ -116,7 +125,7 @@ def test_one_device_and_mgpu_dp_one_row_per_process(tmp_path: Path) -> None:
     (row,) = runs["data0"]["summary"]["ranks"]
     verdict = runs["data0"]["summary"]["verdict"]
     assert (verdict["rank"], verdict["phase"]) == (0, "data loading")  # most of its time waits for batches
-    within_10_percent(row["data_s"], runs["data0"]["outside"][0]["data"])
+    holds_the_sleep(row["data_s"], runs["data0"]["outside"][0]["data"])
     assert row["wait_s"] is None
     check_totals(runs["data0"], steps=64, samples=256)
 
@@ -125,10 +134,13 @@ def test_one_device_and_mgpu_dp_one_row_per_process(tmp_path: Path) -> None:
     assert row["device"] == "cpu:replica0,cpu:replica1"
     assert "Rank 0 runs 2 mgpu_dp replicas in one process: they run each batch together" in output
     assert runs["even"]["summary"]["verdict"]["rank"] is None
-    # each batch's two halves sleep at the same time, in the replicas' two threads: the row counts each
-    # batch's sleep once (half the replicas' sum), plus the step's own computation, and far from the whole sum
-    slept = runs["even"]["outside"][0]["work"]
-    assert 0.9 * slept / 2 <= row["work_s"] <= 0.75 * slept, (row["work_s"], slept)
+    # each batch's two halves sleep at the same time, in the replicas' two threads: the row holds each
+    # batch's sleep once (half the replicas' sum) with the step's own computation, as the clock outside
+    # measured the steps, and those took less than the whole sum, which one replica after the other would
+    outside = runs["even"]["outside"][0]
+    holds_the_sleep(row["work_s"], outside["work"] / 2)
+    within_10_percent(row["work_s"], outside["steps_s"])
+    assert outside["steps_s"] < outside["work"], outside
     check_totals(runs["even"], steps=64, samples=256)
 
 

@@ -8,8 +8,8 @@ Usage::
 ``even`` (every rank's training_step sleeps the same), ``data0`` (rank 0's Dataset sleeps) or
 ``fail`` (rank 1's fifth training_step raises, after the monitor's first gather);
 each mode is one fit. Every rank prints one ``OUTSIDE {json}`` line per fit: what it slept,
-the seconds from the start of the epoch to the end of training, and how many files (sockets
-included) the process holds open after the fit.
+the seconds from the start of the epoch to the end of training, those of its steps, and how many
+files (sockets included) the process holds open after the fit.
 """
 
 from __future__ import annotations
@@ -76,13 +76,20 @@ class Model(L.LightningModule):
 
 
 class Clock(Callback):
-    """The seconds from the start of the training epoch to the end of training."""
+    """The seconds from the start of the training epoch to the end of training, and those of the steps
+    (``on_train_batch_start`` to ``on_train_batch_end``: the same hooks as the monitor's)."""
 
     def __init__(self) -> None:
-        self.start = self.seconds = 0.0
+        self.start = self.seconds = self.step_start = self.steps = 0.0
 
     def on_train_epoch_start(self, *args: Any) -> None:
         self.start = time.perf_counter()
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.step_start = time.perf_counter()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.steps += time.perf_counter() - self.step_start
 
     def on_train_end(self, *args: Any) -> None:
         self.seconds = time.perf_counter() - self.start
@@ -108,6 +115,7 @@ def fit(log_dir: str, strategy: str, devices: int, mode: str) -> None:
         "mode": mode,
         "rank": trainer.global_rank,
         "seconds": clock.seconds,
+        "steps_s": clock.steps,
         "log_dir": trainer.log_dir,
         "open_files": len(os.listdir("/proc/self/fd")),
     }
