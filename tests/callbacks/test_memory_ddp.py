@@ -59,11 +59,12 @@ def test_ddp_readings_gathered_in_windows_keep_their_steps(tmp_path: Path) -> No
     for row in memory:
         assert float(row["memory/cpu:rank0/rss_MiB"]) > 100
         assert float(row["memory/cpu:rank1/rss_MiB"]) > 100
-    # the monitor opens nothing per fit that outlives it: the second fit holds no more sockets
+    # the monitor opens nothing per fit that outlives it: after the second fit the process holds no more
+    # files (sockets included) than after the first; fewer is no leak (something of the first fit let go)
     counts = re.findall(r"OPEN_FILES (\d) (\d+)", result.stdout)
     for rank in "01":
-        first, second = [n for r, n in counts if r == rank]
-        assert first == second, counts
+        first, second = [int(n) for r, n in counts if r == rank]
+        assert second <= first, counts
 
 
 def test_ddp_out_of_memory_on_one_rank_explains_and_both_ranks_end(tmp_path: Path) -> None:

@@ -97,9 +97,11 @@ def test_ddp_data_and_work_stragglers_named_balanced_run_not(tmp_path: Path) -> 
     assert "loses the time in data loading. Try: give the DataLoader more workers" in output
     assert "Time: balanced, no rank holds the others back" in output
 
-    # the monitor opens nothing per fit: the third fit holds no more sockets than the first
+    # the monitor opens nothing per fit that outlives it: after each later fit the process holds no more
+    # files (sockets included) than after the first
     for rank in (0, 1):
-        assert len({runs[mode]["outside"][rank]["open_files"] for mode in ("data", "work", "even")}) == 1
+        first, *later = [runs[mode]["outside"][rank]["open_files"] for mode in ("data", "work", "even")]
+        assert all(n <= first for n in later), (first, later)
 
     # every rank's window means reach rank 0's logger, each flush at its own step
     with open(Path(even["log_dir"]) / "metrics.csv") as f:
