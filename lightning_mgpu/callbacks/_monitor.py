@@ -66,11 +66,6 @@ class Monitor(Callback):
         if stage == "fit" and self.print_summary:  # before any monitor's on_train_start: the others wait
             self._parts = {"start": _PENDING, "end": _PENDING}
 
-    @override
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if self._inflight is None:  # a gather in flight may never end: it goes with the process
-            self._rows_on = None
-
     # ------------------------------------------------------------------ rows of every rank
     def _use(self, trainer: Trainer, step: int, rows: list[list[float]]) -> None:
         """Every rank's row read at ``step``, by rank."""
